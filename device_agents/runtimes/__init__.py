@@ -1,0 +1,43 @@
+"""Device runtimes: one module each, listed in ``RUNTIMES`` (imported only when used).
+
+Each module defines one ``ArtifactRunner`` class (see ``base``). Its SDK is imported inside that
+module; a missing SDK raises ``MissingSDKError`` naming the extra to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from device_agents.runtimes.base import ArtifactRunner, RuntimeOptions, ServedModel
+from edgekit.bundle.manifest import Manifest
+from edgekit.errors import IncompatibleError
+
+# runtime name -> "module:Class"
+RUNTIMES: dict[str, str] = {
+    "onnxruntime": "device_agents.runtimes.onnxruntime:OnnxRuntimeRunner",
+    "openvino": "device_agents.runtimes.openvino:OpenVinoRunner",
+    "litert": "device_agents.runtimes.litert:LiteRtRunner",
+    "tensorrt": "device_agents.runtimes.tensorrt:TensorRtRunner",
+    "coreml": "device_agents.runtimes.coreml:CoreMlRunner",
+}
+
+
+def runner_class(runtime: str) -> type[ArtifactRunner]:
+    try:
+        spec = RUNTIMES[runtime]
+    except KeyError as exc:
+        raise IncompatibleError(
+            f"no runtime {runtime!r} in this agent (known: {', '.join(RUNTIMES)}); upgrade edgekit-agent"
+        ) from exc
+    module, cls = spec.split(":")
+    return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
+
+
+def load_model(model_dir: Path, manifest: Manifest, options: RuntimeOptions | None = None) -> ServedModel:
+    """Open an extracted, verified bundle with its runtime and wrap it in the served interface."""
+    cls = runner_class(manifest.compatibility.runtime)
+    return ServedModel(cls(Path(model_dir), manifest, options or RuntimeOptions()), manifest)
+
+
+__all__ = ["RUNTIMES", "ArtifactRunner", "RuntimeOptions", "ServedModel", "load_model", "runner_class"]

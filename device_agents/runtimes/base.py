@@ -1,0 +1,179 @@
+"""The runtime interface: one small class per device runtime, behind one adapter.
+
+A runtime module implements ``ArtifactRunner``: it opens the artifact files of an extracted,
+verified bundle and runs them with the *artifact's* tensor names, dtypes and layout.
+``ServedModel`` wraps any runner and presents the *source* model's interface, as the manifest
+records it: it checks requests against the served signature, renames tensors, transposes layout
+(NCHW served, NHWC artifact) and quantizes/dequantizes int8 tensors with the manifest's scale
+and zero point. Runtime modules therefore contain only SDK calls.
+
+SDK imports happen inside the runtime modules, never here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from edgekit.bundle.manifest import Manifest, QuantParams, TensorMapping, TensorSpec
+from edgekit.errors import InferenceInputError
+
+_NP_DTYPES = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "int8": np.int8,
+    "uint8": np.uint8,
+    "int16": np.int16,
+    "int32": np.int32,
+    "int64": np.int64,
+    "bool": np.bool_,
+}
+
+
+def np_dtype(name: str) -> np.dtype[Any]:
+    return np.dtype(_NP_DTYPES[name])
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """Device-side settings a runtime may use; each runtime reads only its own fields."""
+
+    device: str = ""  # OpenVINO device name (CPU, GPU, NPU, AUTO); "" = runtime default
+    threads: int = 0  # 0 = runtime default
+    cache_dir: Path | None = None  # engine / compiled-model cache (TensorRT, OpenVINO)
+    workspace_mb: int = 0  # TensorRT builder workspace bound; 0 = runtime default
+    providers: tuple[str, ...] = ()  # ONNX Runtime execution providers, in preference order
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class ArtifactRunner(Protocol):
+    """What a runtime module provides. ``name`` matches ``Compatibility.runtime``."""
+
+    name: ClassVar[str]
+
+    def __init__(self, model_dir: Path, manifest: Manifest, options: RuntimeOptions) -> None: ...
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run with artifact tensor names/dtypes/layout; return every artifact output."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Runtime version, device/provider actually used, for /v2 metadata and reports."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ServedModel:
+    """A loaded model presenting the source model's interface (thread-safe ``infer``)."""
+
+    def __init__(self, runner: ArtifactRunner, manifest: Manifest) -> None:
+        self.runner = runner
+        self.manifest = manifest
+        self._in_map = {m.served: m for m in manifest.mapping}
+        self._out_map = {m.served: m for m in manifest.mapping}
+        self._artifact_specs = {
+            s.name: s for s in (*manifest.artifact_signature.inputs, *manifest.artifact_signature.outputs)
+        }
+        # Some runtimes (LiteRT interpreters) are not re-entrant; one lock per model keeps all safe.
+        self._lock = threading.Lock() if getattr(runner, "serialize", False) else None
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        return self.manifest.signature.inputs
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        return self.manifest.signature.outputs
+
+    def check_inputs(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Validate names, dtypes and shapes against the served signature; return cast copies."""
+        expected = {s.name: s for s in self.inputs}
+        unknown = sorted(set(inputs) - set(expected))
+        if unknown:
+            raise InferenceInputError(
+                f"unknown input {unknown[0]!r}; model {self.manifest.name} takes {', '.join(expected)}"
+            )
+        missing = sorted(set(expected) - set(inputs))
+        if missing:
+            raise InferenceInputError(f"missing input {missing[0]!r}")
+        out = {}
+        batch = None
+        for name, spec in expected.items():
+            arr = np.asarray(inputs[name])
+            want = np_dtype(spec.dtype)
+            if arr.dtype != want:
+                if not np.can_cast(arr.dtype, want, casting="same_kind"):
+                    raise InferenceInputError(f"input {name!r}: dtype {arr.dtype} given, {spec.dtype} expected")
+                arr = arr.astype(want)
+            if arr.ndim != len(spec.shape):
+                raise InferenceInputError(
+                    f"input {name!r}: shape {list(arr.shape)} has {arr.ndim} dims, expected {spec.v2_shape}"
+                )
+            for axis, (got, dim) in enumerate(zip(arr.shape, spec.shape)):
+                if isinstance(dim, int) and got != dim:
+                    raise InferenceInputError(
+                        f"input {name!r}: shape {list(arr.shape)} does not match {spec.v2_shape} (axis {axis})"
+                    )
+            if arr.ndim and batch is None:
+                batch = arr.shape[0]
+            out[name] = arr
+        return out
+
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        checked = self.check_inputs(inputs)
+        feed = {}
+        for name, arr in checked.items():
+            m = self._in_map.get(name)
+            art_name = m.artifact if m else name
+            feed[art_name] = _to_artifact(arr, m, self._artifact_specs.get(art_name))
+        if self._lock is not None:
+            with self._lock:
+                raw = self.runner.run(feed)
+        else:
+            raw = self.runner.run(feed)
+        result = {}
+        for spec in self.outputs:
+            m = self._out_map.get(spec.name)
+            art_name = m.artifact if m else spec.name
+            if art_name not in raw:
+                raise RuntimeError(f"runtime returned no {art_name!r} (outputs: {', '.join(raw)})")
+            result[spec.name] = _to_served(raw[art_name], m, self._artifact_specs.get(art_name), spec)
+        return result
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def _to_artifact(arr: np.ndarray, m: TensorMapping | None, spec: TensorSpec | None) -> np.ndarray:
+    if m is not None and m.transpose:
+        arr = np.transpose(arr, m.transpose)
+    if spec is None:
+        return np.ascontiguousarray(arr)
+    if spec.quant is not None:
+        return quantize(arr, spec.quant)
+    want = np_dtype(spec.dtype)
+    return np.ascontiguousarray(arr.astype(want, copy=False))
+
+
+def _to_served(arr: np.ndarray, m: TensorMapping | None, spec: TensorSpec | None, served: TensorSpec) -> np.ndarray:
+    if spec is not None and spec.quant is not None:
+        arr = dequantize(arr, spec.quant)
+    if m is not None and m.transpose:
+        inverse = np.argsort(m.transpose)
+        arr = np.transpose(arr, inverse)
+    return np.ascontiguousarray(arr.astype(np_dtype(served.dtype), copy=False))
+
+
+def quantize(x: np.ndarray, q: QuantParams) -> np.ndarray:
+    info = np.iinfo(np_dtype(q.dtype))
+    return np.clip(np.round(x / q.scale) + q.zero_point, info.min, info.max).astype(np_dtype(q.dtype))
+
+
+def dequantize(x: np.ndarray, q: QuantParams) -> np.ndarray:
+    return ((x.astype(np.float32) - q.zero_point) * q.scale).astype(np.float32)

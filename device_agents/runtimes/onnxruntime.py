@@ -1,0 +1,45 @@
+"""ONNX Runtime runner: the ``cpu`` target's runtime (and ``jetson``'s fallback via CUDA/TRT EPs)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from device_agents.runtimes.base import RuntimeOptions
+from edgekit.bundle.manifest import Manifest
+from edgekit.errors import BundleError, MissingSDKError
+
+try:
+    import onnxruntime as ort
+except ImportError as exc:  # pragma: no cover - exercised only without the SDK
+    raise MissingSDKError("onnxruntime", "agent", "the onnxruntime runtime") from exc
+
+
+class OnnxRuntimeRunner:
+    name: ClassVar[str] = "onnxruntime"
+
+    def __init__(self, model_dir: Path, manifest: Manifest, options: RuntimeOptions) -> None:
+        onnx_files = [f for f in manifest.artifact_files() if f.path.endswith(".onnx")]
+        if len(onnx_files) != 1:
+            raise BundleError(f"onnxruntime needs exactly one .onnx artifact, manifest lists {len(onnx_files)}")
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if options.threads:
+            so.intra_op_num_threads = options.threads
+        available = ort.get_available_providers()
+        wanted = [p for p in options.providers if p in available] or ["CPUExecutionProvider"]
+        self.session = ort.InferenceSession(str(model_dir / onnx_files[0].path), so, providers=wanted)
+        self._outputs = [o.name for o in self.session.get_outputs()]
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        values = self.session.run(self._outputs, dict(inputs))
+        return dict(zip(self._outputs, values))
+
+    def describe(self) -> dict[str, Any]:
+        return {"runtime": "onnxruntime", "version": ort.__version__, "providers": self.session.get_providers()}
+
+    def close(self) -> None:
+        self.session = None  # type: ignore[assignment]  # released; the runner is not used again

@@ -1,0 +1,313 @@
+"""The agent's local store: verified bundles, per-model A/B slots and a durable state file.
+
+Layout under ``root``::
+
+    state.json  state.json.bak      per-model slots and the anti-rollback counter
+    lock                            flock'd by the one writer (daemon or `install`)
+    bundles/<sha256>.ekb            bundles as received, addressed by hash
+    models/<name>/<version>-<sha12>/ extracted and verified files + manifest.json
+    tmp/                            downloads and extractions in progress (debris is removed at start)
+
+Every state change is write -> fsync -> rename -> fsync(dir), and the previous state is kept as
+``state.json.bak`` so a truncated or zeroed primary (power loss on a lying disk) still loads.
+
+A model name has three slots: ``active`` (served), ``candidate`` (staged, being tested) and
+``previous`` (last good, for rollback). ``max_version`` is the anti-rollback counter: the
+highest version ever *staged*, persisted before the candidate is opened by any runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from edgekit.bundle import TrustStore, extract, read_verified_manifest
+from edgekit.bundle.codec import from_data, to_data
+from edgekit.bundle.manifest import Manifest, sha256_file, utc_now
+from edgekit.errors import BundleError, StoreError
+
+STATE_VERSION = 1
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves either the old or the new content."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if exc.errno == errno.ENOSPC:
+            raise StoreError(f"no space left writing {path}; free disk space (nothing was changed)") from exc
+        raise StoreError(f"cannot write {path}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class Slot:
+    version: int
+    sha256: str  # of the .ekb
+    path: str  # model dir relative to the store root
+    installed: str = ""
+
+
+@dataclass(frozen=True)
+class ModelState:
+    max_version: int = 0
+    active: Slot | None = None
+    candidate: Slot | None = None
+    previous: Slot | None = None
+    status: str = "empty"  # empty, serving, staged, testing, switching, failed, rolled_back
+    error: str = ""
+    updated: str = ""
+    # Crash-loop guard: boots since the last switch that did not reach "healthy".
+    boots_since_switch: int = 0
+    last_notice_id: str = ""  # id of the last desired-state notice applied (replay guard)
+
+
+@dataclass(frozen=True)
+class State:
+    schema_version: int = STATE_VERSION
+    models: dict[str, ModelState] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Staged:
+    manifest: Manifest
+    slot: Slot
+    key_id: str
+
+
+class Store:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        for sub in ("bundles", "models", "tmp"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self.state_path = self.root / "state.json"
+        self.backup_path = self.root / "state.json.bak"
+
+    # -- locking ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lock(self, timeout_s: float = 30.0) -> Iterator[None]:
+        """Exclusive writer lock (one daemon or one `install` at a time)."""
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise StoreError(
+                            f"{self.root}/lock is held by another writer for {timeout_s:.0f}s; "
+                            "is another `edgekit-agent install` running?"
+                        ) from None
+                    time.sleep(0.05)
+            yield
+        finally:
+            os.close(fd)
+
+    # -- state --------------------------------------------------------------------------
+    def load_state(self) -> State:
+        for path in (self.state_path, self.backup_path):
+            try:
+                raw = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            try:
+                return from_data(State, json.loads(raw), "state", StoreError)
+            except (ValueError, StoreError):
+                continue  # truncated / zeroed / corrupt: fall back to the backup copy
+        if self.state_path.exists() or self.backup_path.exists():
+            raise StoreError(f"{self.state_path} and its backup are both unreadable; restore one from a backup")
+        return State()
+
+    def save_state(self, state: State) -> None:
+        data = json.dumps(to_data(state), indent=1).encode() + b"\n"
+        if self.state_path.exists():
+            # keep the last good primary as backup (only if it parses: never back up garbage)
+            with contextlib.suppress(ValueError, StoreError, OSError):
+                old = self.state_path.read_bytes()
+                from_data(State, json.loads(old), "state", StoreError)
+                atomic_write(self.backup_path, old)
+        atomic_write(self.state_path, data)
+
+    def model_state(self, name: str) -> ModelState:
+        return self.load_state().models.get(name, ModelState())
+
+    def update_model(self, name: str, fn: Callable[[ModelState], ModelState]) -> ModelState:
+        state = self.load_state()
+        new = replace(fn(state.models.get(name, ModelState())), updated=utc_now())
+        self.save_state(replace(state, models={**state.models, name: new}))
+        return new
+
+    # -- bundles ------------------------------------------------------------------------
+    def stage(
+        self,
+        bundle: Path,
+        trust: TrustStore,
+        *,
+        compatible: Callable[[Manifest], None] | None = None,
+        max_bundle_bytes: int = 2 * 1024**3,
+    ) -> Staged:
+        """Verify and extract ``bundle`` into a new model dir, record it as candidate.
+
+        Raises ``RollbackError`` for a version below the counter. Re-staging the installed
+        active version returns its existing slot (a no-op).
+        """
+        state = self.load_state()
+        # Peek at the name first (signature is checked again with the counter below).
+        vm = read_verified_manifest(bundle, trust, max_bundle_bytes=max_bundle_bytes, compatible=compatible)
+        ms = state.models.get(vm.manifest.name, ModelState())
+        vm = read_verified_manifest(
+            bundle, trust, max_bundle_bytes=max_bundle_bytes, installed_version=ms.max_version, compatible=compatible
+        )
+        m = vm.manifest
+        sha = sha256_file(bundle)
+        if ms.active is not None and ms.active.version == m.version:
+            if ms.active.sha256 != sha:
+                raise BundleError(
+                    f"{m.name} v{m.version} is installed with other content; publish a higher --version"
+                )
+            return Staged(m, ms.active, vm.key_id)
+        rel = f"models/{m.name}/{m.version}-{sha[:12]}"
+        dest = self.root / rel
+        if dest.exists():  # debris of an earlier attempt at the same bundle: start over
+            shutil.rmtree(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        kept = self.root / "bundles" / f"{sha}.ekb"
+        if not kept.exists():
+            tmp = self.root / "tmp" / f"{sha}.ekb"
+            try:
+                shutil.copyfile(bundle, tmp)
+                with open(tmp, "rb") as f:
+                    os.fsync(f.fileno())
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                raise StoreError(f"cannot copy the bundle into {self.root}: {exc}") from exc
+            os.replace(tmp, kept)
+        try:
+            extract(kept, vm, dest)
+        except OSError as exc:
+            raise StoreError(f"cannot extract into {dest}: {exc}") from exc
+        fsync_dir(dest.parent)
+        slot = Slot(version=m.version, sha256=sha, path=rel, installed=utc_now())
+        self.update_model(
+            m.name,
+            lambda s: replace(s, candidate=slot, max_version=max(s.max_version, m.version), status="staged", error=""),
+        )
+        return Staged(m, slot, vm.key_id)
+
+    def promote(self, name: str) -> ModelState:
+        """candidate -> active, active -> previous (one atomic state write)."""
+
+        def fn(s: ModelState) -> ModelState:
+            if s.candidate is None:
+                raise StoreError(f"{name}: no candidate to promote")
+            prev = s.active if s.active is not None and s.active != s.candidate else s.previous
+            return replace(s, active=s.candidate, candidate=None, previous=prev, status="serving", error="", boots_since_switch=0)
+
+        return self.update_model(name, fn)
+
+    def reject_candidate(self, name: str, error: str) -> ModelState:
+        return self.update_model(name, lambda s: replace(s, candidate=None, status="failed", error=error))
+
+    def rollback(self, name: str, error: str) -> ModelState:
+        """active -> previous; the rolled-back version stays counted (no re-install of it)."""
+
+        def fn(s: ModelState) -> ModelState:
+            if s.previous is None:
+                raise StoreError(f"{name}: no previous version to roll back to")
+            return replace(s, active=s.previous, previous=None, candidate=None, status="rolled_back", error=error, boots_since_switch=0)
+
+        return self.update_model(name, fn)
+
+    def manifest_of(self, slot: Slot) -> Manifest:
+        return Manifest.from_json((self.root / slot.path / "manifest.json").read_bytes())
+
+    def model_dir(self, slot: Slot) -> Path:
+        return self.root / slot.path
+
+    # -- housekeeping -------------------------------------------------------------------
+    def cleanup(self, keep_extra: int = 1) -> list[str]:
+        """Remove debris and old bundles; keep active, previous, candidate and the newest.
+
+        Never removes a dir that a slot references (so never the loaded model).
+        """
+        removed = []
+        for p in (self.root / "tmp").iterdir():
+            _remove(p)
+            removed.append(str(p.relative_to(self.root)))
+        state = self.load_state()
+        referenced_dirs, referenced_shas = set(), set()
+        for ms in state.models.values():
+            for slot in (ms.active, ms.candidate, ms.previous):
+                if slot is not None:
+                    referenced_dirs.add(slot.path)
+                    referenced_shas.add(slot.sha256)
+        models = self.root / "models"
+        for name_dir in models.iterdir():
+            dirs = sorted(
+                (d for d in name_dir.iterdir() if d.is_dir()),
+                key=lambda d: _version_of(d.name),
+                reverse=True,
+            )
+            extra = 0
+            for d in dirs:
+                rel = str(d.relative_to(self.root))
+                if rel in referenced_dirs:
+                    continue
+                if d.name.endswith(".partial") or extra >= keep_extra:
+                    _remove(d)
+                    removed.append(rel)
+                else:
+                    extra += 1
+                    referenced_shas.add(_sha_prefix(d.name))
+        for b in (self.root / "bundles").iterdir():
+            sha = b.name.split(".")[0]
+            if sha not in referenced_shas and sha[:12] not in referenced_shas:
+                _remove(b)
+                removed.append(str(b.relative_to(self.root)))
+        return removed
+
+    def describe(self) -> dict[str, Any]:
+        return to_data(self.load_state())  # type: ignore[no-any-return]
+
+
+def _version_of(dirname: str) -> int:
+    head = dirname.split("-", 1)[0]
+    return int(head) if head.isdigit() else -1
+
+
+def _sha_prefix(dirname: str) -> str:
+    return dirname.split("-", 1)[1].split(".")[0] if "-" in dirname else ""
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()

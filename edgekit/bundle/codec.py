@@ -1,0 +1,125 @@
+"""Strict conversion between frozen dataclasses and plain JSON/TOML data.
+
+Used for the manifest and for the agent's config: unknown keys, missing fields and wrong types
+are errors that name their path (``manifest.validation.tolerance.min_cosine``). Supported field
+types: ``str``, ``int``, ``float``, ``bool``, nested dataclasses, ``tuple[X, ...]``,
+``dict[str, X]``, ``X | None`` and ``Literal[...]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, TypeVar
+
+from edgekit.errors import EdgekitError, ManifestError
+
+T = TypeVar("T")
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def from_data(
+    cls: type[T], data: Any, path: str, error: type[EdgekitError] = ManifestError
+) -> T:
+    """Build ``cls`` from ``data``; raise ``error`` naming ``path`` on any mismatch."""
+    return _convert(cls, data, path, error)  # type: ignore[no-any-return]
+
+
+def _convert(tp: Any, value: Any, path: str, error: type[EdgekitError]) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        last: EdgekitError | None = None
+        for alt in non_none:
+            try:
+                return _convert(alt, value, path, error)
+            except EdgekitError as exc:
+                last = exc
+        raise last or error(f"{path}: unexpected value {value!r}")
+    if origin is typing.Literal:
+        if value not in args:
+            choices = ", ".join(repr(a) for a in args)
+            raise error(f"{path}: {value!r} is not one of {choices}")
+        return value
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _convert_dataclass(tp, value, path, error)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise error(f"{path}: expected a list, got {type(value).__name__}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], v, f"{path}[{i}]", error) for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise error(f"{path}: expected {len(args)} items, got {len(value)}")
+        return tuple(_convert(a, v, f"{path}[{i}]", error) for i, (a, v) in enumerate(zip(args, value)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise error(f"{path}: expected a table/object, got {type(value).__name__}")
+        key_tp, val_tp = args
+        return {str(k): _convert(val_tp, v, f"{path}.{k}", error) for k, v in value.items()}
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise error(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise error(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise error(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise error(f"{path}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"codec does not support type {tp!r} at {path}")
+
+
+def _convert_dataclass(cls: type, value: Any, path: str, error: type[EdgekitError]) -> Any:
+    if not isinstance(value, dict):
+        raise error(f"{path}: expected a table/object, got {type(value).__name__}")
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        known = ", ".join(sorted(fields))
+        raise error(f"{path}: unknown key {unknown[0]!r} (known keys: {known})")
+    kwargs = {}
+    for name, field in fields.items():
+        if name in value:
+            kwargs[name] = _convert(hints[name], value[name], f"{path}.{name}", error)
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise error(f"{path}: missing required key {name!r}")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise error(f"{path}: {exc}") from exc
+
+
+def to_data(obj: Any) -> Any:
+    """Plain JSON-ready data from a dataclass tree; ``None`` fields are left out."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {}
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if v is not None:
+                out[f.name] = to_data(v)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [to_data(v) for v in obj]
+    if isinstance(obj, dict):
+        return {str(k): to_data(v) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,78 @@
+"""The target interface: one host module per target, each turning a prepared FP32 ONNX model
+into an artifact set for one runtime.
+
+The packager (``edgekit.packager``) prepares the source model once (load, opset upgrade, shape
+inference, served signature, calibration data checked), then calls ``Target.build`` for each
+target with a ``BuildContext``. The target writes its files under ``ctx.out_dir`` and returns a
+``BuildResult`` describing them. The packager then validates the artifact against the FP32 model
+(through the device runtime where it can run here, else through ``BuildResult.intermediate``),
+writes golden vectors, the manifest, signs, and writes the ``.ekb``.
+
+Targets import their SDKs inside their module only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from edgekit.bundle.manifest import (
+    Compatibility,
+    OpPlacement,
+    Precision,
+    Signature,
+    TensorMapping,
+)
+
+# CLI precision names, shared by every target. Each target lists the ones it can build.
+PRECISIONS = ("fp32", "fp16", "int8", "int8-weights", "int4-weights", "palettize6", "palettize4")
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    model_path: Path  # prepared FP32 ONNX (opset >= 13, shapes inferred); do not modify
+    served: Signature  # the source model's interface, which every target serves
+    precision: str  # one of PRECISIONS, already checked against the target's list
+    calib: Mapping[str, np.ndarray]  # one array per input name, samples on axis 0
+    static_shapes: Mapping[str, tuple[int, ...]]  # per input; from --input-shape or calib (batch 1)
+    out_dir: Path  # write bundle files here (relative paths become manifest paths)
+    work_dir: Path  # scratch space, removed afterwards
+    options: Any  # the target's own typed Options dataclass
+    progress: Callable[[str], None] = print
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    files: dict[str, str]  # relative path under out_dir -> role ("artifact", "report", ...)
+    compatibility: Compatibility
+    artifact_signature: Signature
+    mapping: tuple[TensorMapping, ...]
+    precision: Precision
+    runnable_here: bool  # can the device runtime open it on this host?
+    op_placement: OpPlacement | None = None
+    notes: tuple[str, ...] = ()
+    target_options: dict[str, Any] = field(default_factory=dict)
+    # For artifacts that cannot run here: a function running a numerically faithful
+    # intermediate (e.g. the Core ML weights dequantized into the ONNX/torch graph) on served
+    # inputs, returning served outputs. Validation then says what it measured.
+    intermediate: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
+    intermediate_name: str = ""
+    # Static input shapes the artifact requires (the agent refuses others with a 4xx).
+    static: bool = False
+
+
+class Target(Protocol):
+    name: ClassVar[str]  # cpu, intel, coral, jetson, apple
+    runtime: ClassVar[str]  # key in device_agents.runtimes.RUNTIMES
+    precisions: ClassVar[tuple[str, ...]]  # subset of PRECISIONS, first is the default
+    Options: ClassVar[type]  # frozen dataclass of this target's settings (all defaulted)
+
+    def check_model(self, model_path: Path) -> None:
+        """Raise ``UnsupportedOpError`` naming op, node and the targets that can take it."""
+        ...
+
+    def build(self, ctx: BuildContext) -> BuildResult: ...
