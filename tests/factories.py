@@ -1,0 +1,141 @@
+"""Tiny models and bundles built in code for the tests (no downloads, no packager needed).
+
+``tiny_classifier`` is a real conv net (Conv-Relu-Conv-Relu-GlobalAveragePool-Flatten-Gemm-
+Softmax) with seeded random weights: every target can take it. ``make_cpu_bundle`` signs an
+FP32 ``cpu`` bundle straight from the contract, so agent and update tests do not depend on the
+packager; golden outputs come from ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def tiny_classifier(
+    path: Path,
+    *,
+    opset: int = 13,
+    dynamic_batch: bool = True,
+    channels: int = 3,
+    size: int = 16,
+    classes: int = 10,
+    seed: int = 0,
+    input_name: str = "input",
+    output_name: str = "probs",
+) -> Path:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+
+    def init(name: str, shape: tuple[int, ...], scale: float = 0.3) -> onnx.TensorProto:
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+    batch: int | str = "batch" if dynamic_batch else 1
+    nodes = [
+        helper.make_node("Conv", [input_name, "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2], name="conv2"),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("GlobalAveragePool", ["r2"], ["gap"], name="gap"),
+        helper.make_node("Flatten", ["gap"], ["flat"], axis=1, name="flatten"),
+        helper.make_node("Gemm", ["flat", "w3", "b3"], ["logits"], transB=1, name="fc"),
+        helper.make_node("Softmax", ["logits"], [output_name], axis=1, name="softmax"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tiny_classifier",
+        [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, [batch, channels, size, size])],
+        [helper.make_tensor_value_info(output_name, TensorProto.FLOAT, [batch, classes])],
+        [
+            init("w1", (8, channels, 3, 3)),
+            init("b1", (8,), 0.1),
+            init("w2", (16, 8, 3, 3)),
+            init("b2", (16,), 0.1),
+            init("w3", (classes, 16), 1.0),
+            init("b3", (classes,), 0.1),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="edgekit-tests")
+    model.ir_version = 8 if opset <= 17 else 9
+    onnx.checker.check_model(model)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def sample_inputs(n: int, *, channels: int = 3, size: int = 16, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, channels, size, size)).astype(np.float32)
+
+
+def make_cpu_bundle(
+    out: Path,
+    model_path: Path,
+    key_path: Path,
+    *,
+    name: str = "tiny",
+    version: int = 1,
+    expires: str | None = None,
+    golden_inputs: np.ndarray | None = None,
+    corrupt_golden: bool = False,
+) -> Path:
+    """An FP32 ``cpu`` bundle for ``model_path`` signed with ``key_path``, written to ``out``."""
+    import shutil
+    import tempfile
+
+    import onnxruntime as ort
+
+    from edgekit.bundle import file_entries, key_id, load_private_key, write_bundle
+    from edgekit.bundle.manifest import (
+        Compatibility,
+        Golden,
+        Manifest,
+        Precision,
+        Signature,
+        SourceModel,
+        TensorSpec,
+        Tolerance,
+        Validation,
+        sha256_file,
+        utc_now,
+    )
+
+    sess = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    i, o = sess.get_inputs()[0], sess.get_outputs()[0]
+    shape_in = tuple(d if isinstance(d, int) else "batch" for d in i.shape)
+    shape_out = tuple(d if isinstance(d, int) else "batch" for d in o.shape)
+    x = golden_inputs if golden_inputs is not None else sample_inputs(4, channels=i.shape[1], size=i.shape[2])
+    y = sess.run([o.name], {i.name: x})[0]
+    if corrupt_golden:
+        y = np.roll(y, 1, axis=-1)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        shutil.copyfile(model_path, root / "model.onnx")
+        np.savez(root / "golden.npz", **{f"in_{i.name}": x, f"out_{o.name}": y})
+        key = load_private_key(key_path)
+        sig = Signature(
+            inputs=(TensorSpec(i.name, "float32", shape_in, layout="NCHW"),),
+            outputs=(TensorSpec(o.name, "float32", shape_out),),
+        )
+        manifest = Manifest(
+            schema_version=1,
+            name=name,
+            version=version,
+            created=utc_now(),
+            expires=expires,
+            signer_key_id=key_id(key.public_key()),
+            target="cpu",
+            compatibility=Compatibility(runtime="onnxruntime", runtime_version=ort.__version__),
+            source=SourceModel(sha256=sha256_file(model_path), filename=Path(model_path).name),
+            files=file_entries(root, {"model.onnx": "artifact", "golden.npz": "golden"}),
+            signature=sig,
+            artifact_signature=sig,
+            mapping=(),
+            precision=Precision("fp32", "fp32", "copy"),
+            validation=Validation(passed=True, kind="classifier", samples=len(x), tolerance=Tolerance(), top1_agreement=1.0),
+            golden=Golden(file="golden.npz", count=len(x)),
+        )
+        return write_bundle(manifest, root, key, Path(out))
