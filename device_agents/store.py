@@ -32,8 +32,8 @@ from typing import Any
 
 from edgekit.bundle import TrustStore, extract, read_verified_manifest
 from edgekit.bundle.codec import from_data, to_data
+from edgekit.bundle.errors import BundleError, StoreError
 from edgekit.bundle.manifest import Manifest, sha256_file, utc_now
-from edgekit.errors import BundleError, StoreError
 
 STATE_VERSION = 1
 
@@ -188,9 +188,7 @@ class Store:
         sha = sha256_file(bundle)
         if ms.active is not None and ms.active.version == m.version:
             if ms.active.sha256 != sha:
-                raise BundleError(
-                    f"{m.name} v{m.version} is installed with other content; publish a higher --version"
-                )
+                raise BundleError(f"{m.name} v{m.version} is installed with other content; publish a higher --version")
             return Staged(m, ms.active, vm.key_id)
         rel = f"models/{m.name}/{m.version}-{sha[:12]}"
         dest = self.root / rel
@@ -227,7 +225,9 @@ class Store:
             if s.candidate is None:
                 raise StoreError(f"{name}: no candidate to promote")
             prev = s.active if s.active is not None and s.active != s.candidate else s.previous
-            return replace(s, active=s.candidate, candidate=None, previous=prev, status="serving", error="", boots_since_switch=0)
+            return replace(
+                s, active=s.candidate, candidate=None, previous=prev, status="serving", error="", boots_since_switch=0
+            )
 
         return self.update_model(name, fn)
 
@@ -240,7 +240,15 @@ class Store:
         def fn(s: ModelState) -> ModelState:
             if s.previous is None:
                 raise StoreError(f"{name}: no previous version to roll back to")
-            return replace(s, active=s.previous, previous=None, candidate=None, status="rolled_back", error=error, boots_since_switch=0)
+            return replace(
+                s,
+                active=s.previous,
+                previous=None,
+                candidate=None,
+                status="rolled_back",
+                error=error,
+                boots_since_switch=0,
+            )
 
         return self.update_model(name, fn)
 

@@ -135,7 +135,9 @@ def make_cpu_bundle(
             artifact_signature=sig,
             mapping=(),
             precision=Precision("fp32", "fp32", "copy"),
-            validation=Validation(passed=True, kind="classifier", samples=len(x), tolerance=Tolerance(), top1_agreement=1.0),
+            validation=Validation(
+                passed=True, kind="classifier", samples=len(x), tolerance=Tolerance(), top1_agreement=1.0
+            ),
             golden=Golden(file="golden.npz", count=len(x)),
         )
         return write_bundle(manifest, root, key, Path(out))

@@ -10,8 +10,8 @@ import importlib
 from pathlib import Path
 
 from device_agents.runtimes.base import ArtifactRunner, RuntimeOptions, ServedModel
+from edgekit.bundle.errors import IncompatibleError
 from edgekit.bundle.manifest import Manifest
-from edgekit.errors import IncompatibleError
 
 # runtime name -> "module:Class"
 RUNTIMES: dict[str, str] = {

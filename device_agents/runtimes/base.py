@@ -20,8 +20,8 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from edgekit.bundle.errors import InferenceInputError
 from edgekit.bundle.manifest import Manifest, QuantParams, TensorMapping, TensorSpec
-from edgekit.errors import InferenceInputError
 
 _NP_DTYPES = {
     "float32": np.float32,
@@ -115,7 +115,7 @@ class ServedModel:
                 raise InferenceInputError(
                     f"input {name!r}: shape {list(arr.shape)} has {arr.ndim} dims, expected {spec.v2_shape}"
                 )
-            for axis, (got, dim) in enumerate(zip(arr.shape, spec.shape)):
+            for axis, (got, dim) in enumerate(zip(arr.shape, spec.shape, strict=True)):
                 if isinstance(dim, int) and got != dim:
                     raise InferenceInputError(
                         f"input {name!r}: shape {list(arr.shape)} does not match {spec.v2_shape} (axis {axis})"

@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from device_agents.runtimes.base import RuntimeOptions
+from edgekit.bundle.errors import BundleError, MissingSDKError
 from edgekit.bundle.manifest import Manifest
-from edgekit.errors import BundleError, MissingSDKError
 
 try:
     import onnxruntime as ort
@@ -36,7 +36,7 @@ class OnnxRuntimeRunner:
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         values = self.session.run(self._outputs, dict(inputs))
-        return dict(zip(self._outputs, values))
+        return dict(zip(self._outputs, values, strict=True))
 
     def describe(self) -> dict[str, Any]:
         return {"runtime": "onnxruntime", "version": ort.__version__, "providers": self.session.get_providers()}

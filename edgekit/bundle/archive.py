@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from edgekit.bundle.errors import BundleError, ExpiredError, ManifestError, RollbackError
 from edgekit.bundle.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -29,7 +30,6 @@ from edgekit.bundle.manifest import (
     sha256_file,
 )
 from edgekit.bundle.signing import MAX_SIGNATURE_BYTES, TrustStore, sign
-from edgekit.errors import BundleError, ExpiredError, ManifestError, RollbackError
 
 BUNDLE_SUFFIX = ".ekb"
 DEFAULT_MAX_BUNDLE_BYTES = 2 * 1024**3
@@ -103,7 +103,9 @@ def read_verified_manifest(
     if manifest.signer_key_id and manifest.signer_key_id != kid:
         raise ManifestError(f"manifest names signer {manifest.signer_key_id} but was signed by {kid}")
     if manifest.expired():
-        raise ExpiredError(f"bundle {manifest.name} v{manifest.version} expired at {manifest.expires}; ask for a fresh one")
+        raise ExpiredError(
+            f"bundle {manifest.name} v{manifest.version} expired at {manifest.expires}; ask for a fresh one"
+        )
     if installed_version is not None and manifest.version < installed_version:
         raise RollbackError(
             f"bundle {manifest.name} v{manifest.version} is older than installed v{installed_version}; "
@@ -225,7 +227,9 @@ def _read_member(tar: tarfile.TarFile, name: str, cap: int) -> bytes:
         raise BundleError(f"bundle is truncated or corrupt ({exc})") from exc
     if info is None or info.name != name or not info.isreg():
         got = None if info is None else info.name
-        raise BundleError(f"bundle must start with {MANIFEST_NAME} and {SIGNATURE_NAME}; found {got!r} where {name} belongs")
+        raise BundleError(
+            f"bundle must start with {MANIFEST_NAME} and {SIGNATURE_NAME}; found {got!r} where {name} belongs"
+        )
     if info.size > cap:
         raise BundleError(f"{name} is {info.size} bytes, over the {cap}-byte cap")
     f = tar.extractfile(info)

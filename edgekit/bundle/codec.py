@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, TypeVar
 
-from edgekit.errors import EdgekitError, ManifestError
+from edgekit.bundle.errors import EdgekitError, ManifestError
 
 T = TypeVar("T")
 
@@ -26,9 +26,7 @@ def _hints(cls: type) -> dict[str, Any]:
     return _HINTS[cls]
 
 
-def from_data(
-    cls: type[T], data: Any, path: str, error: type[EdgekitError] = ManifestError
-) -> T:
+def from_data(cls: type[T], data: Any, path: str, error: type[EdgekitError] = ManifestError) -> T:
     """Build ``cls`` from ``data``; raise ``error`` naming ``path`` on any mismatch."""
     return _convert(cls, data, path, error)  # type: ignore[no-any-return]
 
@@ -63,11 +61,11 @@ def _convert(tp: Any, value: Any, path: str, error: type[EdgekitError]) -> Any:
             return tuple(_convert(args[0], v, f"{path}[{i}]", error) for i, v in enumerate(value))
         if len(args) != len(value):
             raise error(f"{path}: expected {len(args)} items, got {len(value)}")
-        return tuple(_convert(a, v, f"{path}[{i}]", error) for i, (a, v) in enumerate(zip(args, value)))
+        return tuple(_convert(a, v, f"{path}[{i}]", error) for i, (a, v) in enumerate(zip(args, value, strict=True)))
     if origin is dict:
         if not isinstance(value, dict):
             raise error(f"{path}: expected a table/object, got {type(value).__name__}")
-        key_tp, val_tp = args
+        _, val_tp = args
         return {str(k): _convert(val_tp, v, f"{path}.{k}", error) for k, v in value.items()}
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from edgekit.bundle.codec import from_data, to_data
-from edgekit.errors import ManifestError
+from edgekit.bundle.errors import ManifestError
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"

@@ -20,7 +20,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from edgekit.errors import ConfigError, SignatureError
+from edgekit.bundle.errors import ConfigError, SignatureError
 
 MAX_SIGNATURE_BYTES = 4096
 PASSPHRASE_ENV = "EDGEKIT_KEY_PASSPHRASE"
@@ -39,19 +39,13 @@ def generate_keypair(out_dir: Path, name: str = "edgekit", passphrase: bytes | N
         if p.exists():
             raise ConfigError(f"{p} already exists; choose another --name or remove it first")
     private = Ed25519PrivateKey.generate()
-    enc = (
-        serialization.BestAvailableEncryption(passphrase)
-        if passphrase
-        else serialization.NoEncryption()
-    )
+    enc = serialization.BestAvailableEncryption(passphrase) if passphrase else serialization.NoEncryption()
     pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, enc)
     fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(pem)
     pub_path.write_bytes(
-        private.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
+        private.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
     return key_path, pub_path
 

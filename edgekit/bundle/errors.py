@@ -1,0 +1,120 @@
+"""Errors raised by edgekit and device_agents.
+
+Every error says what went wrong and what to do about it. The CLI prints ``str(error)`` and
+exits with ``error.exit_code``; the agent maps ``http_status`` onto its v2 responses.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BundleError",
+    "CalibrationDataError",
+    "ConfigError",
+    "EdgekitError",
+    "ExpiredError",
+    "IncompatibleError",
+    "InferenceInputError",
+    "ManifestError",
+    "MissingSDKError",
+    "ModelFormatError",
+    "ModelNotFoundError",
+    "RollbackError",
+    "SelfTestError",
+    "SignatureError",
+    "StoreError",
+    "UnsupportedOpError",
+    "ValidationFailedError",
+]
+
+
+class EdgekitError(Exception):
+    """Base of every error edgekit raises on purpose."""
+
+    exit_code = 1
+    http_status = 500
+
+
+class ConfigError(EdgekitError):
+    """A config file or option is wrong; the message names its path (``updates.broker``)."""
+
+    exit_code = 2
+
+
+class ManifestError(EdgekitError):
+    """A manifest does not match the schema (unknown key, wrong type, missing field)."""
+
+
+class BundleError(EdgekitError):
+    """A bundle archive is unsafe or does not match its manifest (hash, length, extra files)."""
+
+
+class SignatureError(BundleError):
+    """The manifest signature is missing, invalid, or made by an untrusted or revoked key."""
+
+
+class ExpiredError(BundleError):
+    """The manifest's ``expires`` is in the past."""
+
+
+class RollbackError(BundleError):
+    """The bundle's version is lower than the installed one (anti-rollback)."""
+
+
+class IncompatibleError(BundleError):
+    """The bundle is for other hardware or a runtime this device does not have."""
+
+
+class ModelFormatError(EdgekitError):
+    """The input model cannot be read (not ONNX, corrupt, unsupported op)."""
+
+    exit_code = 2
+
+
+class CalibrationDataError(EdgekitError):
+    """Calibration / evaluation data do not match the model's inputs."""
+
+    exit_code = 2
+
+
+class ValidationFailedError(EdgekitError):
+    """A converted artifact is outside the tolerance against the FP32 source model."""
+
+    exit_code = 3
+
+
+class UnsupportedOpError(EdgekitError):
+    """A target cannot take an op of the model."""
+
+    exit_code = 2
+
+
+class MissingSDKError(EdgekitError):
+    """An optional SDK is not installed; the message names the extra to install."""
+
+    exit_code = 4
+
+    def __init__(self, sdk: str, extra: str, what: str = "") -> None:
+        purpose = f" for {what}" if what else ""
+        super().__init__(f"{sdk} is not installed{purpose}: pip install 'edgekit[{extra}]'")
+        self.sdk = sdk
+        self.extra = extra
+
+
+class InferenceInputError(EdgekitError):
+    """An inference request does not match the served signature (name, dtype, shape)."""
+
+    http_status = 400
+
+
+class ModelNotFoundError(EdgekitError):
+    """No model of that name (or version) is served."""
+
+    http_status = 404
+
+
+class SelfTestError(EdgekitError):
+    """A model failed its golden self-test on this device."""
+
+
+class StoreError(EdgekitError):
+    """The agent's local store cannot be read or written (lock held, disk full, corrupt state)."""
