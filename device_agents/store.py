@@ -64,6 +64,26 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise StoreError(f"cannot write {path}: {exc}") from exc
 
 
+@contextlib.contextmanager
+def flock(path: Path, timeout_s: float) -> Iterator[bool]:
+    """Hold an exclusive flock on ``path`` (polling up to ``timeout_s``); yields False if another has it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.05)
+        yield True
+    finally:
+        os.close(fd)
+
+
 @dataclass(frozen=True)
 class Slot:
     version: int
@@ -84,6 +104,7 @@ class ModelState:
     # Crash-loop guard: boots since the last switch that did not reach "healthy".
     boots_since_switch: int = 0
     last_notice_id: str = ""  # id of the last desired-state notice applied (replay guard)
+    last_notice_issued: str = ""  # its ``issued`` time: notices issued earlier are stale
 
 
 @dataclass(frozen=True)
@@ -111,23 +132,13 @@ class Store:
     @contextlib.contextmanager
     def lock(self, timeout_s: float = 30.0) -> Iterator[None]:
         """Exclusive writer lock (one daemon or one `install` at a time)."""
-        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise StoreError(
-                            f"{self.root}/lock is held by another writer for {timeout_s:.0f}s; "
-                            "is another `edgekit-agent install` running?"
-                        ) from None
-                    time.sleep(0.05)
+        with flock(self.root / "lock", timeout_s) as held:
+            if not held:
+                raise StoreError(
+                    f"{self.root}/lock is held by another writer for {timeout_s:.0f}s; "
+                    "is another `edgekit-agent install` running?"
+                )
             yield
-        finally:
-            os.close(fd)
 
     # -- state --------------------------------------------------------------------------
     def load_state(self) -> State:
@@ -181,15 +192,17 @@ class Store:
         # Peek at the name first (signature is checked again with the counter below).
         vm = read_verified_manifest(bundle, trust, max_bundle_bytes=max_bundle_bytes, compatible=compatible)
         ms = state.models.get(vm.manifest.name, ModelState())
-        vm = read_verified_manifest(
-            bundle, trust, max_bundle_bytes=max_bundle_bytes, installed_version=ms.max_version, compatible=compatible
-        )
-        m = vm.manifest
         sha = sha256_file(bundle)
+        # The active version is a no-op even when a higher (rejected) version raised the counter.
+        m = vm.manifest
         if ms.active is not None and ms.active.version == m.version:
             if ms.active.sha256 != sha:
                 raise BundleError(f"{m.name} v{m.version} is installed with other content; publish a higher --version")
             return Staged(m, ms.active, vm.key_id)
+        vm = read_verified_manifest(
+            bundle, trust, max_bundle_bytes=max_bundle_bytes, installed_version=ms.max_version, compatible=compatible
+        )
+        m = vm.manifest
         rel = f"models/{m.name}/{m.version}-{sha[:12]}"
         dest = self.root / rel
         if dest.exists():  # debris of an earlier attempt at the same bundle: start over

@@ -24,6 +24,7 @@ def tiny_classifier(
     seed: int = 0,
     input_name: str = "input",
     output_name: str = "probs",
+    dynamic_size: bool = False,
 ) -> Path:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -34,6 +35,7 @@ def tiny_classifier(
         return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
 
     batch: int | str = "batch" if dynamic_batch else 1
+    spatial: tuple[int | str, ...] = ("height", "width") if dynamic_size else (size, size)
     nodes = [
         helper.make_node("Conv", [input_name, "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
         helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
@@ -47,7 +49,7 @@ def tiny_classifier(
     graph = helper.make_graph(
         nodes,
         "tiny_classifier",
-        [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, [batch, channels, size, size])],
+        [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, [batch, channels, *spatial])],
         [helper.make_tensor_value_info(output_name, TensorProto.FLOAT, [batch, classes])],
         [
             init("w1", (8, channels, 3, 3)),
@@ -58,6 +60,56 @@ def tiny_classifier(
             init("b3", (classes,), 0.1),
         ],
     )
+    return _save(graph, path, opset)
+
+
+def tiny_dense(
+    path: Path, *, opset: int = 13, channels: int = 3, size: int = 16, features: int = 64, seed: int = 0
+) -> Path:
+    """A dense-output model: a 4-channel map ``mask`` [batch, 4, size, size] (first output, so the
+    packager judges it by cosine) and an ``embedding`` [batch, 32] from a MatMul, so that the
+    weight-only precisions (int8-weights, int4-weights) have MatMul weights to quantize."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+
+    def init(name: str, shape: tuple[int, ...], scale: float = 0.3) -> onnx.TensorProto:
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+    nodes = [
+        helper.make_node("Conv", ["image", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["mask"], pads=[1, 1, 1, 1], name="head"),
+        helper.make_node("GlobalAveragePool", ["r1"], ["gap"], name="gap"),
+        helper.make_node("Flatten", ["gap"], ["flat"], axis=1, name="flatten"),
+        helper.make_node("MatMul", ["flat", "w3"], ["proj"], name="proj"),
+        helper.make_node("Add", ["proj", "b3"], ["embedding"], name="proj_bias"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tiny_dense",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", channels, size, size])],
+        [
+            helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["batch", 4, size, size]),
+            helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", 32]),
+        ],
+        [
+            init("w1", (features, channels, 3, 3)),
+            init("b1", (features,), 0.1),
+            init("w2", (4, features, 3, 3), 0.1),
+            init("b2", (4,), 0.1),
+            init("w3", (features, 32), 0.5),
+            init("b3", (32,), 0.1),
+        ],
+    )
+    return _save(graph, path, opset)
+
+
+def _save(graph: object, path: Path, opset: int) -> Path:
+    import onnx
+    from onnx import helper
+
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="edgekit-tests")
     model.ir_version = 8 if opset <= 17 else 9
     onnx.checker.check_model(model)
@@ -69,6 +121,25 @@ def tiny_classifier(
 
 def sample_inputs(n: int, *, channels: int = 3, size: int = 16, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, channels, size, size)).astype(np.float32)
+
+
+def confident_inputs(model: Path, n: int, *, size: int = 16, seed: int = 1, margin: float = 0.15) -> np.ndarray:
+    """``n`` random inputs on which the FP32 model's top-1 probability leads by ``margin``.
+
+    The tiny classifiers have random weights, so on plain noise about a tenth of the samples
+    are near-ties that any INT8 rounding flips; a trained model on its own data is decisive.
+    This keeps the default 98 % agreement gate meaningful for tests that expect a pass.
+    """
+    import onnxruntime as ort
+
+    x = sample_inputs(n * 6, size=size, seed=seed)
+    name = ort.InferenceSession(str(model)).get_inputs()[0].name
+    probs = ort.InferenceSession(str(model)).run(None, {name: x})[0]
+    top2 = np.sort(probs, axis=1)[:, -2:]
+    keep = x[(top2[:, 1] - top2[:, 0]) > margin]
+    if len(keep) < n:
+        raise ValueError(f"only {len(keep)} of {len(x)} samples lead by {margin}")
+    return keep[:n]
 
 
 def make_cpu_bundle(

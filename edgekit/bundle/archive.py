@@ -88,16 +88,7 @@ def read_verified_manifest(
     compatible: Callable[[Manifest], None] | None = None,
 ) -> VerifiedManifest:
     """Phase 1: verify signature, then schema, expiry, anti-rollback and compatibility."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError as exc:
-        raise BundleError(f"{path} does not exist") from exc
-    if size > max_bundle_bytes:
-        raise BundleError(f"{path} is {size} bytes, over the {max_bundle_bytes}-byte cap")
-    with _open_stream(path) as tar:
-        raw = _read_member(tar, MANIFEST_NAME, MAX_MANIFEST_BYTES)
-        sig = _read_member(tar, SIGNATURE_NAME, MAX_SIGNATURE_BYTES)
+    raw, sig = _read_head(Path(path), max_bundle_bytes)
     kid = trust.verify(raw, sig)
     manifest = Manifest.from_json(raw)
     if manifest.signer_key_id and manifest.signer_key_id != kid:
@@ -114,6 +105,33 @@ def read_verified_manifest(
     if compatible is not None:
         compatible(manifest)
     return VerifiedManifest(manifest, raw, kid)
+
+
+def read_unverified_manifest(path: Path, *, max_bundle_bytes: int = DEFAULT_MAX_BUNDLE_BYTES) -> tuple[Manifest, str]:
+    """For display only (``edgekit inspect``): the manifest and the key id ``manifest.sig`` names,
+    with the signature NOT checked. Never use this to decide what to install or run."""
+    import json
+
+    raw, sig = _read_head(Path(path), max_bundle_bytes)
+    try:
+        kid = str(json.loads(sig)["key_id"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BundleError(f"{SIGNATURE_NAME} is malformed ({exc})") from exc
+    return Manifest.from_json(raw), kid
+
+
+def _read_head(path: Path, max_bundle_bytes: int) -> tuple[bytes, bytes]:
+    """The manifest and signature bytes (the first two members), after the size cap."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError as exc:
+        raise BundleError(f"{path} does not exist") from exc
+    if size > max_bundle_bytes:
+        raise BundleError(f"{path} is {size} bytes, over the {max_bundle_bytes}-byte cap")
+    with _open_stream(path) as tar:
+        raw = _read_member(tar, MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        sig = _read_member(tar, SIGNATURE_NAME, MAX_SIGNATURE_BYTES)
+    return raw, sig
 
 
 def extract(path: Path, verified: VerifiedManifest, dest: Path) -> Path:
@@ -178,7 +196,7 @@ def _copy_exact(src: io.BufferedIOBase | object, target: Path, entry: FileEntry)
     try:
         with open(target, "xb") as f:
             while left > 0:
-                block = src.read(min(_CHUNK, left))  # type: ignore[attr-defined]  # tarfile's ExFileObject
+                block = src.read(min(_CHUNK, left))  # type: ignore[union-attr]  # tarfile's ExFileObject
                 if not block:
                     raise BundleError(f"{entry.path}: archive ends early; download it again")
                 h.update(block)

@@ -2,7 +2,7 @@
 
 Used for the manifest and for the agent's config: unknown keys, missing fields and wrong types
 are errors that name their path (``manifest.validation.tolerance.min_cosine``). Supported field
-types: ``str``, ``int``, ``float``, ``bool``, nested dataclasses, ``tuple[X, ...]``,
+types: ``str``, ``int``, ``float``, ``bool``, ``Path``, nested dataclasses, ``tuple[X, ...]``,
 ``dict[str, X]``, ``X | None`` and ``Literal[...]``.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from pathlib import Path, PurePath
 from typing import Any, TypeVar
 
 from edgekit.bundle.errors import EdgekitError, ManifestError
@@ -79,6 +80,10 @@ def _convert(tp: Any, value: Any, path: str, error: type[EdgekitError]) -> Any:
         if not isinstance(value, bool):
             raise error(f"{path}: expected true or false, got {value!r}")
         return value
+    if tp is Path:  # config files name paths as strings; callers resolve relative ones
+        if not isinstance(value, str) or not value:
+            raise error(f"{path}: expected a path (a non-empty string), got {value!r}")
+        return Path(value)
     if tp is str:
         if not isinstance(value, str):
             raise error(f"{path}: expected a string, got {value!r}")
@@ -120,4 +125,6 @@ def to_data(obj: Any) -> Any:
         return [to_data(v) for v in obj]
     if isinstance(obj, dict):
         return {str(k): to_data(v) for k, v in obj.items()}
+    if isinstance(obj, PurePath):
+        return str(obj)
     return obj

@@ -43,6 +43,11 @@ class BuildContext:
     work_dir: Path  # scratch space, removed afterwards
     options: Any  # the target's own typed Options dataclass
     progress: Callable[[str], None] = print
+    # Set by the packager: runs a candidate (served inputs -> served outputs) over the held-out
+    # evaluation data and returns an ``edgekit.validate.metrics.Comparison`` with FP32 under the
+    # requested tolerance (``.passed``, ``.failures``, ``.summary()``). Targets that choose among
+    # candidates (quantization settings, calibration methods) call it; ``None`` outside the packager.
+    evaluate: Callable[[Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]]], Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,79 @@
+"""``python -m bench``: run every benchmark (or ``--only quant.cpu,agent``) and report ratios.
+
+Prints the machine, then one table of A vs B measured side by side in this run, and writes
+``bench/results/latest.json`` (+ ``latest.png`` with matplotlib). ``--quick`` lowers the repeats
+for a fast look; numbers from a quick run are noisier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python bench/__main__.py`: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import machine, report
+from bench.registry import BENCHMARKS, NOT_HERE, BenchContext, Measurement, select
+from edgekit.errors import EdgekitError
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated benchmark names or prefixes (e.g. quant.cpu,agent)")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (noisier numbers)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for latest.json and latest.png")
+    parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for e in BENCHMARKS:
+            print(f"{e.name:18s} {e.description}")
+        return 0
+    try:
+        entries = select(args.only)
+    except ValueError as exc:
+        parser.error(str(exc))
+    info = machine.describe()
+    print(f"machine: {machine.one_line(info)}", flush=True)
+    started = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+    t0 = time.perf_counter()
+    rows: list[Measurement] = []
+    with tempfile.TemporaryDirectory(prefix="edgekit-bench-") as tmp:
+        from edgekit.bundle import generate_keypair
+
+        key, pub = generate_keypair(Path(tmp) / "keys", "bench")
+        ctx = BenchContext(
+            workdir=Path(tmp),
+            key=key,
+            pub=pub,
+            repeats=15 if args.quick else 60,
+            budget_s=3.0 if args.quick else 20.0,
+            progress=lambda msg: print(f"  {msg}", flush=True),
+        )
+        for entry in entries:
+            print(f"[{entry.name}] {entry.description}", flush=True)
+            try:
+                rows += entry.run(ctx)
+            except EdgekitError as exc:  # one benchmark failing must not hide the others' numbers
+                print(f"  {entry.name} failed: {exc}", flush=True)
+                rows.append(Measurement(entry.name, "-", "-", "", "", "", note=f"failed: {exc}".splitlines()[0]))
+    duration = time.perf_counter() - t0
+    print()
+    print(report.format_table(rows))
+    doc = report.to_json(info, rows, started, duration)
+    json_path = report.write_json(args.out / "latest.json", doc)
+    title = f"python -m bench, {started}\n{machine.one_line(info)}"
+    png = report.write_plot(args.out / "latest.png", rows, title)
+    print(f"\n{len(rows)} rows ({sum(m.note.startswith(NOT_HERE) for m in rows)} {NOT_HERE}) in {duration:.0f} s")
+    print(f"wrote {json_path}" + (f" and {png}" if png else " (no plot: matplotlib is not installed)"))
+    return 1 if any(m.note.startswith("failed") for m in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The benchmark table: one entry per benchmark, each a function in a module of ``bench``.
+
+To add a benchmark, write ``bench/<thing>.py`` with ``run(ctx, **params) -> list[Measurement]``
+and list it in ``BENCHMARKS`` (modules are imported only when their entry runs).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgekit.errors import EdgekitError
+
+NOT_HERE = "not measured here"
+
+
+class BenchError(EdgekitError):
+    """A benchmark could not measure what it promises (e.g. its two sides disagree)."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One metric of A and B measured in the same run; ``ratio`` is B / A."""
+
+    benchmark: str  # registry name, e.g. "quant.cpu"
+    case: str  # what B is against A, e.g. "int8 vs fp32"
+    metric: str  # e.g. "p50 latency, batch 1"
+    unit: str  # "ms", "bytes", "%"
+    a_label: str
+    b_label: str
+    a_value: float | None = None
+    b_value: float | None = None
+    note: str = ""  # how it was measured, or why it was not ("not measured here: ...")
+
+    @property
+    def ratio(self) -> float | None:
+        if self.a_value is None or self.b_value is None or self.a_value == 0:
+            return None
+        return self.b_value / self.a_value
+
+
+@dataclass(frozen=True)
+class BenchContext:
+    """What every benchmark gets: scratch space, a signing key, and how hard to try."""
+
+    workdir: Path
+    key: Path  # Ed25519 private key for packaging
+    pub: Path  # its public key, for verifying and for the agent's trusted_keys
+    repeats: int  # side-by-side rounds for latency
+    budget_s: float  # stop a latency loop after this long (once a few rounds are done)
+    progress: Callable[[str], None] = print
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    function: str  # "module:function"
+    description: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def run(self, ctx: BenchContext) -> list[Measurement]:
+        module, func = self.function.split(":")
+        fn = getattr(importlib.import_module(module), func)
+        return list(fn(ctx, name=self.name, **self.params))
+
+
+_QUANT = "INT8 (and FP16) vs FP32 bundles of the digits example for the {} target, through its device runtime"
+
+BENCHMARKS: tuple[Entry, ...] = (
+    Entry("quant.cpu", "bench.quant:run", _QUANT.format("cpu"), {"target": "cpu"}),
+    Entry("quant.intel", "bench.quant:run", _QUANT.format("intel"), {"target": "intel"}),
+    Entry("quant.coral", "bench.quant:run", _QUANT.format("coral"), {"target": "coral"}),
+    Entry("quant.jetson", "bench.quant:run", _QUANT.format("jetson"), {"target": "jetson"}),
+    Entry(
+        "quant.apple",
+        "bench.quant:run",
+        "INT8 weights and FP16 vs FP32 bundles of the digits example for the apple target (Core ML)",
+        {"target": "apple", "candidates": ("int8-weights", "fp16")},
+    ),
+    Entry(
+        "agent.roundtrip",
+        "bench.agent_roundtrip:run",
+        "edgekit-agent v2 HTTP infer (tritonclient, 1 KB tensor) vs in-process onnxruntime session.run",
+    ),
+)
+
+
+def select(patterns: str | None) -> tuple[Entry, ...]:
+    """Entries whose name equals or starts with one of the comma-separated ``patterns``."""
+    if not patterns:
+        return BENCHMARKS
+    wanted = [p.strip() for p in patterns.split(",") if p.strip()]
+    chosen = tuple(e for e in BENCHMARKS if any(e.name == p or e.name.startswith(p.rstrip(".") + ".") for p in wanted))
+    if not chosen:
+        raise ValueError(f"--only {patterns!r} matches no benchmark (have: {', '.join(e.name for e in BENCHMARKS)})")
+    return chosen

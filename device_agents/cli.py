@@ -1,0 +1,254 @@
+"""``edgekit-agent``: run the daemon, install a bundle, show the store's state.
+
+    edgekit-agent run --config agent.toml
+    edgekit-agent install BUNDLE.ekb --config agent.toml
+    edgekit-agent status --config agent.toml
+
+A running daemon holds ``<store>/daemon.lock`` and writes its address to ``<store>/daemon.json``.
+``install`` hands the bundle to that daemon over loopback (``POST /edgekit/v1/install``), so
+the running agent switches to it; with no daemon it installs into the store itself, holding the
+same lock so that no daemon starts halfway. Errors print ``edgekit-agent: error: <message>``
+and exit with the error's ``exit_code``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from device_agents.config import AgentConfig, load_config
+from device_agents.store import Store, atomic_write, flock
+from edgekit.bundle.errors import EdgekitError, StoreError
+
+log = logging.getLogger("edgekit.agent")
+
+DAEMON_LOCK = "daemon.lock"
+DAEMON_INFO = "daemon.json"
+_DAEMON_WAIT_S = 30.0
+
+
+class RemoteInstallError(EdgekitError):
+    """The running daemon refused the bundle; carries the daemon's exit code."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# -- daemon presence ----------------------------------------------------------------------
+
+
+def daemon_lock(store: Path, *, wait_s: float = 0.0) -> contextlib.AbstractContextManager[bool]:
+    """Hold ``<store>/daemon.lock``; yields False (holding nothing) if a daemon has it."""
+    store.mkdir(parents=True, exist_ok=True)
+    return flock(store / DAEMON_LOCK, wait_s)
+
+
+def _daemon_pid(store: Path) -> int | None:
+    """The pid in ``daemon.json`` if that process is alive (a crashed daemon leaves the file)."""
+    try:
+        pid = int(json.loads((store / DAEMON_INFO).read_text())["pid"])
+        os.kill(pid, 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pid
+
+
+def daemon_url(store: Path) -> str:
+    """The URL of the daemon that holds the lock (waits while it is starting)."""
+    deadline = time.monotonic() + _DAEMON_WAIT_S
+    while True:
+        try:
+            info = json.loads((store / DAEMON_INFO).read_text())
+            url = str(info["url"])
+            with urllib.request.urlopen(f"{url}/v2/health/live", timeout=2):
+                return url
+        except (OSError, ValueError, KeyError):
+            if time.monotonic() >= deadline:
+                raise StoreError(
+                    f"an edgekit-agent daemon holds {store / DAEMON_LOCK} but does not answer at the address in "
+                    f"{store / DAEMON_INFO}; wait until it has started, or stop it"
+                ) from None
+            time.sleep(0.2)
+
+
+# -- commands -----------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from device_agents.manager import ModelManager
+    from device_agents.serving.http import AgentServer
+
+    config = load_config(args.config)
+    # wait while a one-shot `install` holds the lock; refuse at once when another daemon does
+    wait_s = 0.0 if _daemon_pid(config.store) is not None else _DAEMON_WAIT_S
+    with daemon_lock(config.store, wait_s=wait_s) as held:
+        if not held:
+            raise StoreError(f"another edgekit-agent holds {config.store / DAEMON_LOCK}; stop it first")
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: stop.set())
+        manager = ModelManager(config)
+        manager.start()
+        server = AgentServer(
+            config.listen_host, config.listen_port, manager, max_request_bytes=config.max_request_bytes
+        )
+        updater: Any = None
+        try:
+            atomic_write(config.store / DAEMON_INFO, json.dumps({"pid": os.getpid(), "url": server.url}).encode())
+            threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+            served = ", ".join(f"{n} v{v}" for n, v in manager.models().items()) or "no models"
+            log.info("listening on %s; serving %s", server.url, served)
+            if config.updates is not None:
+                updater = _update_client(config, manager)
+                updater.start()
+                log.info(
+                    "updates: %s, fleet %s, device %s",
+                    config.updates.broker,
+                    config.updates.fleet,
+                    config.updates.device_id,
+                )
+            while not stop.wait(1.0):
+                pass
+            log.info("stopping")
+        finally:
+            if updater is not None:
+                updater.stop()
+            server.shutdown()
+            server.server_close()
+            manager.stop()
+            with contextlib.suppress(OSError):
+                (config.store / DAEMON_INFO).unlink()
+    log.info("stopped")
+    return 0
+
+
+def _update_client(config: AgentConfig, manager: Any) -> Any:
+    try:
+        from device_agents.updates.client import UpdateClient
+    except ImportError as exc:
+        raise EdgekitError(f"[updates] is configured but the update client cannot be loaded ({exc})") from exc
+    return UpdateClient(config, manager)
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    bundle = Path(args.bundle).resolve()
+    if not bundle.is_file():
+        raise StoreError(f"{args.bundle} does not exist or is not a file")
+    with daemon_lock(config.store) as held:
+        if held:
+            result = _install_here(config, bundle)
+        else:
+            result = _install_via_daemon(daemon_url(config.store), bundle)
+    if not result["changed"]:
+        print(f"{result['name']} v{result['version']} is already installed")
+        return 0
+    prev = result.get("previous_version")
+    test = result.get("selftest") or {}
+    p50 = test.get("latency_p50_ms")
+    print(
+        f"installed {result['name']} v{result['version']}"
+        + (f" (was v{prev})" if prev is not None else "")
+        + (f"; self-test passed, p50 {p50:.3f} ms" if p50 is not None else "; self-test passed")
+    )
+    return 0
+
+
+def _install_here(config: AgentConfig, bundle: Path) -> dict[str, Any]:
+    from device_agents.manager import ModelManager
+    from edgekit.bundle.codec import to_data
+
+    manager = ModelManager(config)
+    try:
+        return to_data(manager.install(bundle, origin="cli"))  # type: ignore[no-any-return]
+    finally:
+        manager.stop()
+
+
+def _install_via_daemon(url: str, bundle: Path) -> dict[str, Any]:
+    body = json.dumps({"bundle": str(bundle), "origin": "cli"}).encode()
+    req = urllib.request.Request(f"{url}/edgekit/v1/install", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=3600) as resp:
+            return json.loads(resp.read())  # type: ignore[no-any-return]
+    except urllib.error.HTTPError as exc:
+        try:
+            doc = json.loads(exc.read())
+        except ValueError:
+            doc = {}
+        raise RemoteInstallError(
+            doc.get("error", f"the agent answered {exc.code}"), int(doc.get("exit_code", 1))
+        ) from exc
+    except (OSError, ValueError) as exc:
+        raise StoreError(f"cannot hand the bundle to the running agent at {url}: {exc}") from exc
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    with daemon_lock(config.store) as free:
+        daemon = "not running" if free else "running"
+    state = Store(config.store).load_state()
+    print(f"agent: {daemon}; store {config.store}")
+    if not state.models:
+        print("no models installed")
+        return 0
+    rows: list[tuple[str, ...]] = [("MODEL", "ACTIVE", "CANDIDATE", "PREVIOUS", "STATUS", "ERROR")]
+    for name, ms in sorted(state.models.items()):
+        rows.append(
+            (
+                name,
+                *(f"v{slot.version}" if slot else "-" for slot in (ms.active, ms.candidate, ms.previous)),
+                ms.status,
+                ms.error or "-",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1])
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "install": cmd_install, "status": cmd_status}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgekit-agent", description="Run signed edgekit bundles on this device.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="serve the installed models over HTTP (Open Inference Protocol v2)")
+    install = sub.add_parser("install", help="verify, self-test and switch to a bundle (hands it to a running agent)")
+    install.add_argument("bundle", type=Path, help="the .ekb file")
+    status = sub.add_parser("status", help="show the installed models and their slots")
+    for p in (run, install, status):
+        p.add_argument("--config", type=Path, required=True, help="the agent's TOML config")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # the daemon logs one line per event; one-shot commands print their result and at most one error line
+    level = logging.DEBUG if args.verbose else logging.INFO if args.command == "run" else logging.CRITICAL
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return COMMANDS[args.command](args)
+    except EdgekitError as exc:
+        print(f"edgekit-agent: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

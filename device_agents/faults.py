@@ -1,0 +1,26 @@
+"""Named fault points for crash tests (house rule 9).
+
+``fault_point("switch")`` does nothing unless the environment variable ``EDGEKIT_FAULT`` is
+``switch``; then the process SIGKILLs itself right there, like a power cut would stop it: no
+``finally`` blocks, no atexit handlers, no flushed buffers. Tests start the agent with
+``EDGEKIT_FAULT=<point>`` and check what the store looks like after the next start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+FAULT_ENV = "EDGEKIT_FAULT"
+
+# Where each point sits: see ModelManager.install (stage..cleanup), the self-test child
+# (selftest_child) and the update client (download).
+FAULT_POINTS = ("verify", "stage", "selftest", "selftest_child", "switch", "commit", "cleanup", "download")
+
+
+def fault_point(name: str) -> None:
+    """Kill this process with SIGKILL if ``EDGEKIT_FAULT`` names this point."""
+    if name not in FAULT_POINTS:
+        raise ValueError(f"unknown fault point {name!r}; add it to FAULT_POINTS ({', '.join(FAULT_POINTS)})")
+    if os.environ.get(FAULT_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)

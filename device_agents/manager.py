@@ -1,0 +1,388 @@
+"""The model manager: what the agent serves, and the only writer of its store.
+
+``install`` takes a bundle from a sideload, the CLI or the update client through the same steps,
+under the store's writer lock::
+
+    verify + stage (store.stage: signature, hashes, version, expiry, compatibility, then extract)
+    -> self-test in a child process (golden vectors, p50 latency, memory and time bounds)
+    -> load in-process -> promote (durable) -> swap the served object -> close the old one
+    -> cleanup
+
+Any failure before ``promote`` leaves the previous version serving. The swap is one dict
+assignment; requests that hold the old model finish on it, and it is closed only when idle.
+
+Named fault points (``EDGEKIT_FAULT``) sit between the steps; what the store says after each:
+``verify`` nothing written; ``stage`` candidate staged; ``selftest`` status "testing";
+``switch`` self-test passed, status "switching", not promoted; ``commit`` promoted (the new
+version serves after a restart); ``cleanup`` promoted, old runtime closed.
+
+``start`` recovers after a crash: an install that was interrupted before ``promote`` is dropped
+(the previous version keeps serving); a version that keeps the agent from running through its
+health window for ``crash_loop_boots`` starts is rolled back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, NoReturn
+
+import numpy as np
+
+from device_agents.config import DEFAULT_CRASH_LOOP_BOOTS, DEFAULT_HEALTH_WINDOW_S, AgentConfig
+from device_agents.faults import fault_point
+from device_agents.platforms.compatibility import check_compatible
+from device_agents.runtimes import ServedModel, load_model
+from device_agents.selftest import REPORT_NAME, SelfTestReport, latency_verdict, run_selftest
+from device_agents.serving.metrics import AgentMetrics
+from device_agents.store import ModelState, Slot, Store, atomic_write
+from edgekit.bundle import TrustStore
+from edgekit.bundle.errors import ModelNotFoundError, SelfTestError, StoreError
+
+log = logging.getLogger("edgekit.agent")
+
+# Statuses set here in addition to the store's: "healthy" = ran through its health window.
+INTERRUPTED = ("staged", "testing", "switching")
+_IDLE_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class InstallResult:
+    name: str
+    version: int
+    changed: bool  # False: this version was already active (re-install is a no-op)
+    previous_version: int | None
+    origin: str
+    selftest: SelfTestReport | None = None
+
+
+class _Entry:
+    """A served model and the number of requests running on it."""
+
+    __slots__ = ("inflight", "model", "version")
+
+    def __init__(self, model: ServedModel, version: int) -> None:
+        self.model = model
+        self.version = version
+        self.inflight = 0
+
+
+class Lease:
+    """A served model held for one request; ``release`` it (or use ``with``)."""
+
+    __slots__ = ("_entry", "_manager")
+
+    def __init__(self, manager: ModelManager, entry: _Entry) -> None:
+        self._manager, self._entry = manager, entry
+
+    @property
+    def model(self) -> ServedModel:
+        return self._entry.model
+
+    @property
+    def version(self) -> int:
+        return self._entry.version
+
+    def release(self) -> None:
+        self._manager._release(self._entry)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class ModelManager:
+    def __init__(self, config: AgentConfig, *, metrics: AgentMetrics | None = None) -> None:
+        self.config = config
+        self.store = Store(config.store)
+        self.trust = TrustStore.from_files(config.trusted_keys, config.revoked_key_ids)
+        self.metrics = metrics or AgentMetrics()
+        self.health_window_s = config.updates.health_window_s if config.updates else DEFAULT_HEALTH_WINDOW_S
+        self.crash_loop_boots = config.updates.crash_loop_boots if config.updates else DEFAULT_CRASH_LOOP_BOOTS
+        self.ready = False
+        self._live: dict[str, _Entry] = {}
+        self._cond = threading.Condition()  # guards _live and every _Entry.inflight
+        self._timers: dict[str, threading.Timer] = {}
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Recover the store after a crash and load every model's active version."""
+        with self.store.lock():
+            self.store.cleanup()
+            for name, ms in sorted(self.store.load_state().models.items()):
+                self._recover(name, ms)
+            for name, ms in sorted(self.store.load_state().models.items()):
+                if ms.active is not None:
+                    self._load_active(name, ms, ms.active)
+        self.ready = True
+
+    def stop(self) -> None:
+        """Close every runtime (after its running requests finish)."""
+        self.ready = False
+        for timer in self._timers.values():
+            timer.cancel()
+        with self._cond:
+            entries, self._live = list(self._live.values()), {}
+        for entry in entries:
+            self._close_when_idle(entry)
+
+    def _recover(self, name: str, ms: ModelState) -> None:
+        if ms.status in INTERRUPTED and ms.candidate is not None:
+            why = f"interrupted while {ms.status} v{ms.candidate.version} (agent stopped mid-install); install it again"
+            log.warning("%s: %s", name, why)
+            self.store.reject_candidate(name, why)
+        elif ms.status == "serving" and ms.active is not None:
+            boots = ms.boots_since_switch + 1
+            if boots >= self.crash_loop_boots and ms.previous is not None:
+                why = (
+                    f"crash loop: v{ms.active.version} did not run {self.health_window_s:g} s without the agent "
+                    f"restarting ({boots} starts); rolled back to v{ms.previous.version}"
+                )
+                log.error("%s: %s", name, why)
+                self.store.rollback(name, why)
+                self.metrics.rollbacks.labels(name).inc()
+            else:
+                self.store.update_model(name, lambda s: replace(s, boots_since_switch=boots))
+
+    def _load_active(self, name: str, ms: ModelState, active: Slot) -> None:
+        try:
+            self._serve(name, self._open(active), active.version)
+        except Exception as exc:  # any runtime failure: fall back to the previous version
+            if ms.previous is None:
+                why = f"v{active.version} does not load ({exc}) and there is no previous version"
+                log.error("%s: %s", name, why)
+                self.store.update_model(name, lambda s: replace(s, status="failed", error=why))
+                return
+            why = f"v{active.version} does not load ({exc}); rolled back to v{ms.previous.version}"
+            log.error("%s: %s", name, why)
+            rolled = self.store.rollback(name, why)  # no previous left: a second failure ends at "failed"
+            self.metrics.rollbacks.labels(name).inc()
+            self._load_active(name, rolled, ms.previous)
+            return
+        if ms.status == "serving":
+            self._arm_health_timer(name, active.version)
+
+    # -- install ------------------------------------------------------------------------
+    def install(self, bundle_path: Path, *, origin: str = "sideload") -> InstallResult:
+        """Verify, self-test and switch to the bundle; raise (and keep serving the old one) on failure.
+
+        Raises ``SignatureError``, ``ExpiredError``, ``RollbackError``, ``IncompatibleError``,
+        ``BundleError`` (before anything is opened), ``SelfTestError`` (candidate rejected) or
+        ``StoreError``.
+        """
+        bundle_path = Path(bundle_path)
+        log.info("install %s (from %s)", bundle_path, origin)
+        with self.store.lock():
+            fault_point("verify")
+            before = self.store.load_state()
+            staged = self.store.stage(
+                bundle_path, self.trust, compatible=check_compatible, max_bundle_bytes=self.config.max_bundle_bytes
+            )
+            m, slot = staged.manifest, staged.slot
+            old = before.models.get(m.name, ModelState())
+            if old.active is not None and slot == old.active:
+                log.info("%s v%d is already installed; nothing to do", m.name, m.version)
+                self.metrics.installs.labels(m.name, "unchanged").inc()
+                return InstallResult(m.name, m.version, False, m.version, origin)
+            fault_point("stage")
+            self.store.update_model(m.name, lambda s: replace(s, status="testing"))
+            fault_point("selftest")
+            report = self._selftest(m.name, slot, m.validation.latency_p50_ms)
+            if not report.passed:
+                self._reject(m.name, f"v{m.version} failed its self-test: {report.reason}", old)
+            self.store.update_model(m.name, lambda s: replace(s, status="switching"))
+            try:
+                model = load_model(self.store.model_dir(slot), m, self.config.runtime)
+            except Exception as exc:  # a runtime may raise anything; the old version keeps serving
+                self._reject(m.name, f"v{m.version} passed its self-test but does not load in the agent: {exc}", old)
+            fault_point("switch")
+            try:
+                self.store.promote(m.name)
+            except StoreError:
+                model.close()
+                raise
+            previous = self._serve(m.name, model, m.version)
+            self.metrics.installs.labels(m.name, "installed").inc()
+            log.info(
+                "%s: now serving v%d (was %s)", m.name, m.version, f"v{old.active.version}" if old.active else "none"
+            )
+            fault_point("commit")
+            if previous is not None:
+                self._close_when_idle(previous)
+            fault_point("cleanup")
+            self.store.cleanup()
+        self._arm_health_timer(m.name, m.version)
+        return InstallResult(m.name, m.version, True, old.active.version if old.active else None, origin, report)
+
+    def _selftest(self, name: str, slot: Slot, host_p50_ms: float | None) -> SelfTestReport:
+        cfg = self.config.selftest
+        report = run_selftest(
+            self.store.model_dir(slot),
+            timeout_s=cfg.timeout_s,
+            memory_mb=cfg.memory_mb,
+            options=self.config.runtime,
+            work_dir=self.store.root / "tmp",
+        )
+        prev = self.selftest_report(name)  # the active (about to be previous) version's, on this device
+        baseline = prev.latency_p50_ms if prev is not None and prev.latency_p50_ms else host_p50_ms
+        if report.passed:
+            verdict = latency_verdict(report.latency_p50_ms, baseline, cfg.latency_slack, cfg.latency_floor_ms)
+            report = replace(report, passed=not verdict, reason=verdict, baseline_p50_ms=baseline)
+        else:
+            report = replace(report, baseline_p50_ms=baseline)
+        atomic_write(self.store.model_dir(slot) / REPORT_NAME, report.to_json())
+        self.metrics.selftests.labels(name, "passed" if report.passed else "failed").inc()
+        if report.latency_p50_ms is not None:
+            self.metrics.selftest_p50_seconds.labels(name).set(report.latency_p50_ms / 1000)
+        log.info(
+            "%s v%d self-test %s (p50 %s ms, %.1f s)%s",
+            name,
+            slot.version,
+            "passed" if report.passed else "FAILED",
+            report.latency_p50_ms,
+            report.duration_s,
+            f": {report.reason}" if report.reason else "",
+        )
+        return report
+
+    def _reject(self, name: str, why: str, old: ModelState) -> NoReturn:
+        self.store.reject_candidate(name, why)
+        self.store.cleanup()
+        self.metrics.installs.labels(name, "rejected").inc()
+        keeps = f"v{old.active.version} keeps serving" if old.active else "nothing is served"
+        log.error("%s: %s; %s", name, why, keeps)
+        raise SelfTestError(f"{name}: {why}; {keeps}")
+
+    # -- rollback and health ------------------------------------------------------------
+    def rollback(self, name: str, reason: str) -> ModelState:
+        """Serve the previous version again (e.g. after a failed health check)."""
+        with self.store.lock():
+            target = self.store.model_state(name).previous
+            if target is None:
+                raise StoreError(f"{name}: no previous version to roll back to")
+            model = self._open(target)  # before the state changes: a previous that fails to load changes nothing
+            try:
+                ms = self.store.rollback(name, reason)
+            except StoreError:
+                model.close()
+                raise
+            previous = self._serve(name, model, target.version)
+        self.metrics.rollbacks.labels(name).inc()
+        log.warning("%s: rolled back to v%d: %s", name, target.version, reason)
+        if previous is not None:
+            self._close_when_idle(previous)
+        return ms
+
+    def mark_healthy(self, name: str) -> None:
+        """Confirm a switched-to version (ends its crash-loop watch)."""
+        with self.store.lock():
+            ms = self.store.model_state(name)
+            if ms.status == "serving":
+                self.store.update_model(name, lambda s: replace(s, status="healthy", boots_since_switch=0))
+                log.info("%s: v%s is healthy", name, ms.active.version if ms.active else "?")
+
+    def _arm_health_timer(self, name: str, version: int) -> None:
+        def confirm() -> None:
+            with self._cond:
+                entry = self._live.get(name)
+            if entry is not None and entry.version == version:
+                try:
+                    self.mark_healthy(name)
+                except StoreError as exc:
+                    log.error("%s: cannot record v%d as healthy: %s", name, version, exc)
+
+        old = self._timers.pop(name, None)
+        if old is not None:
+            old.cancel()
+        timer = threading.Timer(self.health_window_s, confirm)
+        timer.daemon = True
+        self._timers[name] = timer
+        timer.start()
+
+    # -- serving ------------------------------------------------------------------------
+    def models(self) -> dict[str, int]:
+        """Served model names and their versions."""
+        with self._cond:
+            return {name: e.version for name, e in sorted(self._live.items())}
+
+    def get(self, name: str, version: int | None = None) -> ServedModel:
+        lease = self.lease(name, version)
+        lease.release()
+        return lease.model
+
+    def lease(self, name: str, version: int | None = None) -> Lease:
+        """Hold the served model ``name`` for one request; it is not closed before ``release``."""
+        with self._cond:
+            entry = self._live.get(name)
+            if entry is not None and (version is None or version == entry.version):
+                entry.inflight += 1
+                return Lease(self, entry)
+        if entry is None:
+            known = ", ".join(self.models()) or "none"
+            raise ModelNotFoundError(f"no model named {name!r} is served here (served: {known})")
+        raise ModelNotFoundError(f"model {name!r} version {version} is not served (serving version {entry.version})")
+
+    def infer(self, name: str, inputs: Mapping[str, np.ndarray], version: int | None = None) -> dict[str, np.ndarray]:
+        with self.lease(name, version) as lease:
+            return lease.model.infer(inputs)
+
+    def _release(self, entry: _Entry) -> None:
+        with self._cond:
+            entry.inflight -= 1
+            if entry.inflight == 0:
+                self._cond.notify_all()
+
+    def _serve(self, name: str, model: ServedModel, version: int) -> _Entry | None:
+        """Make ``model`` the served one; return the entry it replaced (still open)."""
+        with self._cond:
+            previous = self._live.get(name)
+            self._live[name] = _Entry(model, version)
+        self.metrics.model_version.labels(name).set(version)
+        return previous
+
+    def _close_when_idle(self, entry: _Entry) -> None:
+        deadline = time.monotonic() + _IDLE_WAIT_S
+        with self._cond:
+            while entry.inflight and time.monotonic() < deadline:
+                self._cond.wait(timeout=0.5)
+        if entry.inflight:
+            log.warning(
+                "closing v%d with %d requests still running after %.0f s", entry.version, entry.inflight, _IDLE_WAIT_S
+            )
+        entry.model.close()
+
+    def _open(self, slot: Slot) -> ServedModel:
+        return load_model(self.store.model_dir(slot), self.store.manifest_of(slot), self.config.runtime)
+
+    # -- reporting ----------------------------------------------------------------------
+    def selftest_report(self, name: str, which: str = "active") -> SelfTestReport | None:
+        """The self-test report of a model's ``active`` or ``previous`` slot, if one was recorded."""
+        slot = getattr(self.store.model_state(name), which)
+        if slot is None:
+            return None
+        try:
+            return SelfTestReport.from_json((self.store.model_dir(slot) / REPORT_NAME).read_bytes())
+        except (OSError, ValueError, SelfTestError):
+            return None
+
+    def status(self) -> dict[str, Any]:
+        """Per model: the store's slots and status, plus the version actually served."""
+        served = self.models()
+        out = {}
+        for name, ms in sorted(self.store.load_state().models.items()):
+            out[name] = {
+                "serving": served.get(name),
+                "active": ms.active.version if ms.active else None,
+                "candidate": ms.candidate.version if ms.candidate else None,
+                "previous": ms.previous.version if ms.previous else None,
+                "status": ms.status,
+                "error": ms.error,
+                "updated": ms.updated,
+            }
+        return out

@@ -1,0 +1,103 @@
+"""OpenVINO runner: the ``intel`` target's runtime (IR ``.xml`` + ``.bin``).
+
+The device comes from the agent config (``RuntimeOptions.device``: CPU, GPU, NPU, AUTO), else
+from the device the bundle was built for (``target_options.device``), else AUTO.
+``RuntimeOptions.extra`` entries are passed to ``compile_model`` as OpenVINO properties
+(e.g. ``PERFORMANCE_HINT = "LATENCY"``); they override the manifest's ``inference_precision``
+(e.g. ``INFERENCE_PRECISION_HINT = "bf16"`` trades accuracy the host did not validate for speed).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from device_agents.runtimes.base import RuntimeOptions
+from edgekit.bundle.errors import BundleError, IncompatibleError, MissingSDKError
+from edgekit.bundle.manifest import Manifest
+
+try:
+    import openvino as ov
+except ImportError as exc:  # pragma: no cover - exercised only without the SDK
+    raise MissingSDKError("openvino", "openvino", "the openvino runtime") from exc
+
+
+def precision_hint(device: str, promised: str) -> str:
+    """The ``INFERENCE_PRECISION_HINT`` that computes at least as precisely as the manifest promises.
+
+    Left to itself the CPU plugin computes in bf16 where the CPU has it (AVX512-BF16, AMX), and
+    maps an ``f16`` hint to bf16 too: less precise than an fp32, int8 or fp16 manifest promises.
+    So ``f16`` is asked for only on GPU/NPU; elsewhere (CPU, or AUTO, which may pick the CPU) f32.
+    """
+    if not promised:
+        return ""
+    if promised == "f16" and device.split(".")[0] not in ("GPU", "NPU"):
+        return "f32"
+    return promised
+
+
+class OpenVinoRunner:
+    name: ClassVar[str] = "openvino"
+
+    def __init__(self, model_dir: Path, manifest: Manifest, options: RuntimeOptions) -> None:
+        xml_files = [f.path for f in manifest.artifact_files() if f.path.endswith(".xml")]
+        if len(xml_files) != 1:
+            raise BundleError(f"openvino needs exactly one .xml artifact, manifest lists {len(xml_files)}")
+        xml = Path(model_dir) / xml_files[0]
+        weights = xml.with_suffix(".bin")
+        if weights.relative_to(model_dir).as_posix() not in {f.path for f in manifest.artifact_files()}:
+            raise BundleError(
+                f"openvino: {weights.name} (the weights of {xml.name}) is not an artifact of the manifest"
+            )
+        self.core = ov.Core()
+        self.device = options.device or str(manifest.target_options.get("device", "")) or "AUTO"
+        available = self.core.available_devices  # e.g. CPU, GPU.0, GPU.1, NPU
+        virtual = self.device.split(":")[0] in ("AUTO", "MULTI", "HETERO", "BATCH")
+        if not virtual and not any(self.device in (d, d.split(".")[0]) for d in available):
+            raise IncompatibleError(
+                f"OpenVINO device {self.device!r} is not available here (available: "
+                f"{', '.join(available)}); set the runtime device to one of them or AUTO"
+            )
+        if options.cache_dir is not None:
+            self.core.set_property({"CACHE_DIR": str(options.cache_dir)})
+        config: dict[str, Any] = {}
+        hint = precision_hint(self.device, str(manifest.target_options.get("inference_precision", "")))
+        if hint:
+            config["INFERENCE_PRECISION_HINT"] = hint
+        config.update(options.extra)
+        if options.threads:
+            config["INFERENCE_NUM_THREADS"] = options.threads
+        self.compiled = self.core.compile_model(self.core.read_model(str(xml), str(weights)), self.device, config)
+        wanted = {s.name for s in manifest.artifact_signature.outputs}
+        self._outputs = [
+            (next((n for n in port.get_names() if n in wanted), port.get_any_name()), port)
+            for port in self.compiled.outputs
+        ]
+        # An infer request is not re-entrant; one per serving thread keeps run() thread-safe.
+        self._local = threading.local()
+
+    def _request(self) -> Any:
+        request = getattr(self._local, "request", None)
+        if request is None:
+            request = self._local.request = self.compiled.create_infer_request()
+        return request
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        result = self._request().infer(dict(inputs))
+        return {name: np.array(result[port]) for name, port in self._outputs}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "runtime": "openvino",
+            "version": ov.get_version(),
+            "device": self.device,
+            "execution_devices": list(self.compiled.get_property("EXECUTION_DEVICES")),
+        }
+
+    def close(self) -> None:
+        self._local = threading.local()
+        self.compiled = None  # released; the runner is not used again

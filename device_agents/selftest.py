@@ -1,0 +1,253 @@
+"""The golden self-test every candidate passes before it is served, run in a child process.
+
+A crashing, hanging or memory-hungry runtime cannot take the daemon down: the parent
+(``run_selftest``) starts ``python -m device_agents.selftest``, kills it after
+``selftest.timeout_s`` or when its RSS goes over ``selftest.memory_mb`` (watched with psutil:
+``RLIMIT_AS`` breaks ONNX Runtime, OpenVINO and TensorFlow, which reserve address space), and
+reads its JSON report. The child loads the model with its runtime, runs the golden vectors
+(``manifest.golden``: cosine, atol/rtol, top-1 agreement) and measures p50 latency on one sample.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from device_agents.faults import fault_point
+from device_agents.runtimes.base import RuntimeOptions
+from edgekit.bundle.codec import from_data, to_data
+from edgekit.bundle.errors import SelfTestError
+from edgekit.bundle.manifest import Golden, Manifest
+
+REPORT_NAME = "selftest.json"  # written next to the model's files by the manager
+_POLL_S = 0.02
+_LATENCY_RUNS = 50
+_LATENCY_BUDGET_S = 1.0
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    name: str
+    cosine: float
+    max_abs_error: float
+    within_tolerance: float  # fraction of elements within atol + rtol * |expected|
+    top1_agreement: float | None = None
+    passed: bool = False
+
+
+@dataclass(frozen=True)
+class SelfTestReport:
+    passed: bool
+    reason: str = ""  # why it failed, in one line
+    latency_p50_ms: float | None = None
+    baseline_p50_ms: float | None = None  # what the latency gate compared with
+    outputs: tuple[OutputCheck, ...] = ()
+    runtime: dict[str, Any] = field(default_factory=dict)
+    peak_rss_mb: float = 0.0
+    duration_s: float = 0.0
+
+    def to_json(self) -> bytes:
+        return json.dumps(to_data(self), indent=1).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> SelfTestReport:
+        return from_data(cls, json.loads(raw), "selftest", SelfTestError)
+
+
+def run_selftest(
+    model_dir: Path,
+    *,
+    timeout_s: float,
+    memory_mb: int,
+    options: RuntimeOptions,
+    work_dir: Path,
+) -> SelfTestReport:
+    """Self-test the extracted bundle in ``model_dir`` in a child process; never raises for a bad model."""
+    import psutil
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:12]
+    result_path, log_path = work_dir / f"selftest-{tag}.json", work_dir / f"selftest-{tag}.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "device_agents.selftest",
+        str(model_dir),
+        json.dumps(to_data(options)),
+        str(result_path),
+    ]
+    start = time.monotonic()
+    peak = 0
+    try:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        try:
+            ps = psutil.Process(proc.pid)
+            while proc.poll() is None:
+                elapsed = time.monotonic() - start
+                try:
+                    peak = max(peak, ps.memory_info().rss)
+                except psutil.Error:
+                    pass  # exited between poll() and the read
+                if peak > memory_mb * 1024 * 1024:
+                    return _failed(f"used {peak / 2**20:.0f} MB, over selftest.memory_mb = {memory_mb}", peak, elapsed)
+                if elapsed > timeout_s:
+                    return _failed(f"did not finish within selftest.timeout_s = {timeout_s:g} s", peak, elapsed)
+                time.sleep(_POLL_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        elapsed = time.monotonic() - start
+        try:
+            report = SelfTestReport.from_json(result_path.read_bytes())
+        except (OSError, ValueError, SelfTestError):
+            how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exited {proc.returncode}"
+            return _failed(f"the self-test process {how} without a report{_log_tail(log_path)}", peak, elapsed)
+        return _replace_usage(report, peak, elapsed)
+    except OSError as exc:
+        raise SelfTestError(f"cannot start the self-test process: {exc}") from exc
+    finally:
+        result_path.unlink(missing_ok=True)
+        log_path.unlink(missing_ok=True)
+
+
+def latency_verdict(p50_ms: float | None, baseline_ms: float | None, slack: float, floor_ms: float) -> str:
+    """Why ``p50_ms`` is too slow against ``baseline_ms``, or "" when it is acceptable."""
+    if p50_ms is None or baseline_ms is None or slack <= 0 or p50_ms < floor_ms:
+        return ""
+    limit = slack * baseline_ms
+    if p50_ms > limit:
+        return (
+            f"p50 latency {p50_ms:.3f} ms is over selftest.latency_slack ({slack:g}) x the baseline "
+            f"{baseline_ms:.3f} ms = {limit:.3f} ms"
+        )
+    return ""
+
+
+def compare_outputs(got: dict[str, np.ndarray], expected: dict[str, np.ndarray], golden: Golden) -> list[OutputCheck]:
+    checks = []
+    for name, want in expected.items():
+        have = got[name]
+        if have.shape != want.shape:
+            checks.append(OutputCheck(name, 0.0, float("inf"), 0.0, None, False))
+            continue
+        a, b = have.astype(np.float64).ravel(), want.astype(np.float64).ravel()
+        na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+        cosine = 1.0 if na == 0 and nb == 0 else float(a @ b / (na * nb)) if na and nb else 0.0
+        err = np.abs(a - b)
+        within = float(np.mean(err <= golden.atol + golden.rtol * np.abs(b))) if b.size else 1.0
+        top1 = None
+        if golden.min_top1_agreement is not None and want.ndim >= 2:
+            top1 = float(np.mean(np.argmax(have, axis=-1) == np.argmax(want, axis=-1)))
+        passed = (
+            cosine >= golden.min_cosine and within == 1.0 and (top1 is None or top1 >= golden.min_top1_agreement)  # type: ignore[operator]  # not None when top1 is set
+        )
+        checks.append(OutputCheck(name, cosine, float(err.max()) if err.size else 0.0, within, top1, passed))
+    return checks
+
+
+def _failed(reason: str, peak_rss: int, duration_s: float) -> SelfTestReport:
+    return SelfTestReport(passed=False, reason=reason, peak_rss_mb=peak_rss / 2**20, duration_s=duration_s)
+
+
+def _replace_usage(report: SelfTestReport, peak_rss: int, duration_s: float) -> SelfTestReport:
+    return replace(report, peak_rss_mb=round(peak_rss / 2**20, 1), duration_s=round(duration_s, 3))
+
+
+def _log_tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return (": " + " | ".join(text[-lines:])) if text else ""
+
+
+# -- the child ----------------------------------------------------------------------------
+
+
+def _child(model_dir: Path, options: RuntimeOptions) -> SelfTestReport:
+    from device_agents.runtimes import load_model
+
+    manifest = Manifest.from_json((model_dir / "manifest.json").read_bytes())
+    fault_point("selftest_child")
+    model = load_model(model_dir, manifest, options)
+    try:
+        with np.load(model_dir / manifest.golden.file, allow_pickle=False) as golden:
+            inputs = {s.name: golden[f"in_{s.name}"] for s in manifest.signature.inputs}
+            expected = {s.name: golden[f"out_{s.name}"] for s in manifest.signature.outputs}
+        checks = compare_outputs(model.infer(inputs), expected, manifest.golden)
+        failed = [c for c in checks if not c.passed]
+        reason = ""
+        if failed:
+            c = failed[0]
+            reason = (
+                f"output {c.name!r} does not match the golden vectors: cosine {c.cosine:.4f} "
+                f"(min {manifest.golden.min_cosine}), {c.within_tolerance:.1%} within atol {manifest.golden.atol:g} "
+                f"+ rtol {manifest.golden.rtol:g}"
+                + (f", top-1 agreement {c.top1_agreement:.1%}" if c.top1_agreement is not None else "")
+            )
+        return SelfTestReport(
+            passed=not failed,
+            reason=reason,
+            latency_p50_ms=_p50_ms(model, manifest, inputs),
+            outputs=tuple(checks),
+            runtime={str(k): v for k, v in model.runner.describe().items()},
+        )
+    finally:
+        model.close()
+
+
+def _p50_ms(model: Any, manifest: Manifest, inputs: dict[str, np.ndarray]) -> float:
+    """p50 of ``infer`` on one sample (the first), where the batch axis is dynamic."""
+    one = {
+        s.name: inputs[s.name][:1] if s.shape and not isinstance(s.shape[0], int) else inputs[s.name]
+        for s in manifest.signature.inputs
+    }
+    for _ in range(3):
+        model.infer(one)
+    times: list[float] = []
+    deadline = time.perf_counter() + _LATENCY_BUDGET_S
+    while len(times) < _LATENCY_RUNS and (len(times) < 5 or time.perf_counter() < deadline):
+        t0 = time.perf_counter()
+        model.infer(one)
+        times.append((time.perf_counter() - t0) * 1000)
+    return round(statistics.median(times), 4)
+
+
+def _exit_with_parent() -> None:
+    """Stop when the daemon that started us dies (we run in our own session)."""
+    parent = os.getppid()
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os._exit(3)
+
+
+def main(argv: list[str]) -> int:
+    model_dir, options_json, result_path = Path(argv[0]), argv[1], Path(argv[2])
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    try:
+        options = from_data(RuntimeOptions, json.loads(options_json), "runtime", SelfTestError)
+        report = _child(model_dir, options)
+    except Exception as exc:  # entry point of the child: any failure becomes the report
+        report = SelfTestReport(passed=False, reason=f"{type(exc).__name__}: {exc}")
+    tmp = result_path.with_name(result_path.name + ".tmp")
+    tmp.write_bytes(report.to_json())
+    os.replace(tmp, result_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,195 @@
+"""Open Inference Protocol v2 request/response bodies, JSON and the binary tensor data extension.
+
+Binary extension (as ``tritonclient.http`` sends it by default): the body is a JSON header of
+``Inference-Header-Content-Length`` bytes followed by the raw little-endian tensors of every
+input whose ``parameters.binary_data_size`` is set, in input order. Outputs come back the same
+way when asked with ``parameters.binary_data`` (per output) or ``binary_data_output`` (request).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edgekit.bundle.errors import InferenceInputError
+from edgekit.bundle.manifest import TensorSpec
+
+# v2 datatype <-> numpy (little-endian on the wire). BYTES and BF16 are not served by edgekit.
+V2_TO_NUMPY: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype("<u1"),
+    "UINT16": np.dtype("<u2"),
+    "UINT32": np.dtype("<u4"),
+    "UINT64": np.dtype("<u8"),
+    "INT8": np.dtype("<i1"),
+    "INT16": np.dtype("<i2"),
+    "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"),
+    "FP16": np.dtype("<f2"),
+    "FP32": np.dtype("<f4"),
+    "FP64": np.dtype("<f8"),
+}
+# manifest dtype -> v2 datatype
+MANIFEST_TO_V2 = {
+    "bool": "BOOL",
+    "uint8": "UINT8",
+    "int8": "INT8",
+    "int16": "INT16",
+    "int32": "INT32",
+    "int64": "INT64",
+    "float16": "FP16",
+    "float32": "FP32",
+}
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    id: str | None
+    inputs: dict[str, np.ndarray]
+    outputs: tuple[tuple[str, bool], ...] | None  # (name, binary) per requested output; None = all
+    binary_output: bool  # default for outputs not asked for by name
+
+
+def tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
+    return {"name": spec.name, "datatype": MANIFEST_TO_V2[spec.dtype], "shape": spec.v2_shape}
+
+
+def decode_request(
+    body: bytes, header_length: int | None, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]
+) -> InferRequest:
+    """Parse and check a request body against the served signature; raise ``InferenceInputError``."""
+    json_end = len(body) if header_length is None else header_length
+    if not 0 <= json_end <= len(body):
+        raise InferenceInputError(
+            f"Inference-Header-Content-Length {header_length} is outside the {len(body)}-byte body"
+        )
+    try:
+        doc = json.loads(body[:json_end])
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise InferenceInputError(f"request header is not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list):
+        raise InferenceInputError('request must be a JSON object with an "inputs" list')
+    specs = {s.name: s for s in inputs}
+    offset = json_end
+    tensors: dict[str, np.ndarray] = {}
+    for item in doc["inputs"]:
+        name, arr, used = _decode_input(item, specs, body, offset)
+        if name in tensors:
+            raise InferenceInputError(f"input {name!r} is given twice")
+        tensors[name] = arr
+        offset += used
+    if offset != len(body):
+        raise InferenceInputError(
+            f"binary data is {len(body) - json_end} bytes but the inputs declare {offset - json_end} "
+            "(parameters.binary_data_size)"
+        )
+    params = _parameters(doc, "request")
+    req_id = doc.get("id")
+    return InferRequest(
+        id=None if req_id is None else str(req_id),
+        inputs=tensors,
+        outputs=_requested_outputs(doc, {s.name for s in outputs}, params),
+        binary_output=bool(params.get("binary_data_output", False)),
+    )
+
+
+def _requested_outputs(
+    doc: dict[str, Any], out_names: set[str], params: dict[str, Any]
+) -> tuple[tuple[str, bool], ...] | None:
+    if doc.get("outputs") is None:
+        return None
+    if not isinstance(doc["outputs"], list):
+        raise InferenceInputError('"outputs" must be a list')
+    requested = []
+    for item in doc["outputs"]:
+        name = item.get("name") if isinstance(item, dict) else None
+        if not isinstance(name, str) or name not in out_names:
+            raise InferenceInputError(f"unknown output {name!r}; the model has {', '.join(sorted(out_names))}")
+        p = _parameters(item, f"output {name!r}")
+        if "classification" in p:
+            raise InferenceInputError("the classification extension is not supported; ask for the tensor itself")
+        requested.append((name, bool(p.get("binary_data", params.get("binary_data_output", False)))))
+    return tuple(requested)
+
+
+def _decode_input(item: Any, specs: Mapping[str, TensorSpec], body: bytes, offset: int) -> tuple[str, np.ndarray, int]:
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        raise InferenceInputError('every input needs a "name"')
+    name = item["name"]
+    spec = specs.get(name)
+    if spec is None:
+        raise InferenceInputError(f"unknown input {name!r}; the model takes {', '.join(specs)}")
+    datatype, shape = item.get("datatype"), item.get("shape")
+    want = MANIFEST_TO_V2[spec.dtype]
+    if datatype != want:
+        raise InferenceInputError(f"input {name!r}: datatype {datatype!r} given, the model takes {want}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise InferenceInputError(f"input {name!r}: shape must be a list of non-negative integers, got {shape!r}")
+    dtype = V2_TO_NUMPY[datatype]
+    count = math.prod(shape)
+    size = _parameters(item, f"input {name!r}").get("binary_data_size")
+    if size is not None:
+        if not isinstance(size, int) or size != count * dtype.itemsize:
+            raise InferenceInputError(
+                f"input {name!r}: binary_data_size {size!r} does not match shape {shape} of {datatype} "
+                f"({count * dtype.itemsize} bytes)"
+            )
+        if offset + size > len(body):
+            raise InferenceInputError(f"input {name!r}: the body ends before its {size} bytes of binary data")
+        arr = np.frombuffer(body, dtype=dtype, count=count, offset=offset)
+        if not arr.flags.aligned:
+            arr = arr.copy()
+        return name, arr.reshape(shape).astype(dtype.newbyteorder("="), copy=False), size
+    if "data" not in item:
+        raise InferenceInputError(f'input {name!r}: give "data" or parameters.binary_data_size')
+    try:
+        arr = np.asarray(item["data"], dtype=dtype.newbyteorder("="))
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InferenceInputError(f"input {name!r}: data is not a list of {datatype} values ({exc})") from exc
+    if arr.size != count:
+        raise InferenceInputError(f"input {name!r}: {arr.size} values given for shape {shape} ({count} values)")
+    return name, arr.reshape(shape), 0
+
+
+def _parameters(item: Mapping[str, Any], what: str) -> dict[str, Any]:
+    params = item.get("parameters", {})
+    if not isinstance(params, dict):
+        raise InferenceInputError(f"{what}: parameters must be an object")
+    return params
+
+
+def encode_response(
+    model_name: str,
+    version: int,
+    request: InferRequest,
+    results: Mapping[str, np.ndarray],
+    outputs: Sequence[TensorSpec],
+) -> tuple[bytes, int | None]:
+    """The response body and, when it carries binary tensors, its JSON header length."""
+    wanted = request.outputs if request.outputs is not None else tuple((s.name, request.binary_output) for s in outputs)
+    datatypes = {s.name: MANIFEST_TO_V2[s.dtype] for s in outputs}  # ServedModel returns the served dtypes
+    blobs: list[bytes] = []
+    items = []
+    for name, binary in wanted:
+        arr = results[name]
+        item: dict[str, Any] = {"name": name, "datatype": datatypes[name], "shape": list(arr.shape)}
+        if binary:
+            raw = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+            item["parameters"] = {"binary_data_size": len(raw)}
+            blobs.append(raw)
+        else:
+            item["data"] = arr.ravel().tolist()
+        items.append(item)
+    doc: dict[str, Any] = {"model_name": model_name, "model_version": str(version)}
+    if request.id is not None:
+        doc["id"] = request.id
+    doc["outputs"] = items
+    header = json.dumps(doc, separators=(",", ":")).encode()
+    if not blobs:
+        return header, None
+    return header + b"".join(blobs), len(header)

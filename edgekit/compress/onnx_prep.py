@@ -1,0 +1,260 @@
+"""Prepare a source ONNX model once for every target: load and check it, upgrade the opset to
+13+, infer shapes, apply ONNX Runtime's basic graph optimisation, and read the served signature.
+
+The prepared model is numerically the FP32 source model; targets build from it. The served
+signature is always read from the *source* model (names, dtypes, output order, dynamic axes).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgekit.bundle.manifest import DTYPES, Dim, Signature, SourceModel, TensorSpec, sha256_file
+from edgekit.errors import ConfigError, ModelFormatError
+
+# Per-channel QDQ needs DequantizeLinear's ``axis`` (opset 13); see FIELD_NOTES "Quantizing".
+MIN_OPSET = 13
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    path: Path  # prepared FP32 model: opset >= MIN_OPSET, shapes inferred, basic-optimised
+    source_path: Path
+    source: SourceModel
+    served: Signature
+    opset: int  # default-domain opset of the prepared model
+    steps: tuple[str, ...]  # what preparation did, in order (for the manifest notes)
+
+
+def load_onnx(path: Path) -> Any:
+    """Load and check an ONNX model; anything else raises ``ModelFormatError`` saying what to do."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFormatError(f"model {path} does not exist")
+    try:
+        model = onnx.load(str(path))
+    except (DecodeError, ValueError, RuntimeError, OSError) as exc:
+        raise ModelFormatError(
+            f"{path} is not an ONNX model ({type(exc).__name__}: {exc}); export it to ONNX first "
+            "(torch.onnx.export, tf2onnx, ...)"
+        ) from exc
+    if not model.graph.node or not model.graph.output:
+        raise ModelFormatError(
+            f"{path} is not an ONNX model (no graph nodes or outputs were read); export it to ONNX first"
+        )
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelFormatError(f"{path} is not a valid ONNX model: {first}") from exc
+    return model
+
+
+def default_opset(model: Any) -> int:
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            return int(imp.version)
+    raise ModelFormatError("model imports no default-domain (ai.onnx) opset")
+
+
+def served_signature(model: Any) -> Signature:
+    """The source model's interface; unnamed dynamic dims get the name ``<tensor>_dim<axis>``."""
+    initializers = {i.name for i in model.graph.initializer}
+    inputs = tuple(_spec(vi) for vi in model.graph.input if vi.name not in initializers)
+    outputs = tuple(_spec(vi) for vi in model.graph.output)
+    if not inputs:
+        raise ModelFormatError("model has no graph inputs (every input is an initializer)")
+    return Signature(inputs=inputs, outputs=outputs)
+
+
+def _spec(vi: Any) -> TensorSpec:
+    from onnx import helper
+
+    if not vi.type.HasField("tensor_type"):
+        raise ModelFormatError(f"tensor {vi.name!r} is not a tensor (sequence/map types are not served)")
+    tt = vi.type.tensor_type
+    try:
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)).name
+    except KeyError as exc:
+        raise ModelFormatError(f"tensor {vi.name!r} has ONNX element type {tt.elem_type}, which is unknown") from exc
+    if dtype not in DTYPES:
+        raise ModelFormatError(f"tensor {vi.name!r} is {dtype}; served tensors must be one of {', '.join(DTYPES)}")
+    shape: list[Dim] = []
+    for axis, d in enumerate(tt.shape.dim):
+        # paddle2onnx writes dynamic axes as dim_value -1 and dim_param "?" (the same name for
+        # every axis, which would tie them together): both mean "dynamic, unnamed" here
+        if d.HasField("dim_value") and d.dim_value > 0:
+            shape.append(int(d.dim_value))
+        elif d.dim_param and d.dim_param != "?":
+            shape.append(d.dim_param)
+        else:
+            shape.append(f"{vi.name}_dim{axis}")
+    return TensorSpec(vi.name, dtype, tuple(shape), layout=_guess_layout(shape))
+
+
+def _guess_layout(shape: Sequence[Dim]) -> str | None:
+    # Image-like 4-D inputs only; recorded so the device adapters keep NCHW served as NCHW.
+    if len(shape) != 4:
+        return None
+    if shape[1] in (1, 3, 4):
+        return "NCHW"
+    if shape[3] in (1, 3, 4):
+        return "NHWC"
+    return None
+
+
+def prepare_model(source_path: Path, work_dir: Path, progress: Callable[[str], None] | None = None) -> PreparedModel:
+    """Load ``source_path`` and write the prepared FP32 model into ``work_dir``."""
+    import onnx
+
+    say = progress or (lambda _msg: None)
+    source_path = Path(source_path)
+    model = load_onnx(source_path)
+    steps: list[str] = []
+    served = served_signature(model)
+    src_opset = default_opset(model)
+    source = SourceModel(
+        sha256=sha256_file(source_path),
+        filename=source_path.name,
+        opset=src_opset,
+        producer=" ".join(p for p in (model.producer_name, model.producer_version) if p),
+    )
+    work_dir.mkdir(parents=True, exist_ok=True)
+    if src_opset < MIN_OPSET:
+        say(f"upgrading opset {src_opset} -> {MIN_OPSET}")
+        model = upgrade_opset(model, MIN_OPSET)
+        steps.append(f"opset {src_opset}->{MIN_OPSET}")
+    try:
+        model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+        steps.append("onnx shape inference")
+    except onnx.shape_inference.InferenceError as exc:
+        say(f"ONNX shape inference failed ({exc}); continuing with declared shapes")
+    staged = work_dir / "staged.onnx"
+    onnx.save(model, str(staged))
+    prepared = work_dir / "prepared.onnx"
+    steps.extend(_ort_preprocess(staged, prepared, say))
+    final = load_onnx(prepared)
+    return PreparedModel(
+        path=prepared,
+        source_path=source_path,
+        source=source,
+        served=served,
+        opset=default_opset(final),
+        steps=tuple(steps),
+    )
+
+
+def upgrade_opset(model: Any, opset: int) -> Any:
+    import onnx
+    from onnx import version_converter
+
+    try:
+        upgraded = version_converter.convert_version(model, opset)
+        onnx.checker.check_model(upgraded)
+    except (RuntimeError, ValueError, IndexError, onnx.checker.ValidationError) as exc:
+        raise ModelFormatError(
+            f"cannot upgrade the model from opset {default_opset(model)} to {opset} ({exc}); "
+            f"re-export it with opset {opset} or newer"
+        ) from exc
+    return upgraded
+
+
+def _ort_preprocess(src: Path, dst: Path, say: Callable[[str], None]) -> list[str]:
+    """ORT's quant_pre_process: basic graph optimisation, plus symbolic shape inference where
+    ONNX shape inference left tensors without a shape (importing it loads torch when installed,
+    seconds that most CNNs do not need). Falls back without the symbolic pass, which asserts on
+    some real opset-11 graphs (FIELD_NOTES: Concat axis), then without optimisation."""
+    import onnx
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    unshaped = _unshaped_tensors(onnx.load(str(src)))
+    if unshaped:
+        try:
+            quant_pre_process(str(src), str(dst), skip_symbolic_shape=False)
+            return ["ort basic optimisation", f"symbolic shape inference ({len(unshaped)} tensors lacked shapes)"]
+        except Exception as exc:  # symbolic shape inference raises bare Exception/AssertionError: retry without it
+            say(f"symbolic shape inference failed ({type(exc).__name__}: {exc}); retrying without it")
+    try:
+        quant_pre_process(str(src), str(dst), skip_symbolic_shape=True)
+        return ["ort basic optimisation"] + (["symbolic shape inference failed; skipped"] if unshaped else [])
+    except Exception as exc:  # ORT's optimiser raises Fail/RuntimeError types it does not export
+        say(f"ORT graph optimisation failed ({type(exc).__name__}: {exc}); using the model unoptimised")
+    shutil.copyfile(src, dst)
+    return ["ort optimisation skipped"]
+
+
+def _unshaped_tensors(model: Any) -> list[str]:
+    """Node outputs of the main graph that shape inference gave no rank."""
+    shaped = {
+        vi.name
+        for vi in (*model.graph.value_info, *model.graph.output)
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")
+    }
+    return [o for n in model.graph.node for o in n.output if o and o not in shaped]
+
+
+def resolve_static_shapes(
+    served: Signature,
+    calib: Mapping[str, np.ndarray],
+    given: Mapping[str, Sequence[int]] | None,
+) -> dict[str, tuple[int, ...]]:
+    """Static input shapes for targets that need them: ``given`` (``--input-shape``), else the
+    model's fixed dims with batch 1 and the other dynamic dims taken from the calibration data."""
+    given = dict(given or {})
+    names = [s.name for s in served.inputs]
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"--input-shape {unknown[0]}: the model has no input {unknown[0]!r} (inputs: {', '.join(names)})"
+        )
+    out: dict[str, tuple[int, ...]] = {}
+    for spec in served.inputs:
+        if spec.name in given:
+            shape = tuple(int(d) for d in given[spec.name])
+            if (
+                len(shape) != len(spec.shape)
+                or any(isinstance(d, int) and d != s for d, s in zip(spec.shape, shape, strict=True))
+                or any(s < 1 for s in shape)
+            ):
+                raise ConfigError(
+                    f"--input-shape {spec.name}={'x'.join(map(str, shape))} does not fit the model's input "
+                    f"{spec.name} {_fmt_shape(spec.shape)}"
+                )
+            out[spec.name] = shape
+            continue
+        sample = calib[spec.name].shape
+        dims = []
+        for axis, d in enumerate(spec.shape):
+            if isinstance(d, int):
+                dims.append(d)
+            elif axis == 0:
+                dims.append(1)
+            else:
+                dims.append(int(sample[axis]))
+        out[spec.name] = tuple(dims)
+    return out
+
+
+def parse_input_shape(text: str) -> tuple[str, tuple[int, ...]]:
+    """``"input=1x3x224x224"`` -> ``("input", (1, 3, 224, 224))``."""
+    name, sep, dims = text.rpartition("=")
+    try:
+        shape = tuple(int(d) for d in dims.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not sep or not name or not shape or any(d < 1 for d in shape):
+        raise ConfigError(f"--input-shape {text!r}: expected NAME=DIMxDIMx... such as input=1x3x224x224")
+    return name, shape
+
+
+def _fmt_shape(shape: Sequence[Dim]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"

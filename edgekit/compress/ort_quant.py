@@ -1,0 +1,228 @@
+"""ONNX Runtime quantization: static INT8 (QDQ / QOperator) calibrated on arrays, dynamic INT8
+and 4-bit block-wise (MatMulNBits) weight quantization of MatMul weights.
+
+Calibration follows ORT's ``CalibrationDataReader.get_next`` protocol. Calibrated ranges are
+cached per method in a JSON file (ORT's ``calibration_cache_path``), so trying several
+quantization settings calibrates once per method.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from edgekit.errors import UnsupportedOpError
+from edgekit.validate.calib import iter_batches, sample_count
+
+CalibrationName = Literal["minmax", "percentile", "entropy"]
+ActivationName = Literal["uint8", "int8"]
+FormatName = Literal["qdq", "qoperator"]
+
+
+@dataclass(frozen=True)
+class StaticQuantConfig:
+    """One static INT8 configuration; weights are always signed int8."""
+
+    activations: ActivationName = "uint8"
+    per_channel: bool = True
+    quant_format: FormatName = "qdq"
+    calibration: CalibrationName = "minmax"
+    reduce_range: bool = False
+    percentile: float = 99.999
+
+    @property
+    def label(self) -> str:
+        act = "u8s8" if self.activations == "uint8" else "s8s8"
+        gran = "per-channel" if self.per_channel else "per-tensor"
+        calib = f"percentile {self.percentile}" if self.calibration == "percentile" else self.calibration
+        rr = " reduce-range" if self.reduce_range else ""
+        return f"ort-static {self.quant_format} {act} {gran} {calib}{rr}"
+
+
+class ArrayCalibrationReader:
+    """ORT ``CalibrationDataReader``: ``get_next()`` returns one feed dict, then ``None``."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], batch: int = 1) -> None:
+        self.arrays = arrays
+        self.batch = batch
+        self.rewind()
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._it, None)
+
+    def rewind(self) -> None:
+        self._it = iter_batches(self.arrays, self.batch)
+
+    def __len__(self) -> int:
+        n = sample_count(self.arrays)
+        return (n + self.batch - 1) // self.batch
+
+    def __iter__(self) -> Any:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        feed = self.get_next()
+        if feed is None:
+            raise StopIteration
+        return feed
+
+
+def quantize_static_int8(
+    model_path: Path,
+    out_path: Path,
+    calib: Mapping[str, np.ndarray],
+    config: StaticQuantConfig,
+    cache_dir: Path,
+    batch: int = 1,
+) -> Path:
+    """Static INT8 quantization of ``model_path`` (prepared FP32, opset >= 13) to ``out_path``."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    methods = {
+        "minmax": CalibrationMethod.MinMax,
+        "percentile": CalibrationMethod.Percentile,
+        "entropy": CalibrationMethod.Entropy,
+    }
+    extra: dict[str, Any] = {}
+    if config.calibration == "percentile":
+        extra["CalibPercentile"] = config.percentile
+    suffix = f"-{config.percentile}" if config.calibration == "percentile" else ""
+    cache = Path(cache_dir) / f"ranges-{config.calibration}{suffix}.json"
+    if config.calibration != "minmax":
+        # ORT's histogram collector stacks per-batch outputs with np.asarray and fails on a
+        # shorter last batch ("inhomogeneous shape"); one sample per call keeps shapes equal.
+        batch = 1
+    reader = None if cache.is_file() else ArrayCalibrationReader(calib, batch)
+    # ORT's calibrators print progress to stdout, which belongs to the CLI's table; keep it out.
+    with contextlib.redirect_stdout(io.StringIO()):
+        quantize_static(
+            str(model_path),
+            str(out_path),
+            calibration_data_reader=reader,  # type: ignore[arg-type]  # duck-typed CalibrationDataReader
+            quant_format=QuantFormat.QDQ if config.quant_format == "qdq" else QuantFormat.QOperator,
+            per_channel=config.per_channel,
+            reduce_range=config.reduce_range,
+            activation_type=QuantType.QUInt8 if config.activations == "uint8" else QuantType.QInt8,
+            weight_type=QuantType.QInt8,
+            calibrate_method=methods[config.calibration],
+            calibration_providers=["CPUExecutionProvider"],
+            extra_options=extra,
+            calibration_cache_path=str(cache),
+        )
+    return Path(out_path)
+
+
+def op_types(model: Any) -> set[str]:
+    return {n.op_type for n in model.graph.node}
+
+
+def gemm_to_matmul(model: Any) -> tuple[Any, int]:
+    """Rewrite ``Gemm`` nodes with a constant B as ``MatMul`` (+ ``Add``), which ORT's weight
+    quantizers take (they do not take Gemm). Numerically the same. Returns (model, count)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    inits = {i.name: i for i in model.graph.initializer}
+    new_nodes, count = [], 0
+    for node in model.graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        bias = node.input[2] if len(node.input) > 2 and node.input[2] else ""
+        beta = float(attrs.get("beta", 1.0))
+        if (
+            node.op_type != "Gemm"
+            or node.input[1] not in inits
+            or attrs.get("transA", 0)
+            or (bias and beta != 1.0 and bias not in inits)  # a scaled computed bias: leave this Gemm alone
+        ):
+            new_nodes.append(node)
+            continue
+        w = numpy_helper.to_array(inits[node.input[1]])
+        if attrs.get("transB", 0):
+            w = w.T
+        w = (w * float(attrs.get("alpha", 1.0))).astype(w.dtype)
+        base = node.name or node.output[0]
+        w_name = f"{base}_matmul_weight"
+        model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w), w_name))
+        mm_out = f"{base}_matmul_out" if bias else node.output[0]
+        new_nodes.append(helper.make_node("MatMul", [node.input[0], w_name], [mm_out], name=f"{base}_matmul"))
+        if bias:
+            if beta != 1.0:
+                scaled = (numpy_helper.to_array(inits[bias]) * beta).astype(np.float32)
+                bias = f"{base}_bias_scaled"
+                model.graph.initializer.append(numpy_helper.from_array(scaled, bias))
+            new_nodes.append(helper.make_node("Add", [mm_out, bias], [node.output[0]], name=f"{base}_bias"))
+        count += 1
+    del model.graph.node[:]
+    model.graph.node.extend(new_nodes)
+    used = _used_names(model.graph) | {o.name for o in model.graph.output}
+    kept = [i for i in model.graph.initializer if i.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    return model, count
+
+
+def _used_names(graph: Any) -> set[str]:
+    """Tensor names read by the nodes of ``graph`` and of its subgraphs (If/Loop/Scan bodies)."""
+    names: set[str] = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attr in node.attribute:
+            for sub in (*([attr.g] if attr.HasField("g") else []), *attr.graphs):
+                names |= _used_names(sub)
+    return names
+
+
+def _matmul_model(model_path: Path, precision: str) -> Any:
+    """The prepared model with Gemm rewritten; refuses a model with no MatMul weights."""
+    import onnx
+
+    model, _ = gemm_to_matmul(onnx.load(str(model_path)))
+    inits = {i.name for i in model.graph.initializer}
+    if not any(n.op_type == "MatMul" and n.input[1] in inits for n in model.graph.node):
+        ops = ", ".join(sorted(op_types(model)))
+        raise UnsupportedOpError(
+            f"--precision {precision} quantizes MatMul/Gemm weights, and this model has no MatMul or Gemm with "
+            f"constant weights (ops: {ops}); use --precision int8 (static, quantizes Conv too) or fp16"
+        )
+    return model
+
+
+def quantize_weights_int8(model_path: Path, out_path: Path) -> Path:
+    """Dynamic INT8: MatMul weights int8, activations quantized per call (uint8) by ORT."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    model = _matmul_model(model_path, "int8-weights")
+    staged = Path(out_path).with_suffix(".matmul.onnx")
+    onnx.save(model, str(staged))
+    quantize_dynamic(str(staged), str(out_path), op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8)
+    staged.unlink()
+    return Path(out_path)
+
+
+def quantize_weights_int4(
+    model_path: Path, out_path: Path, block_size: int = 32, symmetric: bool = True, accuracy_level: int | None = None
+) -> Path:
+    """4-bit block-wise MatMul weights (``MatMulNBits``), activations stay FP32."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    model = _matmul_model(model_path, "int4-weights")
+    quant = MatMulNBitsQuantizer(
+        model, bits=4, block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level
+    )
+    quant.process()
+    onnx.save(quant.model.model, str(out_path))
+    if "MatMulNBits" not in op_types(quant.model.model):
+        raise UnsupportedOpError(
+            "--precision int4-weights: ONNX Runtime quantized no MatMul (weights too small or of an unsupported "
+            "shape for 4-bit blocks); use --precision int8-weights"
+        )
+    return Path(out_path)

@@ -1,0 +1,120 @@
+"""The fleet subcommands of ``edgekit``: ``publish`` and ``fleet status``.
+
+``edgekit.cli`` calls ``register(subparsers)``; each subcommand sets ``func`` (``args -> exit
+code``) and raises ``EdgekitError`` subclasses for the CLI entry point to print.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from device_agents.updates.connection import BrokerAddress
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]  # argparse keeps it generic-less
+    publish = subparsers.add_parser(
+        "publish",
+        help="publish a bundle to devices over MQTT (desired state) and HTTP(S) (the file)",
+        description=(
+            "Verify BUNDLE, optionally copy it where an HTTP(S) server serves --base-url, and publish its "
+            "desired-state notice retained (QoS 1) on edgekit/<fleet>/<device>/desired or "
+            "edgekit/<fleet>/group/<group>/desired."
+        ),
+    )
+    publish.add_argument("bundle", type=Path, help="the signed .ekb bundle")
+    _fleet_arguments(publish)
+    publish.add_argument("--device", action="append", default=[], metavar="ID", help="device id (repeatable)")
+    publish.add_argument("--group", action="append", default=[], metavar="NAME", help="device group (repeatable)")
+    publish.add_argument(
+        "--rollout",
+        type=int,
+        default=100,
+        metavar="PERCENT",
+        help="share of devices to update, by a stable hash of the device id",
+    )
+    publish.add_argument("--base-url", required=True, metavar="URL", help="where devices download the bundle from")
+    publish.add_argument(
+        "--copy-to", type=Path, metavar="DIR", help="directory that the HTTP server serves at --base-url"
+    )
+    publish.add_argument(
+        "--trusted-key",
+        type=Path,
+        action="append",
+        required=True,
+        metavar="PUB",
+        help="public key the bundle must verify with",
+    )
+    publish.set_defaults(func=_publish)
+
+    fleet = subparsers.add_parser("fleet", help="look at a fleet of devices", description="Fleet commands.")
+    fleet_commands = fleet.add_subparsers(dest="fleet_command", required=True, metavar="COMMAND")
+    status = fleet_commands.add_parser(
+        "status",
+        help="every device's reported state as a table",
+        description="Read the retained edgekit/<fleet>/+/reported messages and print one row per device.",
+    )
+    _fleet_arguments(status)
+    status.add_argument("--wait-s", type=float, default=1.0, help="how long to collect retained messages (default 1 s)")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.set_defaults(func=_status)
+
+    from edgekit.fleet import fileserver
+
+    serve = fleet_commands.add_parser(
+        "serve",
+        help="serve a directory over HTTP with Range support (single box and tests)",
+        description=fileserver.__doc__.splitlines()[0] if fileserver.__doc__ else None,
+    )
+    fileserver.add_arguments(serve)
+    serve.set_defaults(func=fileserver.run)
+
+
+def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--broker", required=True, metavar="URL", help="mqtt://HOST:PORT or mqtts://HOST:PORT")
+    parser.add_argument("--fleet", required=True, help="fleet name (a topic level)")
+    parser.add_argument("--ca", type=Path, help="CA certificate of the broker (mqtts)")
+    parser.add_argument("--cert", type=Path, help="client certificate (mqtts)")
+    parser.add_argument("--key", type=Path, help="client private key (mqtts)")
+    parser.add_argument("--timeout-s", type=float, default=10.0, help="give up on the broker after this long")
+
+
+def _address(args: argparse.Namespace) -> BrokerAddress:
+    return BrokerAddress.parse(args.broker, ca=args.ca, cert=args.cert, key=args.key)
+
+
+def _publish(args: argparse.Namespace) -> int:
+    from edgekit.fleet.publish import PublishOptions, publish
+
+    options = PublishOptions(
+        broker=_address(args),
+        fleet=args.fleet,
+        base_url=args.base_url,
+        trusted_keys=tuple(args.trusted_key),
+        devices=tuple(args.device),
+        groups=tuple(args.group),
+        rollout_percent=args.rollout,
+        copy_to=args.copy_to,
+        timeout_s=args.timeout_s,
+    )
+    done = publish(args.bundle, options)
+    n = done.notice
+    if done.copied_to is not None:
+        print(f"copied {args.bundle} to {done.copied_to}")
+    for topic in done.topics:
+        print(f"published {n.name} v{n.version} (notice {n.notice_id}, rollout {n.rollout_percent}%) on {topic}")
+    print(f"devices download {n.url} ({n.size_bytes} bytes, sha256 {n.sha256})")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from edgekit.fleet.status import format_json, format_table, read_status
+
+    rows = read_status(_address(args), args.fleet, window_s=args.wait_s, timeout_s=args.timeout_s)
+    if args.json:
+        print(format_json(rows))
+    elif rows:
+        print(format_table(rows))
+    else:
+        print(f"no device of fleet {args.fleet} has reported yet")
+    return 0

@@ -1,0 +1,567 @@
+"""The host packaging pipeline: one source model -> one signed ``.ekb`` bundle per target.
+
+Order of work (bad combinations are rejected before any conversion starts):
+
+1. check arguments: targets, precision per target, target options, signing key, version;
+2. prepare the model once (``compress.onnx_prep``) and read the served signature;
+3. check calibration / evaluation data and labels; hold out part of the calibration data
+   for evaluation when no ``eval`` is given; compute FP32 reference outputs once;
+4. per target: ``check_model``, ``build``, then validate the artifact through the *device*
+   runtime (``device_agents.runtimes.load_model``) when it runs here, else through the target's
+   intermediate; time it side by side with FP32; write golden vectors; fill and sign the
+   manifest; write ``OUTDIR/<name>-<target>-v<version>.ekb``.
+
+An artifact outside the tolerance produces no bundle (unless ``force``) and raises
+``PackageValidationError`` once every target was tried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import platform
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgekit.bundle import file_entries, key_id, load_private_key, write_bundle
+from edgekit.bundle.manifest import (
+    MANIFEST_NAME,
+    SCHEMA_VERSION,
+    SIGNATURE_NAME,
+    FileEntry,
+    Golden,
+    Manifest,
+    Signature,
+    TensorSpec,
+    Tolerance,
+    Validation,
+    utc_now,
+)
+from edgekit.errors import CalibrationDataError, ConfigError, EdgekitError, ValidationFailedError
+from edgekit.targets import PRECISIONS, BuildContext, BuildResult, Target, get_target, parse_targets
+from edgekit.targets.options import check_option_targets, resolve_options
+from edgekit.validate.calib import (
+    ArraysLike,
+    check_arrays,
+    fixed_batch,
+    load_arrays,
+    load_labels,
+    sample_count,
+    split_holdout,
+    take,
+)
+from edgekit.validate.latency import call_with, p50_side_by_side
+from edgekit.validate.metrics import MEASURES, Comparison, Kind, RunFn, compare, output_kind, run_all, tolerance_with
+from edgekit.validate.ort_runner import ort_cpu_runner
+from edgekit.validate.table import format_table
+
+GOLDEN_FILE = "golden.npz"
+GOLDEN_COUNT = 4
+EVAL_BATCH = 16
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the validation table (one target): what the manifest records, and the bundle."""
+
+    target: str
+    precision: str  # CLI name (int8)
+    label: str  # weights/activations (w8a8)
+    method: str
+    validation: Validation
+    failures: tuple[str, ...] = ()
+    bundle: Path | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.validation.passed
+
+
+@dataclass(frozen=True)
+class PackageResult:
+    bundles: dict[str, Path]  # target -> written .ekb
+    rows: tuple[Row, ...]
+    manifests: dict[str, Manifest]  # target -> signed manifest (also for failed targets under force)
+
+    def table(self) -> str:
+        return format_table(self.rows)
+
+
+class PackageValidationError(ValidationFailedError):
+    """One or more targets failed the validation gate; ``result`` holds what was done."""
+
+    def __init__(self, message: str, result: PackageResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every target of one ``package`` call shares: data, FP32 reference, gate."""
+
+    served: Signature
+    kind: Kind
+    tolerance: Tolerance
+    calib: dict[str, np.ndarray]
+    eval: dict[str, np.ndarray]
+    labels: np.ndarray | None
+    reference: dict[str, np.ndarray]
+    fp32: RunFn
+    source_size: int
+    steps: tuple[str, ...]
+    say: Callable[[str], None]
+
+
+def package(
+    model: str | Path,
+    targets: str | Sequence[str] = ("cpu",),
+    precision: str = "int8",
+    calib: ArraysLike | None = None,
+    eval: ArraysLike | None = None,
+    labels: str | Path | Any | None = None,
+    key: str | Path | None = None,
+    name: str | None = None,
+    version: int = 1,
+    out_dir: str | Path = ".",
+    tolerance: Tolerance | Mapping[str, Any] | None = None,
+    force: bool = False,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    expires: datetime | timedelta | str | None = None,
+    progress: Callable[[str], None] | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> PackageResult:
+    """Package ``model`` (ONNX) for ``targets`` and write one signed bundle per target.
+
+    ``calib``: ``.npz`` path or mapping input name -> array (samples on axis 0). ``eval``: same,
+    held-out data; without it every 5th calibration sample is held out. ``labels``: class
+    indices of the evaluation samples (``.npy`` or array). ``tolerance``: overrides of
+    ``Tolerance`` fields. ``options``: target -> that target's ``Options`` (or a mapping of its
+    fields). ``expires``: a time, a time from now, or an ISO 8601 string.
+    """
+    say = progress or (lambda _msg: None)
+    names = parse_targets(targets) if isinstance(targets, str) else parse_targets(",".join(targets))
+    chosen = {t: _check_precision(get_target(t), precision) for t in names}
+    options = dict(options or {})
+    check_option_targets(options, names)
+    target_options = {t: resolve_options(t, chosen[t].Options, options.get(t)) for t in names}
+    tol = tolerance_with(tolerance)
+    if key is None:
+        raise ConfigError("package: a signing key is required (--key); make one with `edgekit keygen`")
+    private_key = load_private_key(Path(key))
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ConfigError(f"--version must be an integer >= 1, got {version!r}")
+    if calib is None:
+        raise CalibrationDataError("package: calibration data is required (--calib CALIB.npz)")
+    model = Path(model)
+    name = name or _name_from(model)
+    _check_name(name)
+    expires_at = _expires(expires)
+    out_dir = Path(out_dir)
+    for t in names:
+        dest = out_dir / f"{name}-{t}-v{version}.ekb"
+        if dest.exists() and not force:
+            raise ConfigError(f"{dest} already exists; publish a higher --version, remove it, or pass --force")
+
+    from edgekit.compress.onnx_prep import prepare_model, resolve_static_shapes
+
+    with tempfile.TemporaryDirectory(prefix="edgekit-package-") as tmp:
+        work = Path(tmp)
+        say(f"preparing {model.name}")
+        prepared = prepare_model(model, work / "prepared", say)
+        calib_arrays, eval_arrays, eval_labels = _load_data(prepared.served, calib, eval, labels, input_shapes, say)
+        fp32 = ort_cpu_runner(model)  # the FP32 source, as the device runtime would open it
+        say(f"fp32 reference on {sample_count(eval_arrays)} evaluation samples")
+        run = _Run(
+            served=prepared.served,
+            kind=output_kind(prepared.served),
+            tolerance=tol,
+            calib=calib_arrays,
+            eval=eval_arrays,
+            labels=eval_labels,
+            reference=run_all(fp32, eval_arrays, _batch(prepared.served, static=False)),
+            fp32=fp32,
+            source_size=model.stat().st_size,
+            steps=prepared.steps,
+            say=say,
+        )
+        static_shapes = resolve_static_shapes(prepared.served, run.calib, input_shapes)
+        for t in names:
+            chosen[t].check_model(prepared.path)
+        bundles: dict[str, Path] = {}
+        manifests: dict[str, Manifest] = {}
+        rows: list[Row] = []
+        failed: list[tuple[str, Comparison, tuple[str, ...]]] = []
+        for t in names:
+            target_dir = work / t
+            ctx = BuildContext(
+                model_path=prepared.path,
+                served=prepared.served,
+                precision=precision,
+                calib=run.calib,
+                static_shapes=static_shapes,
+                out_dir=target_dir / "bundle",
+                work_dir=target_dir / "work",
+                options=target_options[t],
+                progress=say,
+                evaluate=_evaluator(run, prepared.served),
+            )
+            ctx.out_dir.mkdir(parents=True)
+            ctx.work_dir.mkdir(parents=True)
+            say(f"[{t}] building {precision}")
+            result = chosen[t].build(ctx)
+            manifest, comparison, row = _validate_and_describe(
+                t, precision, result, ctx, run, prepared.source, name, version, expires_at, private_key, static_shapes
+            )
+            if not comparison.passed:
+                failed.append((t, comparison, result.notes))
+            if comparison.passed or force:
+                dest = out_dir / f"{name}-{t}-v{version}.ekb"
+                bundles[t] = write_bundle(manifest, ctx.out_dir, private_key, dest)
+                manifests[t] = manifest
+                say(f"[{t}] wrote {dest}")
+            rows.append(dataclasses.replace(row, bundle=bundles.get(t)))
+    result_all = PackageResult(bundles=bundles, rows=tuple(rows), manifests=manifests)
+    if failed and not force:
+        raise PackageValidationError(_failure_message(failed, precision), result_all)
+    return result_all
+
+
+# -- arguments -----------------------------------------------------------------------------
+
+
+def _check_precision(target: Target, precision: str) -> Target:
+    if precision not in PRECISIONS:
+        near = difflib.get_close_matches(precision, PRECISIONS, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ConfigError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}{hint}")
+    if precision not in target.precisions:
+        near = difflib.get_close_matches(precision, target.precisions, n=1, cutoff=0.3)
+        hint = f"; nearest: {near[0]!r}" if near else ""
+        raise ConfigError(
+            f"--precision {precision!r} is not available for target {target.name!r} "
+            f"(it builds {', '.join(target.precisions)}){hint}"
+        )
+    return target
+
+
+def _name_from(model: Path) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in model.stem) or "model"
+
+
+def _check_name(name: str) -> None:
+    if not name or not all(c.isalnum() or c in "-_." for c in name):
+        raise ConfigError(f"--name {name!r}: use letters, digits, '-', '_' or '.'")
+
+
+def _expires(value: datetime | timedelta | str | None) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        value = datetime.now(timezone.utc) + value
+    if isinstance(value, str):
+        from edgekit.bundle.manifest import parse_time
+
+        try:
+            value = parse_time(value)
+        except EdgekitError as exc:
+            raise ConfigError(f"expires: {value!r} is not an ISO 8601 time") from exc
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=timezone.utc)
+    if value <= datetime.now(timezone.utc):
+        raise ConfigError(f"expires: {value.isoformat()} is in the past")
+    return value.astimezone(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+# -- data ----------------------------------------------------------------------------------
+
+
+def _load_data(
+    served: Signature,
+    calib: ArraysLike,
+    eval_data: ArraysLike | None,
+    labels: Any,
+    input_shapes: Mapping[str, Sequence[int]] | None,
+    say: Callable[[str], None],
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray | None]:
+    """Checked calibration and evaluation arrays, and the evaluation labels."""
+    check_against = _with_static_inputs(served, input_shapes) if input_shapes else served
+    calib_arrays = check_arrays(load_arrays(calib, "calibration data"), check_against, "calibration data")
+    if eval_data is not None:
+        eval_arrays = check_arrays(load_arrays(eval_data, "evaluation data"), check_against, "evaluation data")
+        eval_labels = None if labels is None else load_labels(labels, sample_count(eval_arrays))
+    else:
+        all_labels = None if labels is None else load_labels(labels, sample_count(calib_arrays))
+        calib_arrays, eval_arrays, eval_labels = split_holdout(calib_arrays, all_labels)
+        say(
+            f"no evaluation data given: holding out {sample_count(eval_arrays)} of "
+            f"{sample_count(eval_arrays) + sample_count(calib_arrays)} calibration samples for validation"
+        )
+    batch = fixed_batch(served)
+    for what, arrays in (("calibration data", calib_arrays), ("evaluation data", eval_arrays)):
+        if batch and sample_count(arrays) % batch:
+            raise CalibrationDataError(
+                f"{what}: {sample_count(arrays)} samples is not a multiple of the model's fixed batch {batch}"
+            )
+    return calib_arrays, eval_arrays, eval_labels
+
+
+def _with_static_inputs(served: Signature, shapes: Mapping[str, Sequence[int]] | None) -> Signature:
+    """``served`` with the given input shapes fixed (axis 0, the samples axis, stays as it was)."""
+    shapes = shapes or {}
+    inputs = []
+    for spec in served.inputs:
+        if spec.name in shapes and len(shapes[spec.name]) == len(spec.shape):
+            dims = (spec.shape[0], *(int(d) for d in shapes[spec.name][1:]))
+            spec = dataclasses.replace(spec, shape=dims)
+        inputs.append(spec)
+    return dataclasses.replace(served, inputs=tuple(inputs))
+
+
+def _batch(served: Signature, static: bool) -> int:
+    return fixed_batch(served) or (1 if static else EVAL_BATCH)
+
+
+def _evaluator(run: _Run, served: Signature) -> Callable[[RunFn], Comparison]:
+    # One sample at a time: a target may hand in a candidate that takes static shapes only.
+    batch = _batch(served, static=True)
+
+    def evaluate(fn: RunFn) -> Comparison:
+        outputs = run_all(fn, run.eval, batch)
+        return compare(run.reference, outputs, run.kind, run.tolerance, run.labels)
+
+    return evaluate
+
+
+# -- validation, golden vectors, manifest ----------------------------------------------------
+
+
+def _validate_and_describe(
+    target: str,
+    precision: str,
+    result: BuildResult,
+    ctx: BuildContext,
+    run: _Run,
+    source: Any,
+    name: str,
+    version: int,
+    expires: str | None,
+    private_key: Any,
+    static_shapes: Mapping[str, tuple[int, ...]],
+) -> tuple[Manifest, Comparison, Row]:
+    for path in result.files:
+        if path in (GOLDEN_FILE, MANIFEST_NAME, SIGNATURE_NAME):
+            raise EdgekitError(f"target {target} wrote {path!r}, a name the packager owns")
+    served = _static_signature(run.served, static_shapes) if result.static else run.served
+    artifact_files = file_entries(ctx.out_dir, result.files)
+    size = sum(f.size_bytes for f in artifact_files if f.role == "artifact")
+    provisional = _manifest(
+        name,
+        version,
+        target,
+        result,
+        served,
+        source,
+        (*artifact_files, _placeholder_golden()),
+        _placeholder_validation(run),
+        Golden(file=GOLDEN_FILE, count=0),
+        expires,
+        private_key,
+    )
+    batch = _batch(served, result.static)
+    latency: dict[str, float] = {}
+    served_model = None
+    if result.runnable_here:
+        from device_agents.runtimes import load_model
+
+        served_model = load_model(ctx.out_dir, provisional)
+        fn: RunFn = served_model.infer
+        measured_on = _host_description(served_model.runner.describe())
+    elif result.intermediate is not None:
+        fn = result.intermediate
+        measured_on = f"intermediate ({result.intermediate_name or 'target-provided'}) on the host"
+    else:
+        raise EdgekitError(f"target {target} can neither run its artifact here nor gave an intermediate to validate")
+    try:
+        run.say(f"[{target}] validating on {sample_count(run.eval)} held-out samples ({measured_on})")
+        outputs = run_all(fn, run.eval, batch)
+        comparison = compare(run.reference, outputs, run.kind, run.tolerance, run.labels)
+        if served_model is not None:
+            one = take(run.eval, 0, batch if fixed_batch(served) else 1)
+            run.say(f"[{target}] timing the artifact side by side with fp32")
+            latency = p50_side_by_side(
+                {"fp32": call_with(run.fp32, one), "artifact": call_with(served_model.infer, one)}, repeats=20
+            )
+        golden = _write_golden(ctx.out_dir, run, served, fn if served_model is not None else None, comparison)
+    finally:
+        if served_model is not None:
+            served_model.close()
+    files = file_entries(ctx.out_dir, {**result.files, GOLDEN_FILE: "golden"})
+    validation = Validation(
+        passed=comparison.passed,
+        kind=comparison.kind,
+        samples=comparison.samples,
+        tolerance=run.tolerance,
+        **{k: getattr(comparison, k) for k in MEASURES},
+        size_bytes=size,
+        size_ratio=size / run.source_size if run.source_size else None,
+        latency_p50_ms=latency.get("artifact"),
+        fp32_latency_p50_ms=latency.get("fp32"),
+        measured_on=measured_on,
+        notes=(*(f"prepared: {s}" for s in run.steps), *result.notes, *comparison.failures),
+    )
+    manifest = _manifest(name, version, target, result, served, source, files, validation, golden, expires, private_key)
+    row = Row(target, precision, result.precision.label, result.precision.method, validation, comparison.failures)
+    return manifest, comparison, row
+
+
+def _write_golden(
+    out_dir: Path, run: _Run, served: Signature, artifact: RunFn | None, comparison: Comparison
+) -> Golden:
+    """A few evaluation samples with expected outputs: the artifact's own where it runs here
+    (tight tolerance), else FP32 outputs under the validation tolerance."""
+    fixed = fixed_batch(served)
+    count = fixed or min(GOLDEN_COUNT, sample_count(run.eval))
+    inputs = take(run.eval, 0, count)
+    if artifact is not None:
+        expected = {k: np.asarray(v) for k, v in artifact(inputs).items()}
+        # Another CPU's kernels (e.g. int8 without VNNI) may differ from this host's by about as much
+        # as the artifact differs from FP32; a tighter atol would fail healthy devices.
+        atol = max(1e-3, comparison.max_abs_error or 0.0)
+        golden = Golden(file=GOLDEN_FILE, count=count, min_cosine=0.99, atol=_round_up(atol), rtol=1e-2)
+    else:
+        expected = {k: v[:count] for k, v in run.reference.items()}
+        t = run.tolerance
+        golden = Golden(
+            file=GOLDEN_FILE,
+            count=count,
+            min_cosine=t.min_cosine if t.min_cosine is not None else 0.96,
+            atol=_round_up(max(1e-3, 2 * (comparison.max_abs_error or 0.0))),
+            rtol=0.1,
+            min_top1_agreement=t.min_top1_agreement if run.kind == "classifier" else None,
+        )
+    arrays = {f"in_{k}": v for k, v in inputs.items()} | {f"out_{k}": v for k, v in expected.items()}
+    np.savez(out_dir / GOLDEN_FILE, **arrays)  # type: ignore[arg-type]  # numpy's savez kwargs stub is too narrow
+    return golden
+
+
+def _round_up(x: float) -> float:
+    """``x`` to 3 significant digits, rounded up (a tolerance must not shrink below what was seen)."""
+    if x <= 0:
+        return 0.0
+    scale = 10.0 ** (math.floor(math.log10(x)) - 2)
+    return float(f"{math.ceil(x / scale) * scale:.3g}")
+
+
+def _static_signature(served: Signature, shapes: Mapping[str, tuple[int, ...]]) -> Signature:
+    """Inputs fixed to ``shapes``; output dims named like a now-fixed input dim take its size."""
+    fixed: dict[str, int] = {}
+    inputs = []
+    for spec in served.inputs:
+        shape = shapes.get(spec.name)
+        if shape is None:
+            inputs.append(spec)
+            continue
+        for d, s in zip(spec.shape, shape, strict=True):
+            if isinstance(d, str):
+                fixed[d] = s
+        inputs.append(dataclasses.replace(spec, shape=tuple(shape)))
+    outputs = tuple(
+        dataclasses.replace(o, shape=tuple(fixed.get(d, d) if isinstance(d, str) else d for d in o.shape))
+        for o in served.outputs
+    )
+    return Signature(inputs=tuple(inputs), outputs=outputs)
+
+
+def _placeholder_golden() -> FileEntry:
+    # The provisional manifest only opens the artifact; the runtime never reads the golden file.
+    return FileEntry(path=GOLDEN_FILE, size_bytes=0, sha256="0" * 64, role="golden")
+
+
+def _placeholder_validation(run: _Run) -> Validation:
+    return Validation(passed=False, kind=run.kind, samples=0, tolerance=run.tolerance)
+
+
+def _manifest(
+    name: str,
+    version: int,
+    target: str,
+    result: BuildResult,
+    served: Signature,
+    source: Any,
+    files: Sequence[FileEntry],
+    validation: Validation,
+    golden: Golden,
+    expires: str | None,
+    private_key: Any,
+) -> Manifest:
+    return Manifest(
+        schema_version=SCHEMA_VERSION,
+        name=name,
+        version=version,
+        created=utc_now(),
+        expires=expires,
+        signer_key_id=key_id(private_key.public_key()),
+        target=target,
+        compatibility=result.compatibility,
+        source=source,
+        files=tuple(files),
+        signature=served,
+        artifact_signature=_artifact_signature(result, served),
+        mapping=result.mapping,
+        precision=result.precision,
+        validation=validation,
+        golden=golden,
+        op_placement=result.op_placement,
+        target_options=dict(result.target_options),
+    )
+
+
+def _artifact_signature(result: BuildResult, served: Signature) -> Signature:
+    # A target that keeps the served interface (e.g. cpu) returns ``served`` as its artifact
+    # signature; under static shapes the artifact is then as static as the served one.
+    if result.static and result.artifact_signature.inputs and _same_names(result.artifact_signature, served):
+        return Signature(
+            inputs=tuple(
+                dataclasses.replace(a, shape=s.shape) if a.shape != s.shape and _dynamic(a) else a
+                for a, s in zip(result.artifact_signature.inputs, served.inputs, strict=True)
+            ),
+            outputs=result.artifact_signature.outputs,
+        )
+    return result.artifact_signature
+
+
+def _same_names(a: Signature, b: Signature) -> bool:
+    return [s.name for s in a.inputs] == [s.name for s in b.inputs]
+
+
+def _dynamic(spec: TensorSpec) -> bool:
+    return any(isinstance(d, str) for d in spec.shape)
+
+
+def _host_description(describe: Mapping[str, Any]) -> str:
+    runtime = describe.get("runtime", "runtime")
+    ver = describe.get("version", "")
+    return f"host {runtime} {ver} on {platform.machine()}".replace("  ", " ")
+
+
+def _failure_message(failed: list[tuple[str, Comparison, tuple[str, ...]]], precision: str) -> str:
+    parts = []
+    for target, comp, notes in failed:
+        tried = [n for n in notes if n.startswith("tried ")]
+        line = f"{target} {precision} failed validation on {comp.samples} held-out samples: {'; '.join(comp.failures)}"
+        if tried:
+            line += f" ({len(tried)} configurations tried; see `edgekit inspect` of a --force bundle)"
+        parts.append(line)
+    advice = (
+        "no bundle was written for it; try more representative --calib data, another --precision "
+        "(fp16, int8-weights), a --option for the target's calibration, relax the gate with "
+        "--tolerance KEY=VALUE, or pass --force to write the bundle anyway (marked as failed)"
+    )
+    return "\n".join(parts) + "\n" + advice

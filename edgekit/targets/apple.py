@@ -1,0 +1,350 @@
+"""``apple`` target: a Core ML ML Program (``.mlpackage``) for Apple Silicon / iOS.
+
+Path: ONNX -> onnxslim (constants folded, input shapes fixed) -> PyTorch (onnx2torch) ->
+``torch.jit.trace`` -> ``coremltools.convert(convert_to="mlprogram")``, then weight compression:
+
+- ``fp32`` / ``fp16``: compute precision of the ML Program (I/O stay float32);
+- ``int8-weights``: ``linear_quantize_weights`` (symmetric int8, per output channel);
+- ``palettize6`` / ``palettize4``: ``palettize_weights`` (k-means LUT of 64 / 16 entries; needs
+  scikit-learn).
+
+Core ML prediction does not run on Linux. The package is checked structurally (spec, inputs and
+outputs, compression ops really present) and numerically through the torch graph it was
+converted from, with the weights the saved package holds (LUT + indices / int8 + scales,
+decompressed by coremltools) loaded into it and activations rounded to FP16 at every module
+output, as Core ML computes in FP16. Op placement comes from the MIL program (op types), with the
+compute device measured only on macOS (``MLComputePlan``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+from edgekit.bundle.codec import to_data
+from edgekit.bundle.manifest import (
+    Compatibility,
+    OpPlacement,
+    OpPlacementEntry,
+    Precision,
+    Signature,
+    TensorMapping,
+    TensorSpec,
+)
+from edgekit.errors import ConfigError, MissingSDKError, ValidationFailedError
+from edgekit.targets.base import BuildContext, BuildResult
+from edgekit.targets.op_support import raise_unsupported
+
+PACKAGE = "model.mlpackage"
+DEPLOYMENT_TARGETS = ("iOS16", "iOS17", "iOS18", "macOS13", "macOS14", "macOS15")
+COMPUTE_UNITS = ("ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY")
+_PALETTE_BITS = {"palettize6": 6, "palettize4": 4}
+_PIP_NAMES = {"sklearn": "scikit-learn"}
+_ML_DTYPES = {"FLOAT32": "float32", "FLOAT16": "float16", "INT32": "int32", "DOUBLE": "float32"}
+
+
+@dataclass(frozen=True)
+class AppleOptions:
+    """Settings of the ``apple`` target (``--option apple.KEY=VALUE``)."""
+
+    minimum_deployment_target: Literal["iOS16", "iOS17", "iOS18", "macOS13", "macOS14", "macOS15"] = "iOS16"
+    compute_units: Literal["ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY"] = "ALL"
+    # coremltools leaves weights with fewer elements than this uncompressed (its default: 2048)
+    weight_threshold: int = 2048
+    palettize_mode: Literal["kmeans", "uniform"] = "kmeans"
+
+    def __post_init__(self) -> None:
+        if self.weight_threshold < 0:
+            raise ValueError(f"weight_threshold must be >= 0, got {self.weight_threshold}")
+
+
+class AppleTarget:
+    name: ClassVar[str] = "apple"
+    runtime: ClassVar[str] = "coreml"
+    precisions: ClassVar[tuple[str, ...]] = ("fp16", "int8-weights", "palettize6", "palettize4", "fp32")
+    Options: ClassVar[type] = AppleOptions
+
+    def check_model(self, model_path: Path) -> None:
+        """Refuse ops onnx2torch's converter registry has no entry for."""
+        import onnx
+
+        from edgekit.compress.onnx_to_torch import unconvertible_nodes
+
+        nodes = unconvertible_nodes(onnx.load(str(model_path), load_external_data=False))
+        if nodes:
+            raise_unsupported(self.name, "onnx2torch (the ONNX -> PyTorch step before coremltools)", model_path, nodes)
+
+    def build(self, ctx: BuildContext) -> BuildResult:
+        ct = _sdk("coremltools", "the apple target")
+        torch = _sdk("torch", "the apple target")
+        from edgekit.compress.mlpackage_weights import load_into_torch, load_program, package_weights
+        from edgekit.compress.onnx_to_torch import fold_for_torch, onnx_to_torch
+
+        opts: AppleOptions = ctx.options
+        if ctx.precision in _PALETTE_BITS and opts.palettize_mode == "kmeans":
+            _sdk("sklearn", "k-means palettization")  # coremltools imports it lazily: fail before converting
+        inputs = [_static(spec, ctx.static_shapes) for spec in ctx.served.inputs]
+        ctx.progress("[apple] onnxslim -> onnx2torch -> torch.jit.trace")
+        shapes = {s.name: tuple(int(d) for d in s.shape) for s in inputs}
+        folded = fold_for_torch(ctx.model_path, shapes, ctx.work_dir / "folded.onnx")
+        module = onnx_to_torch(folded)
+        example = tuple(torch.zeros(s.shape, dtype=_torch_dtype(torch, s.dtype)) for s in inputs)
+        with torch.no_grad():
+            traced = torch.jit.trace(module, example, check_trace=False)
+        ctx.progress(f"[apple] coremltools {ct.__version__}: mlprogram, {ctx.precision}")
+        mlmodel = ct.convert(
+            traced,
+            inputs=[ct.TensorType(name=s.name, shape=s.shape, dtype=np.dtype(s.dtype).type) for s in inputs],
+            outputs=[
+                ct.TensorType(name=o.name, dtype=np.float32 if o.dtype.startswith("float") else None)
+                for o in ctx.served.outputs
+            ],
+            convert_to="mlprogram",
+            minimum_deployment_target=getattr(ct.target, opts.minimum_deployment_target),
+            compute_precision=ct.precision.FLOAT32 if ctx.precision == "fp32" else ct.precision.FLOAT16,
+            skip_model_load=True,
+        )
+        mlmodel, precision = _compress(ct, mlmodel, ctx.precision, opts)
+        package = ctx.out_dir / PACKAGE
+        mlmodel.save(str(package))
+
+        spec, program = load_program(package)
+        artifact_signature, mapping = _interface(spec, ctx.served, inputs)
+        weights = package_weights(program)
+        summary = check_compression(weights, ctx.precision, opts)
+        intermediate_module = copy.deepcopy(module)
+        report = load_into_torch(intermediate_module, weights)
+        fp16_activations = ctx.precision != "fp32"
+        files = {p.relative_to(ctx.out_dir).as_posix(): "artifact" for p in sorted(package.rglob("*")) if p.is_file()}
+        worst = report.min_compressed_cosine
+        notes = [
+            summary,
+            f"intermediate: {len(report.compressed_loaded)} compressed and {len(report.plain_loaded)} plain weights "
+            "read back from the saved package" + (f" (worst cosine to the fp32 weight {worst:.4f})" if worst else ""),
+            "Core ML latency: not measured here",
+        ]
+        if report.plain_unmatched:
+            notes.append(
+                f"intermediate: {len(report.plain_unmatched)} uncompressed package constant(s) match no torch tensor "
+                f"and keep their FP32 values ({', '.join(report.plain_unmatched[:3])})"
+            )
+        placement = op_placement(program, package, opts)
+        if placement.tool.endswith("not measured here"):
+            notes.append("Core ML compute-device placement: not measured here (needs macOS 14.4+)")
+        return BuildResult(
+            files=files,
+            compatibility=Compatibility(
+                runtime="coreml",
+                runtime_version=ct.__version__,
+                accelerator="ane" if opts.compute_units == "CPU_AND_NE" else None,
+                hardware={"minimum_deployment_target": opts.minimum_deployment_target},
+            ),
+            artifact_signature=artifact_signature,
+            mapping=mapping,
+            precision=precision,
+            runnable_here=False,
+            op_placement=placement,
+            notes=tuple(notes),
+            target_options=to_data(opts) | {"package": PACKAGE, "spec_version": int(spec.specificationVersion)},
+            intermediate=torch_runner(intermediate_module, ctx.served, inputs, fp16_activations),
+            intermediate_name=(
+                "torch intermediate with the mlpackage's dequantized weights"
+                + (", activations rounded to FP16" if fp16_activations else "")
+            ),
+            static=True,
+        )
+
+
+def _compress(ct: Any, mlmodel: Any, precision: str, opts: AppleOptions) -> tuple[Any, Precision]:
+    from coremltools.optimize import coreml as cto
+
+    if precision == "fp32":
+        return mlmodel, Precision("fp32", "fp32", "coremltools mlprogram fp32")
+    if precision == "fp16":
+        return mlmodel, Precision("fp16", "fp16", "coremltools mlprogram fp16")
+    if precision == "int8-weights":
+        config = cto.OptimizationConfig(
+            global_config=cto.OpLinearQuantizerConfig(
+                mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=opts.weight_threshold
+            )
+        )
+        method = "coremltools linear_quantize_weights linear_symmetric int8 per-channel, fp16 compute"
+        return cto.linear_quantize_weights(mlmodel, config), Precision("int8", "fp16", method)
+    if precision in _PALETTE_BITS:
+        bits = _PALETTE_BITS[precision]
+        config = cto.OptimizationConfig(
+            global_config=cto.OpPalettizerConfig(
+                mode=opts.palettize_mode, nbits=bits, granularity="per_tensor", weight_threshold=opts.weight_threshold
+            )
+        )
+        method = f"coremltools palettize_weights {opts.palettize_mode} {bits}-bit per-tensor LUT, fp16 compute"
+        weights: Any = f"palettized-{bits}bit"
+        return cto.palettize_weights(mlmodel, config), Precision(weights, "fp16", method)
+    raise ValueError(f"apple target cannot build precision {precision!r}")  # the packager checks first
+
+
+def check_compression(weights: list[Any], precision: str, opts: AppleOptions) -> str:
+    """Check that the saved package's weights are compressed as asked; return a one-line summary."""
+    kinds: dict[str, int] = {}
+    for w in weights:
+        kinds[w.compression] = kinds.get(w.compression, 0) + 1
+    listing = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    want = {"int8-weights": "int8", "palettize6": "palettized-6bit", "palettize4": "palettized-4bit"}.get(precision)
+    if want is not None:
+        got = [w for w in weights if w.compressed]
+        wrong = sorted({w.compression for w in got if w.compression != want})
+        if wrong:
+            raise ValidationFailedError(f"apple {precision}: the package holds {', '.join(wrong)} weights, not {want}")
+        if not got:
+            raise ConfigError(
+                f"targets.apple.weight_threshold: no weight has {opts.weight_threshold} or more elements, so "
+                f"coremltools compressed nothing ({listing}); lower it (e.g. 0) or use --precision fp16"
+            )
+    return f"package weights: {listing or 'none'}"
+
+
+def _interface(spec: Any, served: Signature, inputs: list[TensorSpec]) -> tuple[Signature, tuple[TensorMapping, ...]]:
+    """The package's own signature (from its spec) and the served <-> artifact name mapping."""
+    desc = spec.description
+    if [i.name for i in desc.input] != [s.name for s in inputs]:
+        raise ValidationFailedError(
+            f"package inputs {[i.name for i in desc.input]} do not match the model's {[s.name for s in inputs]}"
+        )
+    if len(desc.output) != len(served.outputs):
+        raise ValidationFailedError(f"package has {len(desc.output)} outputs, the model {len(served.outputs)}")
+    art_in = []
+    for feature, want in zip(desc.input, inputs, strict=True):
+        spec_in = _feature_spec(feature, want.layout)
+        if spec_in.shape != want.shape:
+            raise ValidationFailedError(f"package input {feature.name}: shape {spec_in.shape}, expected {want.shape}")
+        art_in.append(spec_in)
+    art_out = [_feature_spec(f, None) for f in desc.output]
+    mapping = tuple(
+        TensorMapping(served=s.name, artifact=a.name)
+        for s, a in (*zip(inputs, art_in, strict=True), *zip(served.outputs, art_out, strict=True))
+    )
+    return Signature(inputs=tuple(art_in), outputs=tuple(art_out)), mapping
+
+
+def _feature_spec(feature: Any, layout: str | None) -> TensorSpec:
+    arr = feature.type.multiArrayType
+    from coremltools.proto import FeatureTypes_pb2 as ft
+
+    dtype = _ML_DTYPES.get(ft.ArrayFeatureType.ArrayDataType.Name(arr.dataType), "float32")
+    return TensorSpec(feature.name, dtype, tuple(int(d) for d in arr.shape), layout=layout)
+
+
+def torch_runner(
+    module: Any, served: Signature, inputs: list[TensorSpec], fp16_activations: bool
+) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    """Served inputs -> served outputs through ``module``, at the package's static batch (larger
+    feeds run slice by slice), activations rounded to FP16 at every leaf module's output."""
+    import torch
+
+    if fp16_activations:
+        for sub in module.modules():
+            if not list(sub.children()):
+                sub.register_forward_hook(_round_fp16)
+    batch = int(inputs[0].shape[0]) if inputs[0].shape else 1
+    names = [o.name for o in served.outputs]
+
+    def run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        n = int(next(iter(feed.values())).shape[0])
+        if n % batch:
+            raise ValueError(f"{n} samples do not split into the package's static batch of {batch}")
+        parts: list[list[np.ndarray]] = [[] for _ in names]
+        # One intra-op thread: the slices are small (batch 1 mostly) and torch's thread pool cost
+        # more than it gave here (digits example: 51 ms per sample on 2 busy cores, 4 ms on one).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with torch.no_grad():
+                for start in range(0, n, batch):
+                    args = [torch.from_numpy(np.ascontiguousarray(feed[s.name][start : start + batch])) for s in inputs]
+                    result = module(*args)
+                    result = result if isinstance(result, (tuple, list)) else (result,)
+                    for i, value in enumerate(result):
+                        parts[i].append(value.float().numpy())
+        finally:
+            torch.set_num_threads(threads)
+        return {name: np.concatenate(p, axis=0) for name, p in zip(names, parts, strict=True)}
+
+    return run
+
+
+def _round_fp16(_module: Any, _inputs: Any, output: Any) -> Any:
+    if hasattr(output, "dtype") and output.dtype.is_floating_point:
+        return output.half().float()
+    return output
+
+
+def op_placement(program: Any, package: Path, opts: AppleOptions) -> OpPlacement:
+    """Ops by type from the MIL program; compute devices from ``MLComputePlan`` on macOS only."""
+    from edgekit.compress.mlpackage_weights import compute_ops
+
+    ops = compute_ops(program)
+    devices = _compute_plan_devices(package, opts) if sys.platform == "darwin" else None
+    if devices is None:
+        entries = tuple(OpPlacementEntry(op=t, node=n, device="not measured here") for t, n in ops)
+        return OpPlacement(
+            tool="coremltools MIL program; device not measured here", accelerated=0, fallback=0, entries=entries
+        )
+    entries = tuple(OpPlacementEntry(op=t, node=n, device=devices.get(n, "unknown")) for t, n in ops)
+    accelerated = sum(1 for e in entries if e.device in ("NeuralEngine", "GPU"))
+    return OpPlacement(
+        tool="Core ML MLComputePlan", accelerated=accelerated, fallback=len(entries) - accelerated, entries=entries
+    )
+
+
+def _compute_plan_devices(package: Path, opts: AppleOptions) -> dict[str, str] | None:  # pragma: no cover - macOS
+    """op name -> preferred compute device, from Core ML's own plan (macOS 14.4+), else ``None``."""
+    import coremltools as ct
+
+    try:
+        from coremltools.models.compute_plan import MLComputePlan
+    except ImportError:
+        return None
+    compiled = ct.models.utils.compile_model(str(package))
+    try:
+        plan = MLComputePlan.load_from_path(
+            path=str(compiled), compute_units=getattr(ct.ComputeUnit, opts.compute_units)
+        )
+    except (RuntimeError, OSError, AttributeError):
+        return None
+    devices = {}
+    for op in plan.model_structure.program.functions["main"].block.operations:
+        usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
+        if usage is not None and op.outputs:
+            kind = type(usage.preferred_compute_device).__name__  # MLNeuralEngineComputeDevice, ...
+            devices[op.outputs[0].name] = kind.removeprefix("ML").removesuffix("ComputeDevice")
+    return devices
+
+
+def _static(spec: TensorSpec, shapes: Mapping[str, tuple[int, ...]]) -> TensorSpec:
+    shape = tuple(shapes.get(spec.name, spec.shape))
+    if any(not isinstance(d, int) for d in shape):
+        raise ConfigError(f"--input-shape {spec.name}=...: Core ML needs a static shape for {list(spec.shape)}")
+    return dataclasses.replace(spec, shape=shape)
+
+
+def _torch_dtype(torch: Any, dtype: str) -> Any:
+    return torch.from_numpy(np.empty(0, dtype=np.dtype(dtype))).dtype
+
+
+def _sdk(module: str, what: str) -> Any:
+    """Import a package of the ``coreml`` extra, or say which extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingSDKError(_PIP_NAMES.get(module, module), "coreml", what) from exc
+
+
+__all__ = ["AppleOptions", "AppleTarget", "check_compression", "op_placement", "torch_runner"]

@@ -1,0 +1,149 @@
+"""Calibration and evaluation data: load ``.npz`` files (or dicts), check them against the served
+signature, split a held-out evaluation part off the calibration data, and iterate samples.
+
+Arrays hold one entry per input name with samples on axis 0, in the model input's rank: a model
+input ``[batch, 3, 32, 32]`` takes ``(N, 3, 32, 32)``. Errors quote the bad value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgekit.bundle.manifest import Signature, TensorSpec
+from edgekit.errors import CalibrationDataError
+
+ArraysLike = str | Path | Mapping[str, Any]
+
+
+def load_arrays(source: ArraysLike, what: str = "calibration data") -> dict[str, np.ndarray]:
+    """Arrays from an ``.npz`` path or a mapping name -> array-like."""
+    if isinstance(source, Mapping):
+        return {str(k): np.asarray(v) for k, v in source.items()}
+    path = Path(source)
+    if not path.is_file():
+        raise CalibrationDataError(f"{what} {path} does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            if not hasattr(data, "files"):
+                raise CalibrationDataError(
+                    f"{what} {path} holds a single array; save one array per input name with np.savez"
+                )
+            return {k: data[k] for k in data.files}
+    except (ValueError, OSError, EOFError) as exc:
+        raise CalibrationDataError(f"{what} {path} is not a readable .npz file ({exc})") from exc
+
+
+def load_labels(source: str | Path | Any, count: int, what: str = "labels") -> np.ndarray:
+    """Integer class labels, one per evaluation sample."""
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        try:
+            labels = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise CalibrationDataError(f"{what} {path} is not a readable .npy file ({exc})") from exc
+    else:
+        labels = np.asarray(source)
+    if hasattr(labels, "files"):  # an .npz was given
+        raise CalibrationDataError(f"{what}: expected one integer array (.npy), got an .npz archive")
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or labels.dtype.kind not in "iu":
+        raise CalibrationDataError(
+            f"{what}: expected a 1-D integer array of class indices, got {labels.dtype} {list(labels.shape)}"
+        )
+    if len(labels) != count:
+        raise CalibrationDataError(f"{what}: {len(labels)} labels for {count} evaluation samples; give one per sample")
+    return labels.astype(np.int64)
+
+
+def check_arrays(
+    arrays: Mapping[str, np.ndarray], served: Signature, what: str = "calibration data"
+) -> dict[str, np.ndarray]:
+    """Check names, ranks, fixed dims and dtypes against the served inputs; same-kind dtypes
+    (float64 for float32) are converted, others refused. Returns the arrays to use."""
+    expected = {s.name: s for s in served.inputs}
+    unknown = sorted(set(arrays) - set(expected))
+    if unknown:
+        raise CalibrationDataError(f"{what}: array {unknown[0]!r} is not a model input (inputs: {', '.join(expected)})")
+    missing = [n for n in expected if n not in arrays]
+    if missing:
+        raise CalibrationDataError(
+            f"{what}: no array for input {missing[0]!r} (given: {', '.join(sorted(arrays)) or 'none'})"
+        )
+    out = {}
+    counts = {}
+    for name, spec in expected.items():
+        arr = np.asarray(arrays[name])
+        out[name] = _check_one(arr, spec, what)
+        counts[name] = arr.shape[0]
+    if len(set(counts.values())) > 1:
+        listing = ", ".join(f"{k}: {v}" for k, v in counts.items())
+        raise CalibrationDataError(f"{what}: inputs have different sample counts ({listing})")
+    return out
+
+
+def _check_one(arr: np.ndarray, spec: TensorSpec, what: str) -> np.ndarray:
+    want = np.dtype(spec.dtype)
+    expected_shape = "[" + ", ".join("N" if i == 0 else str(d) for i, d in enumerate(spec.shape)) + "]"
+    if arr.ndim != len(spec.shape) or arr.ndim == 0:
+        raise CalibrationDataError(
+            f"{what}: input {spec.name!r} has shape {list(arr.shape)}, expected {expected_shape} "
+            f"(samples on axis 0, in the model input's rank {len(spec.shape)})"
+        )
+    if arr.shape[0] < 1:
+        raise CalibrationDataError(f"{what}: input {spec.name!r} has no samples (shape {list(arr.shape)})")
+    for axis, (got, dim) in enumerate(zip(arr.shape, spec.shape, strict=True)):
+        if axis > 0 and isinstance(dim, int) and got != dim:
+            raise CalibrationDataError(
+                f"{what}: input {spec.name!r} has shape {list(arr.shape)}, expected {expected_shape} "
+                f"(axis {axis} is {got}, the model fixes it to {dim})"
+            )
+    if arr.dtype != want:
+        if arr.dtype.kind != want.kind:
+            raise CalibrationDataError(
+                f"{what}: input {spec.name!r} is {arr.dtype}, expected {spec.dtype}; "
+                f"convert it with .astype(np.{spec.dtype})"
+            )
+        arr = arr.astype(want)
+    return arr
+
+
+def sample_count(arrays: Mapping[str, np.ndarray]) -> int:
+    return int(next(iter(arrays.values())).shape[0])
+
+
+def split_holdout(
+    arrays: Mapping[str, np.ndarray], labels: np.ndarray | None = None, every: int = 5
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray | None]:
+    """Hold out every ``every``-th sample (at least one) for evaluation when no ``--eval`` is
+    given. Deterministic, spread over the whole set. Returns (calib, eval, eval labels)."""
+    n = sample_count(arrays)
+    if n < 2:
+        raise CalibrationDataError(
+            f"calibration data has {n} sample; give at least 2 (one is held out for validation) or pass --eval"
+        )
+    held = np.arange(every - 1, n, every) if n >= every else np.array([n - 1])
+    keep = np.setdiff1d(np.arange(n), held)
+    calib = {k: v[keep] for k, v in arrays.items()}
+    ev = {k: v[held] for k, v in arrays.items()}
+    return calib, ev, (labels[held] if labels is not None else None)
+
+
+def take(arrays: Mapping[str, np.ndarray], start: int, stop: int) -> dict[str, np.ndarray]:
+    return {k: v[start:stop] for k, v in arrays.items()}
+
+
+def iter_batches(arrays: Mapping[str, np.ndarray], batch: int = 1) -> Iterator[dict[str, np.ndarray]]:
+    """Feeds of ``batch`` samples each (the last one may be shorter)."""
+    n = sample_count(arrays)
+    for start in range(0, n, batch):
+        yield take(arrays, start, min(start + batch, n))
+
+
+def fixed_batch(served: Signature) -> int | None:
+    """The batch size the model fixes on axis 0 of its first input, or ``None`` if dynamic."""
+    d = served.inputs[0].shape[0] if served.inputs[0].shape else 1
+    return d if isinstance(d, int) else None

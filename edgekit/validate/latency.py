@@ -1,0 +1,55 @@
+"""Side-by-side latency: candidates and the FP32 baseline run interleaved in one loop, so drift in
+machine load hits all of them alike; medians over the repeats.
+
+Used by the packager and by targets choosing among candidates. Not a test: nothing asserts on
+these numbers; they are measured and recorded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def p50_side_by_side(
+    fns: Mapping[str, Callable[[], object]],
+    *,
+    repeats: int = 20,
+    warmup: int = 2,
+    budget_s: float = 5.0,
+    min_repeats: int = 5,
+) -> dict[str, float]:
+    """Median milliseconds per call of each function, measured interleaved.
+
+    Each round calls every function once, starting at a rotating position. Stops after
+    ``repeats`` rounds, or after ``min_repeats`` rounds once ``budget_s`` is spent.
+    """
+    names = list(fns)
+    if not names:
+        return {}
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    start = time.perf_counter()
+    for r in range(repeats):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+        if r + 1 >= min_repeats and time.perf_counter() - start > budget_s:
+            break
+    return {n: _median(v) * 1000.0 for n, v in times.items()}
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def call_with(fn: Callable[[Any], object], feed: Any) -> Callable[[], object]:
+    """``fn(feed)`` as a no-argument callable, for ``p50_side_by_side``."""
+    return lambda: fn(feed)

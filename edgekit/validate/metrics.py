@@ -1,0 +1,197 @@
+"""Numerical comparison of an artifact's outputs with the FP32 source model's, and the gate.
+
+Classifiers (first output is one 1-D score vector per sample, i.e. rank 2) are judged by top-1
+agreement with FP32 and, with labels, by the drop in top-1 accuracy. Dense outputs (maps, boxes,
+embeddings) are judged by the mean per-sample cosine similarity and the relative error
+``mean|a - b| / mean|b|``. Every measure is recorded; only the ones for the kind gate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from edgekit.bundle.manifest import Signature, Tolerance
+from edgekit.errors import ConfigError
+from edgekit.validate.calib import iter_batches
+
+Kind = Literal["classifier", "dense"]
+RunFn = Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]]
+# The measures a Comparison shares with the manifest's Validation, by the same names.
+MEASURES = (
+    "top1_agreement",
+    "top1_accuracy",
+    "fp32_top1_accuracy",
+    "cosine",
+    "relative_error",
+    "max_abs_error",
+    "mean_abs_error",
+)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """What ``compare`` measured, and why the gate failed (empty ``failures`` = passed)."""
+
+    kind: Kind
+    samples: int
+    tolerance: Tolerance
+    top1_agreement: float | None = None
+    top1_accuracy: float | None = None
+    fp32_top1_accuracy: float | None = None
+    cosine: float | None = None
+    relative_error: float | None = None
+    max_abs_error: float | None = None
+    mean_abs_error: float | None = None
+    failures: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        """One line, e.g. ``top-1 agreement 0.990`` or ``cosine 0.9981``."""
+        if self.kind == "classifier" and self.top1_agreement is not None:
+            text = f"top-1 agreement {self.top1_agreement:.3f}"
+            if self.top1_accuracy is not None and self.fp32_top1_accuracy is not None:
+                text += f", accuracy {self.top1_accuracy:.3f} (fp32 {self.fp32_top1_accuracy:.3f})"
+            return text
+        return f"cosine {self.cosine:.4f}, relative error {self.relative_error:.4f}"
+
+
+def output_kind(served: Signature) -> Kind:
+    """``classifier`` when the first output is one score vector per sample (rank 2, >1 class)."""
+    first = served.outputs[0]
+    if len(first.shape) == 2 and not (isinstance(first.shape[1], int) and first.shape[1] < 2):
+        return "classifier"
+    return "dense"
+
+
+def run_all(fn: RunFn, arrays: Mapping[str, np.ndarray], batch: int = 1) -> dict[str, np.ndarray]:
+    """Run ``fn`` over every sample, ``batch`` at a time; outputs concatenated on axis 0."""
+    parts: dict[str, list[np.ndarray]] = {}
+    for feed in iter_batches(arrays, batch):
+        for name, value in fn(feed).items():
+            parts.setdefault(name, []).append(np.asarray(value))
+    return {name: np.concatenate(values, axis=0) for name, values in parts.items()}
+
+
+def compare(
+    reference: Mapping[str, np.ndarray],
+    candidate: Mapping[str, np.ndarray],
+    kind: Kind,
+    tolerance: Tolerance,
+    labels: np.ndarray | None = None,
+) -> Comparison:
+    """Compare ``candidate`` outputs with FP32 ``reference`` outputs (same names, samples on axis 0)."""
+    names = list(reference)
+    missing = [n for n in names if n not in candidate]
+    if missing:
+        raise ValueError(f"candidate outputs lack {missing[0]!r}")
+    ref0, cand0 = reference[names[0]], candidate[names[0]]
+    samples = int(ref0.shape[0])
+    cosines, abs_err, ref_abs, max_abs = [], [], [], 0.0
+    for n in names:
+        r = reference[n].astype(np.float64).reshape(samples, -1)
+        c = candidate[n].astype(np.float64).reshape(samples, -1)
+        if r.shape != c.shape:
+            raise ValueError(f"output {n!r}: candidate shape {list(candidate[n].shape)} != {list(reference[n].shape)}")
+        cosines.append(float(np.mean(_cosine_rows(r, c))))
+        diff = np.abs(r - c)
+        abs_err.append(diff.mean())
+        ref_abs.append(np.abs(r).mean())
+        max_abs = max(max_abs, float(diff.max(initial=0.0)))
+    cosine = min(cosines)
+    mean_abs = float(np.mean(abs_err))
+    relative = float(np.mean(abs_err) / max(float(np.mean(ref_abs)), 1e-12))
+    values: dict[str, Any] = {
+        "cosine": cosine,
+        "relative_error": relative,
+        "max_abs_error": max_abs,
+        "mean_abs_error": mean_abs,
+    }
+    failures: list[str] = []
+    t = tolerance
+    if kind == "classifier":
+        ref_top, cand_top = ref0.reshape(samples, -1).argmax(-1), cand0.reshape(samples, -1).argmax(-1)
+        agreement = float(np.mean(ref_top == cand_top))
+        values["top1_agreement"] = agreement
+        if t.min_top1_agreement is not None and agreement < t.min_top1_agreement:
+            failures.append(_short("top-1 agreement with fp32", agreement, t.min_top1_agreement, ">="))
+        if labels is not None:
+            acc, fp32_acc = float(np.mean(cand_top == labels)), float(np.mean(ref_top == labels))
+            values.update(top1_accuracy=acc, fp32_top1_accuracy=fp32_acc)
+            drop = fp32_acc - acc
+            if t.max_top1_drop is not None and drop > t.max_top1_drop:
+                failures.append(
+                    f"top-1 accuracy dropped {drop:.3f} (from {fp32_acc:.3f} to {acc:.3f}), over the allowed "
+                    f"{t.max_top1_drop:.3f} by {drop - t.max_top1_drop:.3f}"
+                )
+    else:
+        if t.min_cosine is not None and cosine < t.min_cosine:
+            failures.append(_short("mean cosine to fp32", cosine, t.min_cosine, ">="))
+        if t.max_relative_error is not None and relative > t.max_relative_error:
+            failures.append(_short("relative error to fp32", relative, t.max_relative_error, "<="))
+    return Comparison(kind=kind, samples=samples, tolerance=tolerance, failures=tuple(failures), **values)
+
+
+def _cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+    dot = np.sum(a * b, axis=1)
+    both_zero = (na == 0) & (nb == 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cos = dot / (na * nb)
+    return np.where(both_zero, 1.0, np.nan_to_num(cos, nan=0.0))
+
+
+def _short(what: str, got: float, limit: float, op: str) -> str:
+    return f"{what} {got:.4g}, needs {op} {limit:.4g} (off by {abs(got - limit):.4g})"
+
+
+def tolerance_with(overrides: Tolerance | Mapping[str, Any] | None) -> Tolerance:
+    """The default ``Tolerance`` with ``overrides`` applied; unknown keys name ``tolerance.KEY``."""
+    if overrides is None:
+        return Tolerance()
+    if isinstance(overrides, Tolerance):
+        return overrides
+    fields = {f.name for f in dataclasses.fields(Tolerance)}
+    values: dict[str, float | None] = {}
+    for key, raw in overrides.items():
+        if key not in fields:
+            near = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"tolerance.{key}: unknown key (known: {', '.join(sorted(fields))}){hint}")
+        value = raw
+        if isinstance(raw, str):
+            value = None if raw.strip().lower() in ("none", "off", "") else _number(raw, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise ConfigError(f"tolerance.{key}: expected a number >= 0 or 'none', got {raw!r}")
+        values[key] = None if value is None else float(value)
+    return dataclasses.replace(Tolerance(), **values)
+
+
+def parse_tolerance_args(items: list[str]) -> dict[str, str]:
+    """``["min_cosine=0.9", "max_relative_error=none"]`` -> mapping (values checked later)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--tolerance {item!r}: expected KEY=VALUE such as min_cosine=0.95")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _number(text: str, key: str) -> float:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"tolerance.{key}: expected a number >= 0 or 'none', got {text!r}")
+    return float(value)

@@ -1,0 +1,59 @@
+"""The validation table printed at the end of ``edgekit package`` (one row per target)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from edgekit.bundle.manifest import Validation
+
+NOT_HERE = "not measured here"
+HEADERS = ("target", "precision", "size", "size vs fp32", "accuracy vs fp32", "p50", "speed vs fp32", "result")
+
+
+def format_table(rows: Sequence[Any]) -> str:
+    """Rows are ``edgekit.packager.Row`` (``.validation`` is the manifest's). Speed vs fp32 is
+    fp32 p50 / artifact p50 (> 1 = faster)."""
+    lines = [HEADERS]
+    for r in rows:
+        v = r.validation
+        lines.append(
+            (
+                r.target,
+                f"{r.precision} ({r.label})",
+                _size(v.size_bytes),
+                f"{v.size_ratio:.2f}x" if v.size_ratio is not None else "-",
+                _accuracy(v),
+                f"{v.latency_p50_ms:.3f} ms" if v.latency_p50_ms is not None else NOT_HERE,
+                _speed(v),
+                ("passed" if v.passed else "FAILED") + ("" if r.bundle is not None else ", no bundle"),
+            )
+        )
+    widths = [max(len(row[i]) for row in lines) for i in range(len(HEADERS))]
+    out = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("MB", 1024**2), ("KB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _accuracy(r: Validation) -> str:
+    if r.kind == "classifier" and r.top1_agreement is not None:
+        text = f"top-1 agree {r.top1_agreement:.1%}"
+        if r.top1_accuracy is not None and r.fp32_top1_accuracy is not None:
+            text += f", acc {r.top1_accuracy:.1%} (fp32 {r.fp32_top1_accuracy:.1%})"
+        return text
+    if r.cosine is not None:
+        return f"cosine {r.cosine:.4f}"
+    return "-"
+
+
+def _speed(r: Validation) -> str:
+    if r.latency_p50_ms is None or r.fp32_latency_p50_ms is None or r.latency_p50_ms <= 0:
+        return NOT_HERE
+    return f"{r.fp32_latency_p50_ms / r.latency_p50_ms:.2f}x"

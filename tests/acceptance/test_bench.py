@@ -1,0 +1,74 @@
+"""python -m bench: the registry, a quick real run, and what it writes. No timing is asserted."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import registry
+
+
+def test_every_registry_entry_names_an_importable_benchmark_function() -> None:
+    names = [e.name for e in registry.BENCHMARKS]
+    assert len(set(names)) == len(names)
+    for entry in registry.BENCHMARKS:
+        module, func = entry.function.split(":")
+        assert callable(getattr(importlib.import_module(module), func)), entry.name
+
+
+def test_select_takes_prefixes_and_rejects_unknown_names() -> None:
+    assert [e.name for e in registry.select("agent")] == ["agent.roundtrip"]
+    assert {e.name for e in registry.select("quant")} >= {"quant.cpu", "quant.intel"}
+    with pytest.raises(ValueError, match="matches no benchmark"):
+        registry.select("nosuch")
+
+
+def test_bench_agent_roundtrip_measures_both_sides_and_writes_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.__main__ import main
+
+    assert main(["--quick", "--only", "agent.roundtrip", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("machine: ") and "cores" in out
+    doc = json.loads((tmp_path / "latest.json").read_text())
+    assert doc["machine"]["cores"] >= 1 and "onnxruntime" in doc["machine"]["versions"]
+    rows = doc["measurements"]
+    assert {r["case"] for r in rows} == {"v2 binary vs in-process", "v2 json vs in-process"}
+    for r in rows:
+        assert r["a_value"] > 0 and r["b_value"] > 0 and r["ratio"] == pytest.approx(r["b_value"] / r["a_value"])
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "latest.png").stat().st_size > 0
+
+
+def test_quant_cpu_compares_int8_with_fp32_bundles_through_the_runtime(tmp_path: Path) -> None:
+    from bench.quant import run
+    from edgekit.bundle import generate_keypair
+
+    key, pub = generate_keypair(tmp_path / "keys", "bench")
+    ctx = registry.BenchContext(tmp_path, key, pub, repeats=3, budget_s=0.5, progress=lambda _msg: None)
+    rows = {(m.case, m.metric): m for m in run(ctx, name="quant.cpu", target="cpu", candidates=("int8",))}
+    size = rows[("int8 vs fp32", "artifact size")]
+    assert size.ratio is not None and size.ratio < 0.35  # int8 weights: about a quarter of fp32
+    top1 = rows[("int8 vs fp32", "held-out top-1")]
+    assert top1.a_value is not None and top1.b_value is not None
+    assert top1.a_value >= 97.0 and abs(top1.b_value - top1.a_value) <= 1.0
+    assert "onnxruntime runtime on this host" in top1.note
+    for batch in (1, 32):
+        latency = rows[("int8 vs fp32", f"p50 latency, batch {batch}")]
+        assert latency.a_value is not None and latency.b_value is not None  # measured, whatever the numbers
+
+
+def test_quant_reports_not_measured_here_for_a_target_this_checkout_lacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench.quant import run
+    from edgekit.targets import TARGETS
+
+    monkeypatch.setitem(TARGETS, "nosuch", "edgekit.targets.nosuch_module:NoSuchTarget")
+    ctx = registry.BenchContext(tmp_path, tmp_path / "k", tmp_path / "p", repeats=1, budget_s=0.1)
+    (row,) = run(ctx, name="quant.nosuch", target="nosuch")
+    assert row.note.startswith(registry.NOT_HERE) and row.ratio is None

@@ -1,0 +1,134 @@
+"""v2 bodies: JSON and binary tensors in, JSON and binary tensors out (as tritonclient reads them)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from tritonclient.http import InferResult
+
+from device_agents.serving.codec import decode_request, encode_response
+from edgekit.bundle.errors import InferenceInputError
+from edgekit.bundle.manifest import TensorSpec
+
+INPUTS = (TensorSpec("a", "float16", ("n", 3)), TensorSpec("b", "int8", (2,)), TensorSpec("c", "bool", (2,)))
+OUTPUTS = (TensorSpec("y", "float32", ("n", 2)), TensorSpec("z", "int64", (1,)))
+
+
+def _binary_body(header: dict, *blobs: bytes) -> tuple[bytes, int]:
+    raw = json.dumps(header).encode()
+    return raw + b"".join(blobs), len(raw)
+
+
+def test_decode_binary_inputs_at_unaligned_offsets() -> None:
+    a = np.arange(6, dtype=np.float16).reshape(2, 3)
+    b = np.array([-3, 7], np.int8)
+    header = {
+        "id": "r1",
+        "inputs": [
+            {"name": "b", "shape": [2], "datatype": "INT8", "parameters": {"binary_data_size": 2}},
+            {"name": "a", "shape": [2, 3], "datatype": "FP16", "parameters": {"binary_data_size": 12}},
+            {"name": "c", "shape": [2], "datatype": "BOOL", "data": [True, False]},
+        ],
+    }
+    body, hlen = _binary_body(header, b.tobytes(), a.tobytes())
+    req = decode_request(body, hlen, INPUTS, OUTPUTS)
+    np.testing.assert_array_equal(req.inputs["a"], a)
+    np.testing.assert_array_equal(req.inputs["b"], b)
+    np.testing.assert_array_equal(req.inputs["c"], [True, False])
+    assert req.id == "r1" and req.outputs is None and not req.binary_output
+
+
+def test_decode_nested_json_data() -> None:
+    body = json.dumps(
+        {
+            "inputs": [
+                {"name": "a", "shape": [1, 3], "datatype": "FP16", "data": [[1, 2, 3]]},
+                {"name": "b", "shape": [2], "datatype": "INT8", "data": [1, 2]},
+                {"name": "c", "shape": [2], "datatype": "BOOL", "data": [False, True]},
+            ],
+            "outputs": [{"name": "z", "parameters": {"binary_data": True}}, {"name": "y"}],
+        }
+    ).encode()
+    req = decode_request(body, None, INPUTS, OUTPUTS)
+    assert req.inputs["a"].dtype == np.float16 and req.inputs["a"].tolist() == [[1, 2, 3]]
+    assert req.outputs == (("z", True), ("y", False))
+
+
+@pytest.mark.parametrize(
+    ("inputs", "extra", "message"),
+    [
+        (
+            [{"name": "b", "shape": [2], "datatype": "INT16", "data": [1, 2]}],
+            {},
+            "datatype 'INT16' given, the model takes INT8",
+        ),
+        ([{"name": "b", "shape": [2], "datatype": "INT8", "data": [1, 2, 3]}], {}, "3 values given for shape [2]"),
+        ([{"name": "b", "shape": [-2], "datatype": "INT8", "data": []}], {}, "shape must be a list of non-negative"),
+        ([{"name": "b", "shape": [2], "datatype": "INT8", "data": ["x", 2]}], {}, "data is not a list of INT8 values"),
+        ([{"name": "b", "shape": [2], "datatype": "INT8"}], {}, 'give "data" or parameters.binary_data_size'),
+        (
+            [{"name": "q", "shape": [2], "datatype": "INT8", "data": [1, 2]}],
+            {},
+            "unknown input 'q'; the model takes a, b, c",
+        ),
+        (
+            [{"name": "b", "shape": [2], "datatype": "INT8", "data": [1, 2]}] * 2,
+            {},
+            "input 'b' is given twice",
+        ),
+        (
+            [{"name": "b", "shape": [2], "datatype": "INT8", "parameters": {"binary_data_size": 3}}],
+            {},
+            "binary_data_size 3 does not match shape [2] of INT8 (2 bytes)",
+        ),
+        (
+            [{"name": "b", "shape": [2], "datatype": "INT8", "data": [1, 2]}],
+            {"outputs": [{"name": "y", "parameters": {"classification": 3}}]},
+            "classification extension is not supported",
+        ),
+        (
+            [{"name": "b", "shape": [2], "datatype": "INT8", "data": [1, 2]}],
+            {"outputs": [{"name": "w"}]},
+            "unknown output 'w'; the model has y, z",
+        ),
+    ],
+)
+def test_decode_refuses_bad_requests_with_the_reason(inputs: list, extra: dict, message: str) -> None:
+    body = json.dumps({"inputs": inputs, **extra}).encode()
+    with pytest.raises(InferenceInputError) as err:
+        decode_request(body, None, INPUTS, OUTPUTS)
+    assert message in str(err.value)
+
+
+def test_decode_refuses_binary_bytes_no_input_claims() -> None:
+    header = {"inputs": [{"name": "b", "shape": [2], "datatype": "INT8", "parameters": {"binary_data_size": 2}}]}
+    body, hlen = _binary_body(header, b"\x01\x02", b"extra")
+    with pytest.raises(InferenceInputError, match="binary data is 7 bytes but the inputs declare 2"):
+        decode_request(body, hlen, INPUTS, OUTPUTS)
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_encode_is_read_back_by_tritonclient(binary: bool) -> None:
+    results = {"y": np.array([[0.25, -1.5]], np.float32), "z": np.array([7], np.int64)}
+    req = decode_request(
+        json.dumps(
+            {
+                "id": "q",
+                "inputs": [],
+                "parameters": {"binary_data_output": binary},
+                "outputs": [{"name": "y"}, {"name": "z"}],
+            }
+        ).encode(),
+        None,
+        (),
+        OUTPUTS,
+    )
+    body, hlen = encode_response("m", 3, req, results, OUTPUTS)
+    assert (hlen is not None) is binary
+    parsed = InferResult.from_response_body(body, header_length=hlen)
+    assert parsed.get_response()["id"] == "q" and parsed.get_response()["model_version"] == "3"
+    np.testing.assert_array_equal(parsed.as_numpy("y"), results["y"])
+    np.testing.assert_array_equal(parsed.as_numpy("z"), results["z"])
+    assert parsed.get_output("z")["datatype"] == "INT64"

@@ -1,0 +1,102 @@
+"""The child-process self-test: golden vectors, latency, and the bounds that protect the daemon."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from device_agents.runtimes.base import RuntimeOptions
+from device_agents.selftest import SelfTestReport, compare_outputs, latency_verdict, run_selftest
+from device_agents.store import Store
+from edgekit.bundle import TrustStore
+from edgekit.bundle.manifest import Golden
+from tests.agent.conftest import Bundles
+
+
+def _extracted(tmp_path: Path, bundle: Path, pub: Path) -> Path:
+    store = Store(tmp_path / "store")
+    staged = store.stage(bundle, TrustStore.from_files([pub]))
+    return store.model_dir(staged.slot)
+
+
+def _run(model_dir: Path, tmp_path: Path, *, timeout_s: float = 60, memory_mb: int = 2048) -> SelfTestReport:
+    return run_selftest(
+        model_dir,
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        options=RuntimeOptions(threads=1),
+        work_dir=tmp_path / "work",
+    )
+
+
+def test_selftest_passes_and_measures_latency(tmp_path: Path, bundles: Bundles, keypair: tuple[Path, Path]) -> None:
+    report = _run(_extracted(tmp_path, bundles.v1, keypair[1]), tmp_path)
+    assert report.passed, report.reason
+    assert report.latency_p50_ms > 0
+    assert report.runtime["runtime"] == "onnxruntime"
+    assert report.peak_rss_mb > 10  # the watchdog saw the child
+    assert list((tmp_path / "work").iterdir()) == []  # report and log files removed
+
+
+def test_selftest_fails_on_wrong_golden_outputs(tmp_path: Path, bundles: Bundles, keypair: tuple[Path, Path]) -> None:
+    report = _run(_extracted(tmp_path, bundles.v3_bad_golden, keypair[1]), tmp_path)
+    assert not report.passed
+    assert "output 'probs' does not match the golden vectors" in report.reason
+
+
+def test_selftest_kills_a_child_over_its_memory_bound(
+    tmp_path: Path, bundles: Bundles, keypair: tuple[Path, Path]
+) -> None:
+    report = _run(_extracted(tmp_path, bundles.v1, keypair[1]), tmp_path, memory_mb=8)  # Python alone needs more
+    assert not report.passed
+    assert "over selftest.memory_mb = 8" in report.reason
+
+
+def test_selftest_kills_a_child_past_its_timeout(tmp_path: Path, bundles: Bundles, keypair: tuple[Path, Path]) -> None:
+    report = _run(_extracted(tmp_path, bundles.v1, keypair[1]), tmp_path, timeout_s=0.01)
+    assert not report.passed
+    assert "did not finish within selftest.timeout_s = 0.01 s" in report.reason
+
+
+def test_selftest_reports_a_child_that_dies(
+    tmp_path: Path, bundles: Bundles, keypair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EDGEKIT_FAULT", "selftest_child")  # the child SIGKILLs itself after reading the manifest
+    report = _run(_extracted(tmp_path, bundles.v1, keypair[1]), tmp_path)
+    assert not report.passed
+    assert "the self-test process was killed by signal 9 without a report" in report.reason
+
+
+def test_selftest_reports_a_runtime_that_cannot_load(
+    tmp_path: Path, bundles: Bundles, keypair: tuple[Path, Path]
+) -> None:
+    report = _run(_extracted(tmp_path, bundles.runtime_fails, keypair[1]), tmp_path)
+    assert not report.passed
+    assert "InvalidProtobuf" in report.reason or "INVALID_PROTOBUF" in report.reason
+
+
+@pytest.mark.parametrize(
+    ("p50", "baseline", "slack", "floor", "refused"),
+    [
+        (5.0, 1.0, 3.0, 0.0, True),
+        (2.9, 1.0, 3.0, 0.0, False),
+        (5.0, 1.0, 3.0, 10.0, False),  # under the noise floor
+        (5.0, 1.0, 0.0, 0.0, False),  # gate off
+        (5.0, None, 3.0, 0.0, False),  # nothing to compare with
+    ],
+)
+def test_latency_verdict(p50: float, baseline: float | None, slack: float, floor: float, refused: bool) -> None:
+    assert bool(latency_verdict(p50, baseline, slack, floor)) is refused
+
+
+def test_compare_outputs_checks_cosine_tolerance_and_top1() -> None:
+    want = np.array([[0.1, 0.7, 0.2], [0.5, 0.3, 0.2]], np.float32)
+    golden = Golden(file="g.npz", count=2, min_cosine=0.99, atol=1e-3, rtol=1e-2, min_top1_agreement=1.0)
+    (same,) = compare_outputs({"p": want.copy()}, {"p": want}, golden)
+    assert same.passed and same.top1_agreement == 1.0
+    (swapped,) = compare_outputs({"p": want[:, [1, 0, 2]]}, {"p": want}, golden)
+    assert not swapped.passed and swapped.top1_agreement == 0.0
+    (wrong_shape,) = compare_outputs({"p": want[:1]}, {"p": want}, golden)
+    assert not wrong_shape.passed

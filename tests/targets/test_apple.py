@@ -1,0 +1,294 @@
+"""The ``apple`` target (Core ML ``.mlpackage``) and the ``coreml`` device runtime.
+
+Core ML prediction needs macOS; none here. What runs here: the conversion itself, the package's
+structure (spec, interface, files), its compressed weights read back from disk (int8 / LUT), the
+torch intermediate that computes with them, the runtime's refusal on Linux and ``edgekit.package``
+end to end. Prediction on Core ML is ``requires_macos``. One conversion per precision (module fixture).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from device_agents.runtimes import RuntimeOptions, load_model
+from device_agents.runtimes.coreml import compute_units, package_dir
+from edgekit.bundle import TrustStore, extract, file_entries, read_verified_manifest
+from edgekit.errors import BundleError, ConfigError, IncompatibleError, ValidationFailedError
+from edgekit.targets.apple import AppleOptions, AppleTarget
+from edgekit.targets.base import BuildContext
+from edgekit.targets.op_support import TargetOpError
+from edgekit.validate.ort_runner import ort_cpu_runner
+from tests.factories import sample_inputs, tiny_classifier
+from tests.packager.conftest import confident_inputs
+
+pytestmark = pytest.mark.filterwarnings("ignore")  # coremltools warns about untested torch/tf versions
+ON_MACOS = sys.platform == "darwin"
+SMALL = AppleOptions(weight_threshold=0)  # the tiny model's weights are under coremltools' 2048 default
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory):
+    from edgekit.compress.onnx_prep import prepare_model
+
+    root = tmp_path_factory.mktemp("apple-src")
+    return prepare_model(tiny_classifier(root / "tiny.onnx"), root / "prepared")
+
+
+def _ctx(prepared, root: Path, precision: str, options: AppleOptions = SMALL) -> BuildContext:
+    (root / "out").mkdir(parents=True)
+    (root / "work").mkdir(parents=True)
+    return BuildContext(
+        model_path=prepared.path,
+        served=prepared.served,
+        precision=precision,
+        calib={"input": sample_inputs(8)},
+        static_shapes={"input": (1, 3, 16, 16)},
+        out_dir=root / "out",
+        work_dir=root / "work",
+        options=options,
+        progress=lambda _msg: None,
+    )
+
+
+@pytest.fixture(scope="module")
+def build(prepared, tmp_path_factory: pytest.TempPathFactory):
+    """``build(precision)`` -> (context, result), converting each precision at most once."""
+    done: dict[str, tuple[BuildContext, object]] = {}
+
+    def get(precision: str):
+        if precision not in done:
+            ctx = _ctx(prepared, tmp_path_factory.mktemp(f"apple-{precision}"), precision)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                done[precision] = (ctx, AppleTarget().build(ctx))
+        return done[precision]
+
+    return get
+
+
+def _served_outputs(fn, x: np.ndarray) -> np.ndarray:
+    return np.concatenate([fn({"input": x[i : i + 1]})["probs"] for i in range(len(x))])
+
+
+# -- the package and its structure -------------------------------------------------------------------
+
+
+def test_apple_lists_every_file_of_the_mlpackage_as_a_flat_bundle_path(build) -> None:
+    ctx, result = build("fp16")
+    on_disk = sorted(p.relative_to(ctx.out_dir).as_posix() for p in ctx.out_dir.rglob("*") if p.is_file())
+    assert sorted(result.files) == on_disk
+    assert "model.mlpackage/Manifest.json" in result.files
+    assert "model.mlpackage/Data/com.apple.CoreML/model.mlmodel" in result.files
+    assert set(result.files.values()) == {"artifact"}
+    entries = file_entries(ctx.out_dir, result.files)  # the archive writer takes these paths as they are
+    assert all(e.size_bytes > 0 for e in entries)
+
+
+def test_apple_package_spec_loads_and_matches_the_recorded_interface(build) -> None:
+    import coremltools as ct
+
+    ctx, result = build("fp16")
+    model = ct.models.MLModel(str(ctx.out_dir / "model.mlpackage"), skip_model_load=True)
+    desc = model.get_spec().description
+    assert [i.name for i in desc.input] == [s.name for s in result.artifact_signature.inputs] == ["input"]
+    assert [o.name for o in desc.output] == [s.name for s in result.artifact_signature.outputs]
+    assert tuple(desc.input[0].type.multiArrayType.shape) == result.artifact_signature.inputs[0].shape == (1, 3, 16, 16)
+    served_to_artifact = {m.served: m.artifact for m in result.mapping}
+    assert served_to_artifact == {"input": desc.input[0].name, "probs": desc.output[0].name}
+    assert result.static and not result.runnable_here
+    assert result.compatibility.runtime == "coreml"
+    assert result.target_options["minimum_deployment_target"] == "iOS16"
+
+
+def test_apple_int8_weights_are_stored_as_int8_and_shrink_the_weight_file(build) -> None:
+    from edgekit.compress.mlpackage_weights import load_program, main_operations, package_weights
+
+    fp16_ctx, _ = build("fp16")
+    ctx, result = build("int8-weights")
+    _, program = load_program(ctx.out_dir / "model.mlpackage")
+    op_types = {op.op_type for op in main_operations(program)}
+    assert "constexpr_affine_dequantize" in op_types
+    compressed = [w for w in package_weights(program) if w.compressed]
+    assert sorted(w.base_name for w in compressed) == ["conv1_weight", "conv2_weight", "fc_weight"]
+    assert {w.compression for w in compressed} == {"int8"}
+    weight_bin = "model.mlpackage/Data/com.apple.CoreML/weights/weight.bin"
+    assert (ctx.out_dir / weight_bin).stat().st_size < (fp16_ctx.out_dir / weight_bin).stat().st_size
+    assert (result.precision.weights, result.precision.activations) == ("int8", "fp16")
+    assert "package weights: 3 float16, 3 int8" in result.notes
+
+
+def test_apple_palettize4_stores_16_entry_luts_and_the_intermediate_computes_with_them(build, prepared) -> None:
+    import torch
+
+    from edgekit.compress.mlpackage_weights import load_into_torch, load_program, package_weights
+    from edgekit.compress.onnx_to_torch import fold_for_torch, onnx_to_torch
+
+    ctx, result = build("palettize4")
+    _, program = load_program(ctx.out_dir / "model.mlpackage")
+    compressed = [w for w in package_weights(program) if w.compressed]
+    assert {(w.op_type, w.compression) for w in compressed} == {("constexpr_lut_to_dense", "palettized-4bit")}
+    module = onnx_to_torch(fold_for_torch(prepared.path, {"input": (1, 3, 16, 16)}, ctx.work_dir / "again.onnx"))
+    report = load_into_torch(module, package_weights(program))
+    assert len(report.compressed_loaded) == 3
+    assert report.min_compressed_cosine is not None and report.min_compressed_cosine > 0.9
+    weights = dict(module.named_parameters())
+    assert all(len(torch.unique(weights[n])) <= 16 for n in ("conv1.weight", "conv2.weight", "fc.weight"))
+    # the target's intermediate is that graph: it differs from the fp16 build's
+    x = sample_inputs(8, seed=4)
+    _, fp16 = build("fp16")
+    assert not np.allclose(_served_outputs(result.intermediate, x), _served_outputs(fp16.intermediate, x), atol=1e-4)
+    assert (
+        result.intermediate_name
+        == "torch intermediate with the mlpackage's dequantized weights, activations rounded to FP16"
+    )
+
+
+def test_apple_fp16_intermediate_agrees_with_fp32_onnx(build, prepared) -> None:
+    _, result = build("fp16")
+    x = confident_inputs(prepared.path, 16, seed=2)
+    ref = ort_cpu_runner(prepared.path)({"input": x})["probs"]
+    got = _served_outputs(result.intermediate, x)
+    assert np.mean(got.argmax(1) == ref.argmax(1)) == 1.0
+    assert 0 < np.abs(got - ref).max() < 1e-2  # fp16 weights and activations: close, not identical
+
+
+def test_apple_op_placement_comes_from_the_mil_program(build) -> None:
+    _, result = build("fp16")
+    placement = result.op_placement
+    types = {e.op for e in placement.entries}
+    assert {"conv", "relu", "linear", "softmax"} <= types
+    assert not any(t == "const" or t.startswith("constexpr_") for t in types)
+    if not ON_MACOS:
+        assert {e.device for e in placement.entries} == {"not measured here"}
+        assert "device not measured here" in placement.tool
+
+
+def test_apple_refuses_to_label_uncompressed_weights_as_int8(prepared, tmp_path: Path) -> None:
+    ctx = _ctx(prepared, tmp_path, "int8-weights", AppleOptions())  # default threshold 2048 > every weight here
+    with pytest.raises(ConfigError, match=r"targets\.apple\.weight_threshold: no weight has 2048 or more elements"):
+        AppleTarget().build(ctx)
+
+
+def test_loading_package_weights_refuses_a_compressed_weight_with_no_torch_tensor(prepared, tmp_path: Path) -> None:
+    from edgekit.compress.mlpackage_weights import PackageWeight, load_into_torch
+    from edgekit.compress.onnx_to_torch import fold_for_torch, onnx_to_torch
+
+    module = onnx_to_torch(fold_for_torch(prepared.path, {"input": (1, 3, 16, 16)}, tmp_path / "f.onnx"))
+    stray = PackageWeight(
+        "mystery_weight_to_fp16_palettized", np.zeros((4, 4), np.float32), "palettized-4bit", "constexpr_lut_to_dense"
+    )
+    with pytest.raises(ValidationFailedError, match=r"mystery_weight_to_fp16_palettized.*match no tensor"):
+        load_into_torch(module, [stray])
+    wrong = PackageWeight(
+        "conv1_weight_to_fp16_palettized",
+        -module.conv1.weight.detach().numpy(),
+        "palettized-4bit",
+        "constexpr_lut_to_dense",
+    )
+    with pytest.raises(ValidationFailedError, match="does not match torch tensor conv1_weight"):
+        load_into_torch(module, [wrong])
+
+
+# -- check_model -------------------------------------------------------------------------------------
+
+
+def test_apple_check_model_names_an_op_onnx2torch_cannot_take(tmp_path: Path) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("Det", ["x"], ["y"], name="determinant")
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    path = tmp_path / "det.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(TargetOpError) as err:
+        AppleTarget().check_model(path)
+    assert "'apple' cannot take op Det (node 'determinant'): onnx2torch" in str(err.value)
+    assert "cpu" in err.value.alternatives
+
+
+def test_apple_check_model_accepts_the_tiny_classifier(prepared) -> None:
+    AppleTarget().check_model(prepared.path)
+
+
+# -- coreml runtime ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def apple_bundle(tmp_path_factory: pytest.TempPathFactory, keypair):
+    from edgekit import package
+
+    root = tmp_path_factory.mktemp("apple-pkg")
+    model = tiny_classifier(root / "tiny.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = package(
+            model,
+            ["apple"],
+            "int8-weights",
+            calib={"input": confident_inputs(model, 40)},
+            key=keypair[0],
+            name="tiny",
+            out_dir=root / "out",
+            options={"apple": {"weight_threshold": 0}},
+        )
+    verified = read_verified_manifest(result.bundles["apple"], TrustStore.from_files([keypair[1]]))
+    return result, verified.manifest, extract(result.bundles["apple"], verified, root / "extracted")
+
+
+def test_package_apple_writes_a_verified_bundle_with_the_whole_mlpackage(apple_bundle) -> None:
+    import coremltools as ct
+
+    result, manifest, extracted = apple_bundle
+    assert manifest == result.manifests["apple"]
+    artifacts = sorted(f.path for f in manifest.artifact_files())
+    assert artifacts and all(p.startswith("model.mlpackage/") for p in artifacts)
+    assert package_dir(manifest) == "model.mlpackage"
+    spec = ct.utils.load_spec(str(extracted / "model.mlpackage"))
+    assert [o.name for o in spec.description.output] == [m.artifact for m in manifest.mapping if m.served == "probs"]
+    v = manifest.validation
+    assert v.passed and v.top1_agreement >= 0.98 and v.latency_p50_ms is None
+    assert v.measured_on.startswith("intermediate (torch intermediate with the mlpackage's dequantized weights")
+    assert (manifest.precision.label, manifest.compatibility.runtime) == ("w8a16", "coreml")
+
+
+@pytest.mark.skipif(ON_MACOS, reason="checks the refusal off macOS")
+def test_coreml_runtime_refuses_to_load_off_macos(apple_bundle) -> None:
+    _, manifest, extracted = apple_bundle
+    with pytest.raises(IncompatibleError, match="Core ML prediction needs macOS"):
+        load_model(extracted, manifest)
+
+
+def test_coreml_runtime_reads_compute_units_and_refuses_unknown_ones(apple_bundle) -> None:
+    _, manifest, _ = apple_bundle
+    assert compute_units(RuntimeOptions(), manifest) == "ALL"
+    assert compute_units(RuntimeOptions(device="CPU_AND_NE"), manifest) == "CPU_AND_NE"
+    with pytest.raises(ConfigError, match="'NPU' is not a Core ML compute unit"):
+        compute_units(RuntimeOptions(device="NPU"), manifest)
+    two = manifest.with_updates(files=(*manifest.files, manifest.files[0].__class__("other.mlpackage/x", 1, "0" * 64)))
+    with pytest.raises(BundleError, match=r"exactly one \.mlpackage"):
+        package_dir(two)
+
+
+@pytest.mark.requires_macos
+@pytest.mark.skipif(not ON_MACOS, reason="Core ML prediction needs macOS")
+def test_coreml_runtime_predicts_like_the_golden_vectors(apple_bundle) -> None:
+    _, manifest, extracted = apple_bundle
+    golden = np.load(extracted / "golden.npz")
+    served = load_model(extracted, manifest, RuntimeOptions(device="CPU_ONLY"))
+    try:
+        got = np.concatenate([served.infer({"input": x[None]})["probs"] for x in golden["in_input"]])
+    finally:
+        served.close()
+    assert np.mean(got.argmax(1) == golden["out_probs"].argmax(1)) >= 0.75

@@ -1,0 +1,267 @@
+"""The ``coral`` target (onnx2tf -> full-integer INT8 TFLite) and the ``litert`` device runtime.
+
+Two conversions for the whole module (TensorFlow is slow to load): a classifier and a dense model
+with an NCHW map output, both packaged with every network connection refused. Their bundles are
+checked against ONNX Runtime FP32 through the runtime the agent uses; the classifier is served by
+a real agent over the v2 API. The Edge TPU compile path needs ``edgetpu_compiler`` and an Edge
+TPU: marked ``requires_edgetpu``.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import edgekit
+from device_agents.runtimes import RuntimeOptions, load_model
+from device_agents.runtimes.litert import LiteRtRunner
+from edgekit.bundle.manifest import Compatibility, Manifest
+from edgekit.compress.onnx2tflite import scope_name
+from edgekit.errors import ConfigError, IncompatibleError
+from edgekit.packager import PackageResult
+from edgekit.targets.base import BuildContext
+from edgekit.targets.coral import CoralOptions, CoralTarget, edgetpu_placement
+from edgekit.targets.op_support import TargetOpError
+from tests.agent.conftest import RunningAgent, agent_cli, start_agent, write_config
+from tests.factories import sample_inputs, tiny_classifier, tiny_dense
+from tests.targets.conftest import no_network
+
+HAS_EDGETPU = shutil.which("edgetpu_compiler") is not None and ctypes.util.find_library("edgetpu") is not None
+CALIB = sample_inputs(60, seed=3) * 3.0  # scaled so that the tiny classifier's classes are well apart
+
+
+def _ort(model: Path, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+    return ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, feed)  # type: ignore[no-any-return]  # arrays
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per-sample cosine similarity."""
+    a, b = a.reshape(len(a), -1).astype(np.float64), b.reshape(len(b), -1).astype(np.float64)
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)  # type: ignore[no-any-return]  # an array
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # onnxslim-style node names that TensorFlow refuses as scope names
+    path = tiny_classifier(tmp_path_factory.mktemp("coral-model") / "tiny.onnx")
+    model = onnx.load(str(path))
+    for node in model.graph.node:
+        node.name = f"{node.op_type}@0" if node.op_type == "Softmax" else f"/{node.name}:0"
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def packaged(
+    tmp_path_factory: pytest.TempPathFactory, classifier: Path, keypair: tuple[Path, Path]
+) -> tuple[PackageResult, list[object]]:
+    out = tmp_path_factory.mktemp("coral-bundles")
+    with no_network() as attempts:
+        result = edgekit.package(
+            classifier, targets=["coral"], precision="int8", calib={"input": CALIB}, key=keypair[0], out_dir=out
+        )
+    return result, attempts
+
+
+def test_coral_converts_offline_to_a_full_integer_tflite_that_matches_fp32(
+    packaged: tuple[PackageResult, list[object]], classifier: Path, open_bundle: Callable[[Path], tuple[Path, Manifest]]
+) -> None:
+    result, attempts = packaged
+    assert attempts == []  # onnx2tf found its sample file made from our calibration data
+    model_dir, manifest = open_bundle(result.bundles["coral"])
+    assert manifest.compatibility.runtime == "litert" and manifest.compatibility.accelerator is None
+    assert [f.path for f in manifest.artifact_files()] == ["model.tflite"]
+    assert manifest.precision.label == "w8a8" and manifest.validation.passed
+    assert any("not compiled for the Edge TPU" in n and "XNNPACK" in n for n in manifest.validation.notes)
+    # int8 in and out, NHWC in the artifact, quantization parameters in the manifest
+    (art_in,), (art_out,) = manifest.artifact_signature.inputs, manifest.artifact_signature.outputs
+    assert art_in.dtype == art_out.dtype == "int8" and art_in.quant is not None and art_out.quant is not None
+    assert art_in.shape == (1, 16, 16, 3) and art_in.layout == "NHWC"
+    assert {m.served: m.transpose for m in manifest.mapping} == {"input": (0, 2, 3, 1), "probs": None}
+    # the served interface stays the source model's (NCHW float32), fixed to the static shape
+    assert manifest.signature.inputs[0].shape == (1, 3, 16, 16) and manifest.signature.inputs[0].dtype == "float32"
+    placement = manifest.op_placement
+    assert placement is not None and placement.tool.startswith("litert interpreter op list")
+    assert "CONV_2D" in {e.op for e in placement.entries} and {e.device for e in placement.entries} == {"CPU"}
+    assert placement.accelerated == 0 and placement.fallback == len(placement.entries)
+
+    served = load_model(model_dir, manifest, RuntimeOptions(threads=1))
+    try:
+        x = sample_inputs(40, seed=11) * 3.0
+        got = np.concatenate([served.infer({"input": x[i : i + 1]})["probs"] for i in range(len(x))])
+    finally:
+        served.close()
+    want = _ort(classifier, {"input": x})[0]
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert np.mean(got.argmax(1) == want.argmax(1)) >= 0.95
+    assert np.mean(_cosines(got, want)) > 0.98
+
+
+def test_coral_dense_nchw_output_comes_back_nchw_through_the_runtime(
+    tmp_path_factory: pytest.TempPathFactory,
+    keypair: tuple[Path, Path],
+    open_bundle: Callable[[Path], tuple[Path, Manifest]],
+) -> None:
+    model = tiny_dense(tmp_path_factory.mktemp("coral-dense") / "dense.onnx")
+    calib = {"image": sample_inputs(40, seed=2)}
+    with no_network():
+        result = edgekit.package(
+            model, targets=["coral"], precision="int8", calib=calib, key=keypair[0], out_dir=model.parent
+        )
+    model_dir, manifest = open_bundle(result.bundles["coral"])
+    mapping = {m.served: m for m in manifest.mapping}
+    assert mapping["mask"].transpose == (0, 2, 3, 1) and mapping["embedding"].transpose is None
+    assert mapping["mask"].artifact == "output_0" and mapping["embedding"].artifact == "output_1"
+    assert manifest.validation.kind == "dense" and manifest.validation.passed
+    served = load_model(model_dir, manifest)
+    try:
+        x = sample_inputs(1, seed=17)
+        got = served.infer({"image": x})
+    finally:
+        served.close()
+    mask, embedding = _ort(model, {"image": x})
+    assert got["mask"].shape == mask.shape == (1, 4, 16, 16)
+    assert _cosines(got["mask"], mask)[0] > 0.98 and _cosines(got["embedding"], embedding)[0] > 0.98
+
+
+@pytest.fixture(scope="module")
+def agent(
+    tmp_path_factory: pytest.TempPathFactory, keypair: tuple[Path, Path], packaged: tuple[PackageResult, list[object]]
+) -> Iterator[RunningAgent]:
+    config = write_config(tmp_path_factory.mktemp("coral-agent"), keypair[1])
+    done = agent_cli("install", str(packaged[0].bundles["coral"]), "--config", str(config))
+    assert done.returncode == 0, done.stdout + done.stderr
+    running = start_agent(config)
+    yield running
+    assert running.stop() == 0
+
+
+def test_coral_bundle_is_served_by_the_agent_over_v2_with_float_nchw_tensors(
+    agent: RunningAgent, classifier: Path
+) -> None:
+    import tritonclient.http as triton
+
+    client = triton.InferenceServerClient(agent.address)
+    meta = client.get_model_metadata("tiny")
+    assert meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [1, 3, 16, 16]}]
+    assert meta["outputs"] == [{"name": "probs", "datatype": "FP32", "shape": [1, 10]}]
+    x = sample_inputs(1, seed=23) * 3.0
+    inp = triton.InferInput("input", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    got = client.infer("tiny", [inp]).as_numpy("probs")
+    want = _ort(classifier, {"input": x})[0]
+    assert got.argmax() == want.argmax() and _cosines(got, want)[0] > 0.98
+    bad = triton.InferInput("input", [2, 3, 16, 16], "FP32")  # the artifact's shapes are static
+    bad.set_data_from_numpy(np.zeros((2, 3, 16, 16), np.float32))
+    with pytest.raises(Exception, match="does not match"):
+        client.infer("tiny", [bad])
+
+
+def test_litert_refuses_an_edgetpu_bundle_without_the_delegate(
+    packaged: tuple[PackageResult, list[object]], open_bundle: Callable[[Path], tuple[Path, Manifest]]
+) -> None:
+    if HAS_EDGETPU:
+        pytest.skip("libedgetpu is installed here: the delegate loads")
+    model_dir, manifest = open_bundle(packaged[0].bundles["coral"])
+    compat = Compatibility(runtime="litert", runtime_version="x", accelerator="edgetpu")
+    with pytest.raises(IncompatibleError, match=r"libedgetpu\.so\.1 cannot be loaded"):
+        LiteRtRunner(model_dir, manifest.with_updates(compatibility=compat), RuntimeOptions())
+
+
+def test_coral_check_model_names_the_op_the_node_and_the_targets_that_take_it(tmp_path: Path) -> None:
+    # LpPool: OpenVINO and ONNX Runtime convert it, onnx2tf has no converter for it.
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"], name="relu"),
+        helper.make_node("LpPool", ["a"], ["y"], name="the_lp_pool", kernel_shape=[2, 2], p=2),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 7, 7])],
+    )  # fmt: skip
+    path = tmp_path / "lppool.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+    with pytest.raises(TargetOpError) as caught:
+        CoralTarget().check_model(path)
+    message = str(caught.value)
+    assert "target 'coral' cannot take op LpPool (node 'the_lp_pool')" in message and "onnx2tf" in message
+    assert {"cpu", "intel"} <= set(caught.value.alternatives)
+    assert "Targets that can take it:" in message and "intel" in message
+
+
+def test_coral_edgetpu_true_without_the_compiler_is_refused_before_converting(tmp_path: Path) -> None:
+    if shutil.which("edgetpu_compiler"):
+        pytest.skip("edgetpu_compiler is installed here")
+    ctx = BuildContext(
+        model_path=tmp_path / "never-read.onnx", served=None, precision="int8", calib={}, static_shapes={},  # type: ignore[arg-type]  # refused first
+        out_dir=tmp_path, work_dir=tmp_path, options=CoralOptions(edgetpu=True), progress=lambda _m: None,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"targets\.coral\.edgetpu=true but edgetpu_compiler is not on PATH"):
+        CoralTarget().build(ctx)
+
+
+def test_scope_names_are_valid_for_tensorflow_and_unique() -> None:
+    import re
+
+    taken: set[str] = set()
+    names = [scope_name(n, i, taken) for i, n in enumerate(["Softmax@0", "/conv/Conv:0", "", "Softmax@0", "_x"])]
+    assert len(set(names)) == len(names)
+    assert all(re.fullmatch(r"[A-Za-z0-9.][A-Za-z0-9_.\\/>-]*", n) for n in names)
+
+
+def test_edgetpu_compiler_table_becomes_op_placement() -> None:
+    # The layout of edgetpu_compiler's operation log (coral.ai/docs/edgetpu/compiler).
+    log = "\n".join(
+        [
+            "Edge TPU Compiler version 16.0.384591198",
+            "Model compiled successfully in 215 ms.",
+            "",
+            "Number of Edge TPU subgraphs: 1",
+            "Total number of operations: 7",
+            "Operation log: model_edgetpu.log",
+            "",
+            "Operator                       Count      Status",
+            "",
+            "CONV_2D                        2          Mapped to Edge TPU",
+            "MEAN                           1          Mapped to Edge TPU",
+            "FULLY_CONNECTED                1          Mapped to Edge TPU",
+            "SOFTMAX                        1          Operation is otherwise supported, but not mapped due to "
+            "some unspecified limitation",
+            "QUANTIZE                       2          Mapped to Edge TPU",
+        ]
+    )
+    placement = edgetpu_placement(log, "model_edgetpu.log")
+    assert (placement.accelerated, placement.fallback) == (6, 1)
+    assert [(e.op, e.device) for e in placement.entries][3] == ("SOFTMAX", "CPU")
+    assert placement.log_file == "model_edgetpu.log" and placement.tool == "edgetpu_compiler"
+
+
+@pytest.mark.requires_edgetpu
+@pytest.mark.skipif(not HAS_EDGETPU, reason="needs edgetpu_compiler on PATH and libedgetpu with an Edge TPU attached")
+def test_coral_compiles_for_the_edgetpu_and_runs_on_it(
+    tmp_path: Path, classifier: Path, keypair: tuple[Path, Path], open_bundle: Callable[[Path], tuple[Path, Manifest]]
+) -> None:
+    result = edgekit.package(
+        classifier, targets=["coral"], precision="int8", calib={"input": CALIB}, key=keypair[0], out_dir=tmp_path,
+        options={"coral": CoralOptions(edgetpu=True)},
+    )  # fmt: skip
+    model_dir, manifest = open_bundle(result.bundles["coral"])
+    assert manifest.compatibility.accelerator == "edgetpu"
+    roles = {f.path: f.role for f in manifest.files}
+    assert roles["model_edgetpu.tflite"] == "artifact" and roles["model_edgetpu.log"] == "report"
+    assert manifest.op_placement is not None and manifest.op_placement.tool == "edgetpu_compiler"
+    assert manifest.op_placement.accelerated > 0
+    served = load_model(model_dir, manifest)
+    try:
+        x = sample_inputs(8, seed=11) * 3.0
+        got = np.concatenate([served.infer({"input": x[i : i + 1]})["probs"] for i in range(len(x))])
+    finally:
+        served.close()
+    assert np.mean(got.argmax(1) == _ort(classifier, {"input": x})[0].argmax(1)) >= 0.95
