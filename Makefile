@@ -18,6 +18,9 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	# onnx2tf imports tf_keras, whose metadata requires the full `tensorflow` (~600 MB more,
+	# beside tensorflow-cpu); it runs on tensorflow-cpu, so install it without dependencies.
+	$(BIN)/python -m pip install -q --no-deps 'tf-keras==2.21.*'
 	touch $@
 
 setup: $(VENV)/.installed

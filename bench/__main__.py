@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report.format_table(rows))
     doc = report.to_json(info, rows, started, duration)
     json_path = report.write_json(args.out / "latest.json", doc)
-    title = f"python -m bench, {started}\n{machine.one_line(info)}"
+    title = f"python -m bench, {started}\n{machine.short_line(info)}"
     png = report.write_plot(args.out / "latest.png", rows, title)
     print(f"\n{len(rows)} rows ({sum(m.note.startswith(NOT_HERE) for m in rows)} {NOT_HERE}) in {duration:.0f} s")
     print(f"wrote {json_path}" + (f" and {png}" if png else " (no plot: matplotlib is not installed)"))

@@ -46,3 +46,10 @@ def one_line(info: dict[str, object]) -> str:
         f"{info['cpu']}, {info['cores']} cores ({info['cores_usable']} usable), {info['machine']}, "
         f"{info['os']}, Python {info['python']}; {ver}"
     )
+
+
+def short_line(info: dict[str, object]) -> str:
+    """CPU, cores and the ONNX Runtime version: fits a plot title."""
+    versions = info.get("versions")
+    ort = versions.get("onnxruntime", "absent") if isinstance(versions, dict) else "absent"
+    return f"{info['cpu']}, {info['cores']} cores, {info['machine']}, onnxruntime {ort}"

@@ -75,9 +75,14 @@ def write_plot(path: Path, rows: Sequence[Measurement], title: str) -> Path | No
         return None
     labels = [f"{m.benchmark}: {m.case}, {m.metric}" for m in measured]
     ratios = [m.ratio or 0.0 for m in measured]
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(measured) + 1.5))
+    fig, ax = plt.subplots(figsize=(11, 0.4 * len(measured) + 1.8))
     ax.barh(range(len(measured)), ratios, color=["tab:green" if r <= 1 else "tab:orange" for r in ratios])
     ax.axvline(1.0, color="black", linewidth=0.8)
+    if max(ratios) / max(min(ratios), 1e-9) > 10:  # e.g. HTTP overhead next to quantization ratios
+        ax.set_xscale("log")
+        ax.set_xlim(min(ratios) / 1.5, max(ratios) * 2.5)
+    else:
+        ax.set_xlim(0, max(1.0, max(ratios)) * 1.15)
     ax.set_yticks(range(len(measured)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("B / A (size, latency: < 1 is smaller / faster; top-1: 1 = unchanged)")

@@ -21,7 +21,7 @@ import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
@@ -38,6 +38,9 @@ from edgekit.bundle.manifest import (
 from edgekit.errors import ConfigError, EdgekitError, MissingSDKError
 from edgekit.targets.base import BuildContext, BuildResult
 from edgekit.targets.op_support import UnsupportedNode, raise_unsupported
+
+if TYPE_CHECKING:
+    from edgekit.compress.onnx2tflite import TensorLink, TfliteModel
 
 ARTIFACT = "model.tflite"
 COMPILED = "model_edgetpu.tflite"
@@ -105,7 +108,7 @@ class CoralTarget:
             ctx.calib,
             opts.calibration_samples,
         )
-        artifact_sig = _artifact_signature(converted, ctx.served, static)
+        artifact_sig = _artifact_signature(converted, ctx.served)
         mapping = tuple(
             TensorMapping(link.served, link.artifact, link.transpose)
             for link in (*converted.inputs, *converted.outputs)
@@ -176,7 +179,7 @@ def _litert_version() -> str:
     return str(getattr(ai_edge_litert, "__version__", "unknown"))
 
 
-def _artifact_signature(converted: Any, served: Signature, static: Mapping[str, tuple[int, ...]]) -> Signature:
+def _artifact_signature(converted: TfliteModel, served: Signature) -> Signature:
     from edgekit.compress.onnx2tflite import signature_details
 
     in_details, out_details = signature_details(converted.int8)
@@ -187,7 +190,7 @@ def _artifact_signature(converted: Any, served: Signature, static: Mapping[str, 
         quant = QuantParams(float(scale), int(zero_point), dtype) if scale else None  # type: ignore[arg-type]  # int8
         return TensorSpec(name, dtype, tuple(int(x) for x in d["shape"]), layout=layout, quant=quant)
 
-    def layout(link: Any, served_spec: TensorSpec) -> str | None:
+    def layout(link: TensorLink, served_spec: TensorSpec) -> str | None:
         if link.transpose and served_spec.layout == "NCHW":
             return "NHWC"
         return served_spec.layout if not link.transpose else None

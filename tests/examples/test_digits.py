@@ -47,7 +47,7 @@ def test_digits_model_accuracy_matches_readme_and_is_at_least_97_percent() -> No
 
 
 def test_load_names_the_rebuild_command_when_a_file_is_missing(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="train.py"):
+    with pytest.raises(FileNotFoundError, match=r"train\.py"):
         load(tmp_path)
 
 

@@ -35,7 +35,7 @@ def test_find_pretrained_returns_the_packaged_opset11_classifier() -> None:
 def test_find_pretrained_names_the_package_to_install_when_none_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
     missing = pretrained.PretrainedSource("edgekit_no_such_package", "m.onnx", "no-such-wheel", "nothing")
     monkeypatch.setattr(pretrained, "SOURCES", (missing,))
-    with pytest.raises(MissingSDKError, match="no-such-wheel.*edgekit\\[dev\\]"):
+    with pytest.raises(MissingSDKError, match=r"no-such-wheel.*edgekit\[dev\]"):
         pretrained.find_pretrained()
 
 

@@ -137,15 +137,15 @@ def test_calib_iter_batches_covers_every_sample() -> None:
 def test_latency_side_by_side_interleaves_with_rotating_start() -> None:
     calls: list[str] = []
     fns = {n: (lambda n=n: calls.append(n)) for n in "abc"}
-    p50 = p50_side_by_side(fns, repeats=3, warmup=1)
-    assert calls == list("abc") + list("abc") + list("bca") + list("cab")
+    p50 = p50_side_by_side(fns, repeats=3, warmup=1, block=2)
+    assert calls == list("abc") + list("aabbcc") + list("bbccaa") + list("ccaabb")
     assert set(p50) == {"a", "b", "c"} and all(v >= 0 for v in p50.values())
 
 
 def test_latency_stops_at_budget_after_min_repeats() -> None:
     calls: list[str] = []
-    p50_side_by_side({"a": lambda: calls.append("a")}, repeats=1000, warmup=0, budget_s=0.0, min_repeats=4)
-    assert len(calls) == 4
+    p50_side_by_side({"a": lambda: calls.append("a")}, repeats=1000, warmup=0, budget_s=0.0, min_repeats=4, block=3)
+    assert len(calls) == 4 * 3
 
 
 def test_placement_comes_from_the_onnxruntime_profile(tiny_model: Path) -> None:
