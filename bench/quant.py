@@ -153,7 +153,7 @@ def _latency(ctx: BenchContext, name: str, base: _Side, others: list[_Side], ima
             metric = f"p50 latency, batch {batch}"
             case = f"{other.label} vs {base.label}"
             if base.label in p50 and other.label in p50:
-                note = f"median of interleaved rounds ({ctx.repeats} max)"
+                note = f"median over interleaved blocks (<= {ctx.repeats} rounds)"
                 a, b = p50[base.label], p50[other.label]
                 rows.append(Measurement(name, case, metric, "ms", base.label, other.label, a, b, note))
             else:

@@ -44,6 +44,7 @@ class RunningAgent:
         trusted_keys: Sequence[Path],
         *,
         threads: int = 0,
+        extra_config: str = "",
         start_timeout_s: float = 60.0,
     ) -> None:
         self.workdir = Path(workdir).resolve()
@@ -52,6 +53,7 @@ class RunningAgent:
         self.log_path = self.workdir / "agent.log"
         self.trusted_keys = tuple(Path(k).resolve() for k in trusted_keys)
         self.threads = threads
+        self.extra_config = extra_config  # more TOML tables, e.g. an [updates] table
         self.start_timeout_s = start_timeout_s
         self.url = ""  # http://127.0.0.1:PORT once started
         self._proc: subprocess.Popen[bytes] | None = None
@@ -82,6 +84,8 @@ class RunningAgent:
         ]
         if self.threads:
             lines += ["", "[runtime]", f"threads = {self.threads}"]
+        if self.extra_config:
+            lines += ["", self.extra_config.strip()]
         self.config.write_text("\n".join(lines) + "\n")
         return self.config
 

@@ -151,7 +151,7 @@ def run(targets: Sequence[str] | None, precision: str, workdir: Path, samples: i
     if failure:
         print(f"\n    {failure}")
     if "cpu" not in result.bundles:
-        raise DemoError("no cpu bundle was written, so there is nothing for the agent to serve")
+        raise DemoError("no cpu bundle was written, so the agent has nothing to serve (include cpu in --targets)")
 
     step(4, total, "serving the cpu bundle with edgekit-agent, queried with tritonclient.http")
     with RunningAgent(work / "agent", [pub]) as agent:

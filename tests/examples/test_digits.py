@@ -83,6 +83,7 @@ def test_fold_batchnorm_keeps_outputs_and_leaves_no_batchnorm() -> None:
     net = build_net()
     for m in net.modules():  # non-trivial running statistics, so that folding has work to do
         if isinstance(m, torch.nn.BatchNorm2d):
+            assert m.running_mean is not None and m.running_var is not None  # track_running_stats is on
             m.running_mean.uniform_(-0.5, 0.5)
             m.running_var.uniform_(0.5, 2.0)
             m.weight.data.uniform_(0.5, 1.5)

@@ -48,7 +48,7 @@ def test_disk_full_during_download_aborts_cleanly_and_retries(
         assert agent.served_version("tiny") == 1
 
         subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
-        agent.wait_version("tiny", 2)
+        watcher.wait(lambda r: r["state"] == "checking" and r["version"] == 2, 60, "v2 to be switched in")
     finally:
         watcher.close()
     assert not any(small_disk.iterdir())  # the completed download is removed after the install

@@ -88,8 +88,12 @@ def test_version_that_keeps_crashing_the_agent_is_rolled_back(
     broker: Mosquitto, files: FileServer, agents: AgentFactory, keys: Keys, tiny_bundles: dict[int, Path]
 ) -> None:
     agent = agents(broker.url(), "dev-1", extra_updates={"health_window_s": 120.0, "crash_loop_boots": 2}).start()
-    notice = publish(tiny_bundles[2], broker.url(), files, keys.public, "--device", "dev-1")
-    agent.wait_version("tiny", 2)
+    watcher = Watcher(broker.port, [REPORTED])
+    try:
+        notice = publish(tiny_bundles[2], broker.url(), files, keys.public, "--device", "dev-1")
+        watcher.wait(lambda r: r["state"] == "checking" and r["version"] == 2, 30, "v2 in its health window")
+    finally:
+        watcher.close()
     agent.kill()  # a crash inside the health window ...
     agent.start()
     assert agent.served_version("tiny") == 2  # ... once is not a loop
