@@ -20,17 +20,18 @@ OUTPUTS = 16
 MODEL_NAME = "roundtrip"
 
 
-def tiny_model(path: Path) -> Path:
+def tiny_model(path: Path, features: int = FEATURES, outputs: int = OUTPUTS) -> Path:
+    """``y = x @ w``: [batch, features] -> [batch, outputs], random weights (4 bytes each)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
-    w = numpy_helper.from_array((rng.standard_normal((FEATURES, OUTPUTS)) * 0.1).astype(np.float32), "w")
+    w = numpy_helper.from_array((rng.standard_normal((features, outputs)) * 0.1).astype(np.float32), "w")
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["y"], name="matmul")],
         "roundtrip",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", FEATURES])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", OUTPUTS])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", features])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", outputs])],
         [w],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="edgekit-bench")

@@ -81,6 +81,12 @@ BENCHMARKS: tuple[Entry, ...] = (
         {"target": "apple", "candidates": ("int8-weights", "fp16")},
     ),
     Entry(
+        "ota.mqtt",
+        "bench.ota:run",
+        "OTA over MQTT on loopback: 10 MB publish-to-serving vs sideload, failed requests during the switch, "
+        "50 devices converge and reconnect after a broker restart (jitter vs paho's fixed backoff)",
+    ),
+    Entry(
         "agent.roundtrip",
         "bench.agent_roundtrip:run",
         "edgekit-agent v2 HTTP infer (tritonclient, 1 KB tensor) vs in-process onnxruntime session.run",

@@ -172,7 +172,8 @@ def _install_here(config: AgentConfig, bundle: Path) -> dict[str, Any]:
 
     manager = ModelManager(config)
     try:
-        return to_data(manager.install(bundle, origin="cli"))  # type: ignore[no-any-return]
+        installed: dict[str, Any] = to_data(manager.install(bundle, origin="cli"))
+        return installed
     finally:
         manager.stop()
 
@@ -182,7 +183,8 @@ def _install_via_daemon(url: str, bundle: Path) -> dict[str, Any]:
     req = urllib.request.Request(f"{url}/edgekit/v1/install", data=body, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=3600) as resp:
-            return json.loads(resp.read())  # type: ignore[no-any-return]
+            answer: dict[str, Any] = json.loads(resp.read())
+            return answer
     except urllib.error.HTTPError as exc:
         try:
             doc = json.loads(exc.read())

@@ -195,7 +195,7 @@ def load_config(path: Path) -> AgentConfig:
 
 
 def config_from_data(data: dict[str, Any], base: Path) -> AgentConfig:
-    config = from_data(AgentConfig, migrate(dict(data)), "agent", ConfigError)
+    config: AgentConfig = from_data(AgentConfig, migrate(dict(data)), "agent", ConfigError)
     config = _resolve_paths(config, base)
     if config.updates is not None and config.updates.download_dir is None:
         config = dataclasses.replace(

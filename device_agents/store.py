@@ -314,7 +314,8 @@ class Store:
         return removed
 
     def describe(self) -> dict[str, Any]:
-        return to_data(self.load_state())  # type: ignore[no-any-return]
+        state: dict[str, Any] = to_data(self.load_state())
+        return state
 
 
 def _version_of(dirname: str) -> int:

@@ -88,7 +88,12 @@ def _register_package(sub: Any) -> None:
     p.add_argument("model", type=Path, metavar="MODEL.onnx")
     p.add_argument("--target", default="cpu", help="comma-separated: cpu, intel, coral, jetson, apple (default cpu)")
     p.add_argument(
-        "--precision", default="int8", help="fp32, fp16, int8, int8-weights, int4-weights, palettize6, palettize4"
+        "--precision",
+        default="int8",
+        metavar="P[,TARGET=P...]",
+        help="a default precision, then per-target ones, e.g. int8,apple=int8-weights; targets not named get the "
+        "default (int8 when none is given). Names: fp32, fp16, int8, int8-weights, int4-weights, palettize6, "
+        "palettize4",
     )
     p.add_argument(
         "--calib", type=Path, required=True, metavar="CALIB.npz", help="one array per input, samples on axis 0"
@@ -119,6 +124,7 @@ def _package(args: argparse.Namespace) -> int:
     from edgekit.packager import PackageValidationError, package
     from edgekit.targets import parse_targets
     from edgekit.targets.options import parse_option_args
+    from edgekit.targets.precisions import parse_precision_arg
     from edgekit.validate.metrics import parse_tolerance_args
 
     targets = parse_targets(args.target)
@@ -129,7 +135,7 @@ def _package(args: argparse.Namespace) -> int:
         result = package(
             args.model,
             targets=targets,
-            precision=args.precision,
+            precision=parse_precision_arg(args.precision),
             calib=args.calib,
             eval=args.eval,
             labels=args.labels,

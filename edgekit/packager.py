@@ -18,7 +18,6 @@ An artifact outside the tolerance produces no bundle (unless ``force``) and rais
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import platform
 import tempfile
@@ -45,8 +44,10 @@ from edgekit.bundle.manifest import (
     utc_now,
 )
 from edgekit.errors import CalibrationDataError, ConfigError, EdgekitError, ValidationFailedError
-from edgekit.targets import PRECISIONS, BuildContext, BuildResult, Target, get_target, parse_targets
+from edgekit.targets import BuildContext, BuildResult, get_target, parse_targets
 from edgekit.targets.options import check_option_targets, resolve_options
+from edgekit.targets.precisions import DEFAULT_PRECISION, choose_precisions
+from edgekit.targets.sdk_output import sdk_output_to
 from edgekit.validate.calib import (
     ArraysLike,
     check_arrays,
@@ -64,6 +65,7 @@ from edgekit.validate.table import format_table
 
 GOLDEN_FILE = "golden.npz"
 GOLDEN_COUNT = 4
+SDK_LOG = "sdk-output.log"  # in each target's work folder: what the converters printed
 EVAL_BATCH = 16
 
 
@@ -122,7 +124,7 @@ class _Run:
 def package(
     model: str | Path,
     targets: str | Sequence[str] = ("cpu",),
-    precision: str = "int8",
+    precision: str | Mapping[str, str] = DEFAULT_PRECISION,
     calib: ArraysLike | None = None,
     eval: ArraysLike | None = None,
     labels: str | Path | Any | None = None,
@@ -142,12 +144,15 @@ def package(
     ``calib``: ``.npz`` path or mapping input name -> array (samples on axis 0). ``eval``: same,
     held-out data; without it every 5th calibration sample is held out. ``labels``: class
     indices of the evaluation samples (``.npy`` or array). ``tolerance``: overrides of
-    ``Tolerance`` fields. ``options``: target -> that target's ``Options`` (or a mapping of its
+    ``Tolerance`` fields. ``precision``: one name for every target, or a mapping target -> name
+    (key ``"*"``: the default for targets not named; without it ``int8``), each checked against
+    what its target builds. ``options``: target -> that target's ``Options`` (or a mapping of its
     fields). ``expires``: a time, a time from now, or an ISO 8601 string.
     """
     say = progress or (lambda _msg: None)
     names = parse_targets(targets) if isinstance(targets, str) else parse_targets(",".join(targets))
-    chosen = {t: _check_precision(get_target(t), precision) for t in names}
+    chosen = {t: get_target(t) for t in names}
+    precisions = choose_precisions(precision, chosen)
     options = dict(options or {})
     check_option_targets(options, names)
     target_options = {t: resolve_options(t, chosen[t].Options, options.get(t)) for t in names}
@@ -200,25 +205,37 @@ def package(
         failed: list[tuple[str, Comparison, tuple[str, ...]]] = []
         for t in names:
             target_dir = work / t
-            ctx = BuildContext(
-                model_path=prepared.path,
-                served=prepared.served,
-                precision=precision,
-                calib=run.calib,
-                static_shapes=static_shapes,
-                out_dir=target_dir / "bundle",
-                work_dir=target_dir / "work",
-                options=target_options[t],
-                progress=say,
-                evaluate=_evaluator(run, prepared.served),
-            )
-            ctx.out_dir.mkdir(parents=True)
-            ctx.work_dir.mkdir(parents=True)
-            say(f"[{t}] building {precision}")
-            result = chosen[t].build(ctx)
-            manifest, comparison, row = _validate_and_describe(
-                t, precision, result, ctx, run, prepared.source, name, version, expires_at, private_key, static_shapes
-            )
+            for folder in ("bundle", "work"):
+                (target_dir / folder).mkdir(parents=True)
+            # Converters print to stdout/stderr (C++ included); that goes to a log, our progress does not.
+            with sdk_output_to(target_dir / "work" / SDK_LOG, say) as target_say:
+                ctx = BuildContext(
+                    model_path=prepared.path,
+                    served=prepared.served,
+                    precision=precisions[t],
+                    calib=run.calib,
+                    static_shapes=static_shapes,
+                    out_dir=target_dir / "bundle",
+                    work_dir=target_dir / "work",
+                    options=target_options[t],
+                    progress=target_say,
+                    evaluate=_evaluator(run, prepared.served),
+                )
+                target_say(f"[{t}] building {precisions[t]}")
+                result = chosen[t].build(ctx)
+                manifest, comparison, row = _validate_and_describe(
+                    t,
+                    precisions[t],
+                    result,
+                    ctx,
+                    dataclasses.replace(run, say=target_say),
+                    prepared.source,
+                    name,
+                    version,
+                    expires_at,
+                    private_key,
+                    static_shapes,
+                )
             if not comparison.passed:
                 failed.append((t, comparison, result.notes))
             if comparison.passed or force:
@@ -229,26 +246,11 @@ def package(
             rows.append(dataclasses.replace(row, bundle=bundles.get(t)))
     result_all = PackageResult(bundles=bundles, rows=tuple(rows), manifests=manifests)
     if failed and not force:
-        raise PackageValidationError(_failure_message(failed, precision), result_all)
+        raise PackageValidationError(_failure_message(failed, precisions), result_all)
     return result_all
 
 
 # -- arguments -----------------------------------------------------------------------------
-
-
-def _check_precision(target: Target, precision: str) -> Target:
-    if precision not in PRECISIONS:
-        near = difflib.get_close_matches(precision, PRECISIONS, n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise ConfigError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}{hint}")
-    if precision not in target.precisions:
-        near = difflib.get_close_matches(precision, target.precisions, n=1, cutoff=0.3)
-        hint = f"; nearest: {near[0]!r}" if near else ""
-        raise ConfigError(
-            f"--precision {precision!r} is not available for target {target.name!r} "
-            f"(it builds {', '.join(target.precisions)}){hint}"
-        )
-    return target
 
 
 def _name_from(model: Path) -> str:
@@ -551,11 +553,12 @@ def _host_description(describe: Mapping[str, Any]) -> str:
     return f"host {runtime} {ver} on {platform.machine()}".replace("  ", " ")
 
 
-def _failure_message(failed: list[tuple[str, Comparison, tuple[str, ...]]], precision: str) -> str:
+def _failure_message(failed: list[tuple[str, Comparison, tuple[str, ...]]], precisions: Mapping[str, str]) -> str:
     parts = []
     for target, comp, notes in failed:
         tried = [n for n in notes if n.startswith("tried ")]
-        line = f"{target} {precision} failed validation on {comp.samples} held-out samples: {'; '.join(comp.failures)}"
+        why = "; ".join(comp.failures)
+        line = f"{target} {precisions[target]} failed validation on {comp.samples} held-out samples: {why}"
         if tried:
             line += f" ({len(tried)} configurations tried; see `edgekit inspect` of a --force bundle)"
         parts.append(line)

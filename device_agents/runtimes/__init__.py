@@ -31,7 +31,8 @@ def runner_class(runtime: str) -> type[ArtifactRunner]:
             f"no runtime {runtime!r} in this agent (known: {', '.join(RUNTIMES)}); upgrade edgekit-agent"
         ) from exc
     module, cls = spec.split(":")
-    return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
+    runner_cls: type[ArtifactRunner] = getattr(importlib.import_module(module), cls)
+    return runner_cls
 
 
 def load_model(model_dir: Path, manifest: Manifest, options: RuntimeOptions | None = None) -> ServedModel:

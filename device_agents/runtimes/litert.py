@@ -77,4 +77,4 @@ class LiteRtRunner:
 
     def close(self) -> None:
         self.runner = None
-        self.interpreter = None  # type: ignore[assignment]  # released; the runner is not used again
+        self.interpreter = None  # released; the runner is not used again

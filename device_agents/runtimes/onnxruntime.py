@@ -42,4 +42,4 @@ class OnnxRuntimeRunner:
         return {"runtime": "onnxruntime", "version": ort.__version__, "providers": self.session.get_providers()}
 
     def close(self) -> None:
-        self.session = None  # type: ignore[assignment]  # released; the runner is not used again
+        self.session = None  # released; the runner is not used again

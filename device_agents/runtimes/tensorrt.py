@@ -411,7 +411,7 @@ class _OrtFallback:
         return described
 
     def close(self) -> None:
-        self.session = None  # type: ignore[assignment]  # released; the runner is not used again
+        self.session = None  # released; the runner is not used again
 
 
 def _torch_cuda() -> Any:

@@ -135,7 +135,8 @@ class UpdateClient:
             if self._stop.is_set():
                 if self._connected:
                     self._mqtt.disconnect()
-                    self._mqtt.loop(timeout=_LOOP_S)
+                    if self._mqtt.socket() is not None:  # the DISCONNECT is still queued
+                        self._mqtt.loop(timeout=_LOOP_S)
                 self._connected = False
                 break
             self._connected = False
@@ -200,6 +201,8 @@ class UpdateClient:
                     self._cond.wait(self._seconds_to_next_due())
                 self._dirty = False
                 desired = self._desired()
+            for name in set(self._due) - {n.name for n in desired.values()}:
+                del self._due[name]  # its notice was cleared or replaced by one for another model
             for notice in desired.values():
                 if self._stop.is_set():
                     break
@@ -261,7 +264,6 @@ class UpdateClient:
             self._set_report("serving", notice)  # e.g. switched in just before a restart
 
     def _apply(self, notice: Notice) -> None:
-        what = f"{notice.name} v{notice.version}"
         self._set_report("downloading", notice)
         self._drop_other_downloads(notice)
         start = time.monotonic()
@@ -302,15 +304,24 @@ class UpdateClient:
         if not result.changed:
             self._set_report("serving", notice, metrics=metrics)
             return
+        self._check_health(notice, before, result.previous_version, metrics)
+
+    def _check_health(
+        self, notice: Notice, before: Traffic, previous_version: int | None, metrics: dict[str, float]
+    ) -> None:
+        """After the switch: watch the health window, roll back if the new version fails, report."""
+        what = f"{notice.name} v{notice.version}"
         log.info(
             "updates: %s switched in (was v%s); health window %g s",
             what,
-            result.previous_version,
+            previous_version,
             self.updates.health_window_s,
         )
         self._switched[notice.name] = traffic(self.manager.metrics, notice.name)
         self._set_report("checking", notice, metrics=metrics)
-        why = self._watch_health(notice, before, result.previous_version)
+        why = self._watch_health(notice, before, previous_version)
+        if self._stop.is_set():  # the agent stops inside the health window: no verdict to report
+            return
         if why:
             try:
                 self.manager.rollback(notice.name, why)
@@ -395,18 +406,26 @@ class UpdateClient:
             name = latest[0]
             if latest[1].status in _STORE_OUTCOMES:
                 state, error = _STORE_OUTCOMES[latest[1].status], latest[1].error
+        return self._make_report(state, name=name, error=error)
+
+    def _make_report(
+        self,
+        state: UpdateState,
+        *,
+        name: str,
+        desired_version: int = 0,
+        notice_id: str = "",
+        error: str = "",
+        detail: str = "",
+        metrics: dict[str, float] | None = None,
+    ) -> Reported:
         models = self.manager.models()
+        u = self.updates
         return Reported(
-            REPORTED_SCHEMA_VERSION,
-            self.updates.device_id,
-            self.updates.fleet,
-            state,
-            utc_now(),
-            name=name,
-            version=models.get(name, 0),
-            error=error,
-            models=models,
-        )
+            REPORTED_SCHEMA_VERSION, u.device_id, u.fleet, state, utc_now(), name=name, version=models.get(name, 0),
+            desired_version=desired_version, notice_id=notice_id, error=error, detail=detail, models=models,
+            metrics=metrics or {},
+        )  # fmt: skip
 
     def _set_report(
         self,
@@ -417,29 +436,22 @@ class UpdateClient:
         detail: str = "",
         metrics: dict[str, float] | None = None,
     ) -> None:
-        models = self.manager.models()
-        name = notice.name if notice is not None else self._report.name
-        report = Reported(
-            REPORTED_SCHEMA_VERSION,
-            self.updates.device_id,
-            self.updates.fleet,
+        last = self._report
+        report = self._make_report(
             state,
-            utc_now(),
-            name=name,
-            version=models.get(name, 0),
-            desired_version=notice.version if notice is not None else self._report.desired_version,
-            notice_id=notice.notice_id if notice is not None else self._report.notice_id,
+            name=notice.name if notice is not None else last.name,
+            desired_version=notice.version if notice is not None else last.desired_version,
+            notice_id=notice.notice_id if notice is not None else last.notice_id,
             error=error,
             detail=detail,
-            models=models,
-            metrics=metrics or {},
+            metrics=metrics,
         )
         with self._report_lock:
             self._report = report
         log.info(
             "updates: reported %s (%s: v%d serves, v%d desired)%s",
             state,
-            name or "-",
+            report.name or "-",
             report.version,
             report.desired_version,
             f": {error or detail}" if error or detail else "",

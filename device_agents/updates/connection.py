@@ -17,6 +17,7 @@ from edgekit.bundle.errors import ConfigError
 
 if TYPE_CHECKING:
     import paho.mqtt.client as mqtt
+    from paho.mqtt.properties import Properties
 
 # A persistent session outlives a disconnect by this long on the broker (MQTT 5 session expiry).
 SESSION_EXPIRY_S = 7 * 24 * 3600
@@ -77,7 +78,7 @@ def new_client(address: BrokerAddress, client_id: str) -> mqtt.Client:
     return client
 
 
-def session_properties(persistent: bool) -> object:
+def session_properties(persistent: bool) -> Properties:
     """CONNECT properties: a session that survives disconnects (device) or none (host tools)."""
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.properties import Properties

@@ -29,7 +29,8 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def from_data(cls: type[T], data: Any, path: str, error: type[EdgekitError] = ManifestError) -> T:
     """Build ``cls`` from ``data``; raise ``error`` naming ``path`` on any mismatch."""
-    return _convert(cls, data, path, error)  # type: ignore[no-any-return]
+    built: T = _convert(cls, data, path, error)  # _convert checked every field against cls
+    return built
 
 
 def _convert(tp: Any, value: Any, path: str, error: type[EdgekitError]) -> Any:

@@ -99,7 +99,8 @@ def package_weights(program: Any) -> list[PackageWeight]:
 
 
 def _compression(op: Any) -> str:
-    kind = COMPRESSION_OPS.get(op.op_type, op.op_type)
+    op_type = str(op.op_type)
+    kind = COMPRESSION_OPS.get(op_type, op_type)
     if kind == "palettized":
         lut = op.inputs["lut"].val
         # iOS16: lut is (2**nbits,); iOS18: (..., 2**nbits, vector_size)
@@ -112,7 +113,8 @@ def _compression(op: Any) -> str:
 
 
 def _is_weight_op(op: Any) -> bool:
-    return op.op_type == "const" or op.op_type.startswith("constexpr_")
+    op_type = str(op.op_type)
+    return op_type == "const" or op_type.startswith("constexpr_")
 
 
 def _input_vars(op: Any) -> list[Any]:

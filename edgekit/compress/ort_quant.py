@@ -104,7 +104,7 @@ def quantize_static_int8(
         quantize_static(
             str(model_path),
             str(out_path),
-            calibration_data_reader=reader,  # type: ignore[arg-type]  # duck-typed CalibrationDataReader
+            calibration_data_reader=reader,  # duck-typed: ORT only calls get_next()
             quant_format=QuantFormat.QDQ if config.quant_format == "qdq" else QuantFormat.QOperator,
             per_channel=config.per_channel,
             reduce_range=config.reduce_range,

@@ -116,8 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     server = serve(args.directory, args.bind, args.port)
-    host, port = server.server_address[:2]
-    print(f"serving {args.directory} at http://{host}:{port}/", flush=True)
+    print(f"serving {args.directory} at http://{args.bind}:{server.server_port}/", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

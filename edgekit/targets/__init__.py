@@ -33,7 +33,8 @@ def parse_targets(text: str) -> list[str]:
 
 def get_target(name: str) -> Target:
     module, cls = TARGETS[name].split(":")
-    return getattr(importlib.import_module(module), cls)()  # type: ignore[no-any-return]
+    target: Target = getattr(importlib.import_module(module), cls)()
+    return target
 
 
 __all__ = ["PRECISIONS", "TARGETS", "BuildContext", "BuildResult", "Target", "get_target", "parse_targets"]

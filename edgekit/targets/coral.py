@@ -187,7 +187,7 @@ def _artifact_signature(converted: TfliteModel, served: Signature) -> Signature:
     def spec(name: str, d: Mapping[str, Any], layout: str | None) -> TensorSpec:
         scale, zero_point = d["quantization"]
         dtype = np.dtype(d["dtype"]).name
-        quant = QuantParams(float(scale), int(zero_point), dtype) if scale else None  # type: ignore[arg-type]  # int8
+        quant = QuantParams(float(scale), int(zero_point), dtype) if scale else None
         return TensorSpec(name, dtype, tuple(int(x) for x in d["shape"]), layout=layout, quant=quant)
 
     def layout(link: TensorLink, served_spec: TensorSpec) -> str | None:

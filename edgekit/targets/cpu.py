@@ -202,7 +202,7 @@ def candidate_configs(opts: CpuOptions) -> list[StaticQuantConfig]:
             activations=c.activations if opts.activations == "auto" else opts.activations,
             per_channel=c.per_channel if opts.per_channel == "auto" else opts.per_channel == "on",
             quant_format=c.quant_format if opts.quant_format == "auto" else opts.quant_format,
-            calibration=calibration,  # type: ignore[arg-type]  # narrowed from the options literal
+            calibration=calibration,
             reduce_range=opts.reduce_range,
             percentile=opts.percentile,
         )

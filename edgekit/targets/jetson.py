@@ -245,7 +245,7 @@ def quantize_for_tensorrt(
         providers=["CPUExecutionProvider"],
         extra_options=calib_options,
     )
-    calibrator.collect_data(ArrayCalibrationReader(calib, batch))  # type: ignore[arg-type]  # duck-typed CalibrationDataReader
+    calibrator.collect_data(ArrayCalibrationReader(calib, batch))  # duck-typed: ORT only calls get_next()
     tensors = calibrator.compute_data()
     cache = work_dir / f"ranges-tensorrt-{method}.json"
     save_tensors_data(tensors, cache)

@@ -198,6 +198,24 @@ def test_cli_package_prints_progress_table_and_bundle_path(capsys, workspace, tm
             "int4-weights)",
         ),
         (["--target", "gpux"], 2, "--target: unknown target 'gpux' (choose from cpu, intel, coral, jetson, apple)"),
+        (
+            ["--target", "cpu,apple", "--precision", "int8"],
+            2,
+            "--precision 'int8' is not available for target 'apple' (it builds fp16, int8-weights, palettize6, "
+            "palettize4, fp32); nearest: 'int8-weights'; to keep int8 for the other targets, give apple its own: "
+            "--precision int8,apple=int8-weights",
+        ),
+        (
+            ["--precision", "int8,jetson=fp16"],
+            2,
+            "--precision jetson=fp16: a precision for a target not being packaged (packaging: cpu)",
+        ),
+        (
+            ["--precision", "int8,fp16"],
+            2,
+            "--precision 'int8,fp16': more than one default precision; give one "
+            "default and at most one TARGET=PRECISION each",
+        ),
         (["--expires-days", "0"], 2, "--expires-days must be > 0, got 0.0"),
     ],
 )
@@ -237,6 +255,26 @@ def test_cli_package_failing_validation_prints_table_then_error_exit_3(capsys, w
         "fp32 1, needs >= 1.5 (off by 0.5)\nno bundle was written"
     )
     assert not list(tmp_path.glob("*.ekb"))
+
+
+def test_cli_package_default_precision_with_a_per_target_override(capsys, workspace, tmp_path: Path) -> None:
+    # The command from the issue, on two targets: apple builds no int8, so it gets its own precision.
+    code, out, err = _package(
+        capsys,
+        workspace,
+        tmp_path,
+        "--target",
+        "cpu,apple",
+        "--precision",
+        "int8,apple=int8-weights",
+        "--option",
+        "apple.weight_threshold=0",  # the tiny model's weights are below coremltools' default threshold
+    )
+    assert (code, err) == (0, "")
+    rows = out.splitlines()[2:4]
+    assert rows[0].startswith("cpu ") and "int8 (w8a8)" in rows[0] and rows[0].endswith("passed")
+    assert rows[1].startswith("apple ") and "int8-weights (w8a16)" in rows[1] and rows[1].endswith("passed")
+    assert out.splitlines()[4:] == [f"cpu: {tmp_path}/m-cpu-v1.ekb", f"apple: {tmp_path}/m-apple-v1.ekb"]
 
 
 # -- inspect / verify / run -----------------------------------------------------------------

@@ -43,6 +43,17 @@ def test_default_targets_leave_out_targets_without_a_module(monkeypatch: pytest.
     from edgekit.targets import TARGETS
 
     monkeypatch.setitem(TARGETS, "nosuch", "edgekit.targets.nosuch_module:NoSuchTarget")
-    chosen, skipped = demo.importable_targets("int8")
+    chosen, skipped = demo.importable_targets()
     assert "nosuch" not in chosen and "cpu" in chosen
     assert any(s.startswith("nosuch: not available") for s in skipped)
+
+
+def test_demo_default_precisions_are_buildable_by_all_five_targets() -> None:
+    # The demo packages every target in one call: its defaults must pass the packager's precision check.
+    from edgekit.targets import TARGETS, get_target
+    from edgekit.targets.precisions import choose_precisions
+
+    chosen, skipped = demo.importable_targets()
+    assert (chosen, skipped) == (list(TARGETS), [])
+    precisions = choose_precisions(demo.DEFAULT_PRECISIONS, {t: get_target(t) for t in chosen})
+    assert precisions == {"cpu": "int8", "intel": "int8", "coral": "int8", "jetson": "int8", "apple": "palettize4"}

@@ -13,13 +13,16 @@ from typing import Any
 
 import pytest
 
+from examples.fleet_processes import MOSQUITTO
 from tests.updates.bundles import bundle
 from tests.updates.services import Agent, AgentSpec, FileServer, Mosquitto
 
 FLEET = "test-fleet"
 
-if shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists():
-    pytest.skip("mosquitto is not installed (apt-get install mosquitto)", allow_module_level=True)
+
+def require_mosquitto() -> None:
+    if not Path(MOSQUITTO).exists():
+        pytest.skip("mosquitto is not installed: apt-get install mosquitto (`make test` does)")
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ def seeded_stores(
 
 @pytest.fixture
 def broker(tmp_path: Path) -> Iterator[Mosquitto]:
+    require_mosquitto()
     b = Mosquitto.plain(tmp_path / "broker").start()
     yield b
     b.kill()

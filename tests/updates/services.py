@@ -9,9 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -24,149 +21,47 @@ from typing import Any
 
 import numpy as np
 
+from examples.fleet_processes import FileServer, Mosquitto, Process, free_port, toml_table, wait_for
 from tests.updates.pki import Identity, TestCA
 
+__all__ = [
+    "Agent",
+    "AgentSpec",
+    "FileServer",
+    "Mosquitto",
+    "Process",
+    "Watcher",
+    "fleet_broker",
+    "free_port",
+    "wait_for",
+]
+
 ROOT = Path(__file__).resolve().parents[2]
-MOSQUITTO = "/usr/sbin/mosquitto"
 TEMPLATE = ROOT / "packaging" / "mosquitto" / "edgekit.conf"
 ACL = ROOT / "packaging" / "mosquitto" / "edgekit.acl"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(interval_s)
-
-
-class Process:
-    """A child process with its output in ``log``; ``kill`` = SIGKILL, ``stop`` = SIGTERM."""
-
-    def __init__(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-        self.cmd, self.log_path, self.env = cmd, log, env
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def spawn(self) -> None:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self.env, cwd=ROOT
-            )
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def kill(self) -> None:
-        if self.running:
-            assert self.proc is not None
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.running:
-            assert self.proc is not None
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-def _wait_port(port: int, proc: Process, timeout_s: float = 10.0) -> None:
-    def listening() -> bool:
-        if not proc.running:
-            raise RuntimeError(f"{proc.cmd[0]} exited early:\n{proc.log()[-2000:]}")
-        with socket.socket() as s:
-            return s.connect_ex(("127.0.0.1", port)) == 0
-
-    wait_for(listening, timeout_s, f"port {port}")
-
-
-class Mosquitto(Process):
-    """A real broker with persistence on. ``fleet`` runs packaging/mosquitto/edgekit.conf."""
-
-    def __init__(self, directory: Path, config: str, port: int) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        self.dir, self.port = directory, port
-        # Started as root, mosquitto switches to user "mosquitto", which cannot read pytest's
-        # private temporary directories; as any other user this line has no effect.
-        (directory / "mosquitto.conf").write_text(config + "user root\n")
-        super().__init__([MOSQUITTO, "-c", str(directory / "mosquitto.conf")], directory / "mosquitto.log")
-
-    @classmethod
-    def plain(cls, directory: Path) -> Mosquitto:
-        port = free_port()
-        config = (
-            f"persistence true\npersistence_location {directory}/\nautosave_interval 1\n"
-            f"listener {port} 127.0.0.1\nallow_anonymous true\n"
-        )
-        return cls(directory, config, port)
-
-    @classmethod
-    def fleet(cls, directory: Path, ca: TestCA, server: Identity) -> Mosquitto:
-        """The production config and ACL, with test paths, a loopback port and 1 s autosave."""
-        port = free_port()
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "edgekit.acl").write_text(ACL.read_text())
-        replacements = {
-            r"^persistence_location .*$": f"persistence_location {directory}/",
-            r"^autosave_interval .*$": "autosave_interval 1",
-            r"^listener 8883$": f"listener {port} 127.0.0.1",
-            r"^cafile .*$": f"cafile {ca.cert_path}",
-            r"^certfile .*$": f"certfile {server.cert}",
-            r"^keyfile .*$": f"keyfile {server.key}",
-            r"^crlfile .*$": f"crlfile {ca.dir / 'ca.crl'}",
-            r"^acl_file .*$": f"acl_file {directory / 'edgekit.acl'}",
-        }
-        config = TEMPLATE.read_text()
-        for pattern, value in replacements.items():
-            config, n = re.subn(pattern, value, config, flags=re.MULTILINE)
-            if n != 1:
-                raise AssertionError(f"{TEMPLATE} has {n} lines matching {pattern!r}; update the tests")
-        return cls(directory, config, port)
-
-    def start(self) -> Mosquitto:
-        self.spawn()
-        _wait_port(self.port, self)
-        return self
-
-    def url(self, tls: bool = False) -> str:
-        return f"{'mqtts' if tls else 'mqtt'}://127.0.0.1:{self.port}"
-
-
-class FileServer(Process):
-    """``python -m edgekit.fleet.fileserver DIR --port P``; requests are logged to its log."""
-
-    def __init__(self, directory: Path, log: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        self.dir, self.port = directory, free_port()
-        cmd = [sys.executable, "-m", "edgekit.fleet.fileserver", str(directory), "--port", str(self.port)]
-        super().__init__(cmd, log)
-
-    def start(self) -> FileServer:
-        self.spawn()
-        _wait_port(self.port, self)
-        return self
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def requests(self) -> list[str]:
-        return [line for line in self.log().splitlines() if line.startswith(("GET ", "HEAD "))]
+def fleet_broker(directory: Path, ca: TestCA, server: Identity) -> Mosquitto:
+    """packaging/mosquitto's config and ACL, with test paths, a loopback port and 1 s autosave."""
+    port = free_port()
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "edgekit.acl").write_text(ACL.read_text())
+    replacements = {
+        r"^persistence_location .*$": f"persistence_location {directory}/",
+        r"^autosave_interval .*$": "autosave_interval 1",
+        r"^listener 8883$": f"listener {port} 127.0.0.1",
+        r"^cafile .*$": f"cafile {ca.cert_path}",
+        r"^certfile .*$": f"certfile {server.cert}",
+        r"^keyfile .*$": f"keyfile {server.key}",
+        r"^crlfile .*$": f"crlfile {ca.dir / 'ca.crl'}",
+        r"^acl_file .*$": f"acl_file {directory / 'edgekit.acl'}",
+    }
+    config = TEMPLATE.read_text()
+    for pattern, value in replacements.items():
+        config, n = re.subn(pattern, value, config, flags=re.MULTILINE)
+        if n != 1:
+            raise AssertionError(f"{TEMPLATE} has {n} lines matching {pattern!r}; update the tests")
+    return Mosquitto(directory, config, port)
 
 
 @dataclass
@@ -182,34 +77,27 @@ class AgentSpec:
     extra_updates: dict[str, Any] = field(default_factory=dict)
 
     def toml(self) -> str:
-        def q(value: Any) -> str:
-            return json.dumps(str(value)) if isinstance(value, (str, Path)) else json.dumps(value)
-
         updates = {
             "broker": self.broker,
             "fleet": self.fleet,
             "device_id": self.device_id,
             "groups": list(self.groups),
+            "ca": self.ca,
+            "cert": self.tls.cert if self.tls else None,
+            "key": self.tls.key if self.tls else None,
             "keepalive_s": 5,
             "reconnect_max_s": 2.0,
             "health_window_s": 2.0,
             "crash_loop_boots": 2,
             **self.extra_updates,
         }
-        if self.ca is not None:
-            updates["ca"] = str(self.ca)
-        if self.tls is not None:
-            updates["cert"], updates["key"] = str(self.tls.cert), str(self.tls.key)
-        lines = [
-            f"store = {q(self.store)}",
-            'listen = "127.0.0.1:0"',
-            f"trusted_keys = [{', '.join(q(k) for k in self.trusted_keys)}]",
-            "[selftest]",
-            "timeout_s = 60",
-            "[updates]",
-            *(f"{k} = {q(v) if not isinstance(v, list) else json.dumps(v)}" for k, v in updates.items()),
-        ]
-        return "\n".join(lines) + "\n"
+        head = f'store = {json.dumps(str(self.store))}\nlisten = "127.0.0.1:0"\n'
+        keys = ", ".join(json.dumps(str(k)) for k in self.trusted_keys)
+        return (
+            f"{head}trusted_keys = [{keys}]\n"
+            + toml_table("selftest", {"timeout_s": 60})
+            + toml_table("updates", updates)
+        )
 
 
 class Agent(Process):

@@ -12,7 +12,7 @@ import pytest
 from device_agents.updates.download import DownloadError, download
 from device_agents.updates.protocol import Notice
 from edgekit.bundle.manifest import sha256_file
-from tests.updates.services import FileServer, Process, _wait_port, free_port
+from examples.fleet_processes import FileServer, Process, free_port
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ def plain_server(files: FileServer, tmp_path: Path) -> Iterator[str]:
         tmp_path / "http.server.log",
     )
     proc.spawn()
-    _wait_port(port, proc)
+    proc.wait_port(port)
     yield f"http://127.0.0.1:{port}"
     proc.kill()
 

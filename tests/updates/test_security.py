@@ -10,9 +10,9 @@ import pytest
 
 from device_agents.updates.connection import BrokerAddress
 from edgekit.fleet.session import BrokerError, FleetSession
-from tests.updates.conftest import FLEET, AgentFactory, Keys, edgekit, publish
+from tests.updates.conftest import FLEET, AgentFactory, Keys, edgekit, publish, require_mosquitto
 from tests.updates.pki import Identity, TestCA
-from tests.updates.services import FileServer, Mosquitto, Watcher, wait_for
+from tests.updates.services import FileServer, Mosquitto, Watcher, fleet_broker, wait_for
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,13 @@ class Fleet:
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    require_mosquitto()
     ca = TestCA(tmp_path / "ca")
     server = ca.issue("localhost", server=True)
     revoked = ca.issue("dev-r")
     ca.write_crl((revoked,))
     rogue = TestCA(tmp_path / "rogue", "rogue CA")
-    broker = Mosquitto.fleet(tmp_path / "broker", ca, server).start()
+    broker = fleet_broker(tmp_path / "broker", ca, server).start()
     yield Fleet(
         broker, ca, ca.issue("edgekit-publisher"), ca.issue("dev-a"), ca.issue("dev-b"), revoked,
         rogue.issue("dev-a"), rogue.cert_path,
@@ -125,7 +126,7 @@ def test_update_over_mqtts_with_client_certificates_and_acl(
     agent.wait_version("tiny", 2)
     ca, cert, key = fleet.tls_args(fleet.publisher)
 
-    def status_row() -> list[str]:
+    def status_row() -> list[list[str]]:
         table = edgekit(
             "fleet", "status", "--broker", fleet.broker.url(tls=True), "--fleet", FLEET, "--wait-s", "0.3",
             "--ca", str(ca), "--cert", str(cert), "--key", str(key),
