@@ -33,8 +33,10 @@ system-deps:
 demo: setup
 	$(BIN)/python examples/demo.py
 
+# python -m: with --system-site-packages, tools the system already has get no script in $(BIN)
 lint: setup
-	$(BIN)/ruff check .
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m mypy edgekit device_agents
 
 test: setup system-deps lint
 	$(BIN)/python -m pytest -q

@@ -15,12 +15,16 @@ import contextlib
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from bench.bundles import served_bundle, static_batch, top1
 from bench.registry import NOT_HERE, BenchContext, Measurement
 from edgekit.errors import EdgekitError
+
+if TYPE_CHECKING:
+    from examples.digits import DigitsExample
 
 CANDIDATES = ("int8", "fp16")  # what each is compared with FP32 by default (the entry may list others)
 BATCHES = (1, 32)
@@ -68,7 +72,7 @@ def run(ctx: BenchContext, *, name: str, target: str, candidates: tuple[str, ...
     return rows
 
 
-def _source_side(example) -> _Side:  # type: ignore[no-untyped-def]  # examples.digits.DigitsExample
+def _source_side(example: DigitsExample) -> _Side:
     import onnxruntime as ort
 
     from examples.digits import INPUT_NAME
@@ -83,7 +87,9 @@ def _source_side(example) -> _Side:  # type: ignore[no-untyped-def]  # examples.
     )
 
 
-def _bundle_side(ctx: BenchContext, stack: contextlib.ExitStack, target: str, precision: str, example) -> _Side:  # type: ignore[no-untyped-def]
+def _bundle_side(
+    ctx: BenchContext, stack: contextlib.ExitStack[bool | None], target: str, precision: str, example: DigitsExample
+) -> _Side:
     import edgekit
     from examples.digits import INPUT_NAME
 

@@ -122,15 +122,31 @@ class ModelManager:
                     self._load_active(name, ms, ms.active)
         self.ready = True
 
-    def stop(self) -> None:
-        """Close every runtime (after its running requests finish)."""
+    def stop(self, *, clean: bool = True) -> None:
+        """Close every runtime (after its running requests finish).
+
+        ``clean``: an orderly shutdown (SIGTERM, end of ``install``), which must not count as a
+        crash against a version still in its health window: the start that counted it is taken
+        back. ``clean=False`` leaves the count as a crash would (used to simulate one).
+        """
         self.ready = False
         for timer in self._timers.values():
             timer.cancel()
+        if clean:
+            self._uncount_this_start()
         with self._cond:
             entries, self._live = list(self._live.values()), {}
         for entry in entries:
             self._close_when_idle(entry)
+
+    def _uncount_this_start(self) -> None:
+        try:
+            with self.store.lock(timeout_s=5.0):
+                for name, ms in self.store.load_state().models.items():
+                    if ms.status == "serving" and ms.boots_since_switch > 0:
+                        self.store.update_model(name, lambda s: replace(s, boots_since_switch=s.boots_since_switch - 1))
+        except StoreError as exc:  # shutting down: a crash-loop count one too high is the safe side
+            log.warning("could not record the clean stop: %s", exc)
 
     def _recover(self, name: str, ms: ModelState) -> None:
         if ms.status in INTERRUPTED and ms.candidate is not None:

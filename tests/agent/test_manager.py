@@ -210,17 +210,31 @@ def test_crash_loop_rolls_back_after_crash_loop_boots_starts(config_path: Path, 
     m.install(bundles.v1)
     m.mark_healthy("tiny")
     m.install(bundles.v2)
-    m.stop()  # as if the agent died before v2 ran through its health window
+    m.stop(clean=False)  # as if the agent died before v2 ran through its health window
     for boot in (1, 2):
         m = _restart(config_path)
         assert m.models() == {"tiny": 2}
         assert m.store.model_state("tiny").boots_since_switch == boot
-        m.stop()
+        m.stop(clean=False)
     m = _restart(config_path)  # third start within the window: crash_loop_boots = 3
     ms = m.store.model_state("tiny")
     assert m.models() == {"tiny": 1}
     assert ms.status == "rolled_back" and "crash loop" in ms.error
     m.stop()
+
+
+def test_clean_stops_inside_the_health_window_do_not_count_as_crashes(config_path: Path, bundles: Bundles) -> None:
+    m = _restart(config_path)
+    m.install(bundles.v1)
+    m.mark_healthy("tiny")
+    m.install(bundles.v2)
+    m.stop()  # SIGTERM before v2 ran through its health window
+    for _ in range(4):
+        m = _restart(config_path)
+        assert m.models() == {"tiny": 2}
+        assert m.store.model_state("tiny").boots_since_switch == 1
+        m.stop()
+    assert m.store.model_state("tiny").status == "serving"
 
 
 def test_a_healthy_version_is_not_rolled_back_by_restarts(config_path: Path, bundles: Bundles) -> None:
