@@ -563,8 +563,8 @@ def _failure_message(failed: list[tuple[str, Comparison, tuple[str, ...]]], prec
             line += f" ({len(tried)} configurations tried; see `edgekit inspect` of a --force bundle)"
         parts.append(line)
     advice = (
-        "no bundle was written for it; try more representative --calib data, another --precision "
-        "(fp16, int8-weights), a --option for the target's calibration, relax the gate with "
-        "--tolerance KEY=VALUE, or pass --force to write the bundle anyway (marked as failed)"
+        "no bundle was written for it; try more representative --calib data, another precision for that "
+        "target alone (such as --precision int8,TARGET=fp16), a --option for the target's calibration, "
+        "relax the gate with --tolerance KEY=VALUE, or pass --force to write the bundle anyway (marked as failed)"
     )
     return "\n".join(parts) + "\n" + advice

@@ -10,6 +10,8 @@ import argparse
 from pathlib import Path
 
 from device_agents.updates.connection import BrokerAddress
+from edgekit.errors import ConfigError
+from edgekit.fleet.s3 import S3Upload
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]  # argparse keeps it generic-less
@@ -17,9 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "publish",
         help="publish a bundle to devices over MQTT (desired state) and HTTP(S) (the file)",
         description=(
-            "Verify BUNDLE, optionally copy it where an HTTP(S) server serves --base-url, and publish its "
-            "desired-state notice retained (QoS 1) on edgekit/<fleet>/<device>/desired or "
-            "edgekit/<fleet>/group/<group>/desired."
+            "Verify BUNDLE, copy it where an HTTP(S) server serves --base-url (--copy-to) or upload it to "
+            "S3-compatible object storage (--upload), and publish its desired-state notice retained (QoS 1) on "
+            "edgekit/<fleet>/<device>/desired or edgekit/<fleet>/group/<group>/desired."
         ),
     )
     publish.add_argument("bundle", type=Path, help="the signed .ekb bundle")
@@ -33,9 +35,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         metavar="PERCENT",
         help="share of devices to update, by a stable hash of the device id",
     )
-    publish.add_argument("--base-url", required=True, metavar="URL", help="where devices download the bundle from")
+    publish.add_argument(
+        "--base-url",
+        metavar="URL",
+        help="where devices download the bundle from; with --upload, the public URL of the bucket or of a CDN "
+        "in front of it (instead of a presigned URL)",
+    )
     publish.add_argument(
         "--copy-to", type=Path, metavar="DIR", help="directory that the HTTP server serves at --base-url"
+    )
+    s3 = publish.add_argument_group(
+        "object storage", "upload to S3 or an S3-compatible store; credentials from the standard AWS chain"
+    )
+    s3.add_argument(
+        "--upload",
+        metavar="s3://BUCKET/PREFIX",
+        help="upload the bundle to PREFIX/<sha256>.ekb (skipped when that object exists with the same size)",
+    )
+    s3.add_argument("--s3-endpoint", metavar="URL", help="endpoint of an S3-compatible store (MinIO, Ceph, ...)")
+    s3.add_argument("--s3-region", metavar="REGION", help="the bucket's region (default: asked from the bucket)")
+    s3.add_argument(
+        "--url-expires-s",
+        type=int,
+        metavar="N",
+        help="life of the presigned URL in the notice (default and maximum 604800 = 7 days)",
     )
     publish.add_argument(
         "--trusted-key",
@@ -83,6 +106,18 @@ def _address(args: argparse.Namespace) -> BrokerAddress:
     return BrokerAddress.parse(args.broker, ca=args.ca, cert=args.cert, key=args.key)
 
 
+def _upload(args: argparse.Namespace) -> S3Upload | None:
+    if args.upload is None:
+        given = [f for f in ("s3_endpoint", "s3_region", "url_expires_s") if getattr(args, f) is not None]
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
+            raise ConfigError(f"{flags} go with --upload s3://BUCKET/PREFIX")
+        return None
+    return S3Upload.parse(
+        args.upload, endpoint_url=args.s3_endpoint, region=args.s3_region, url_expires_s=args.url_expires_s
+    )
+
+
 def _publish(args: argparse.Namespace) -> int:
     from edgekit.fleet.publish import PublishOptions, publish
 
@@ -96,14 +131,25 @@ def _publish(args: argparse.Namespace) -> int:
         rollout_percent=args.rollout,
         copy_to=args.copy_to,
         timeout_s=args.timeout_s,
+        upload=_upload(args),
     )
     done = publish(args.bundle, options)
     n = done.notice
     if done.copied_to is not None:
         print(f"copied {args.bundle} to {done.copied_to}")
+    if done.stored is not None:
+        s = done.stored
+        print(f"uploaded {args.bundle} to {s.uri}" if s.uploaded else f"{s.uri} exists (same size): upload skipped")
     for topic in done.topics:
         print(f"published {n.name} v{n.version} (notice {n.notice_id}, rollout {n.rollout_percent}%) on {topic}")
     print(f"devices download {n.url} ({n.size_bytes} bytes, sha256 {n.sha256})")
+    if done.stored is not None and done.stored.url_expires is not None:
+        print(
+            f"the URL expires at {done.stored.url_expires}: devices that have not downloaded the bundle by then "
+            "need a new publish"
+        )
+        if done.stored.temporary_credentials:
+            print("it was signed with temporary credentials (a session token) and stops working with them if sooner")
     return 0
 
 

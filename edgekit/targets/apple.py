@@ -112,16 +112,20 @@ class AppleTarget:
             compute_precision=ct.precision.FLOAT32 if ctx.precision == "fp32" else ct.precision.FLOAT16,
             skip_model_load=True,
         )
-        mlmodel, precision = _compress(ct, mlmodel, ctx.precision, opts)
+        compressed, precision = _compress(ct, mlmodel, ctx.precision, opts)
         package = ctx.out_dir / PACKAGE
-        mlmodel.save(str(package))
+        compressed.save(str(package))
 
         spec, program = load_program(package)
         artifact_signature, mapping = _interface(spec, ctx.served, inputs)
         weights = package_weights(program)
         summary = check_compression(weights, ctx.precision, opts)
+        reference = weights
+        if compressed is not mlmodel:  # the same program before compression ties each weight to its torch tensor
+            mlmodel.save(str(ctx.work_dir / "uncompressed.mlpackage"))
+            reference = package_weights(load_program(ctx.work_dir / "uncompressed.mlpackage")[1])
         intermediate_module = copy.deepcopy(module)
-        report = load_into_torch(intermediate_module, weights)
+        report = load_into_torch(intermediate_module, weights, reference)
         fp16_activations = ctx.precision != "fp32"
         files = {p.relative_to(ctx.out_dir).as_posix(): "artifact" for p in sorted(package.rglob("*")) if p.is_file()}
         worst = report.min_compressed_cosine
@@ -131,6 +135,11 @@ class AppleTarget:
             "read back from the saved package" + (f" (worst cosine to the fp32 weight {worst:.4f})" if worst else ""),
             "Core ML latency: not measured here",
         ]
+        if report.by_value:
+            notes.append(
+                f"intermediate: {len(report.by_value)} weight(s) found by value, {len(report.rescaled)} with a scale "
+                f"coremltools fused in divided out ({', '.join(report.rescaled[:3])})"
+            )
         if report.plain_unmatched:
             notes.append(
                 f"intermediate: {len(report.plain_unmatched)} uncompressed package constant(s) match no torch tensor "

@@ -1,9 +1,10 @@
-"""Fixtures for the target tests: open a packaged bundle the way the agent does, block the network."""
+"""Fixtures for the target tests: package the tiny classifier, open a bundle the way the agent does, block the
+network."""
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,8 @@ import pytest
 
 from edgekit.bundle import TrustStore, extract, read_verified_manifest
 from edgekit.bundle.manifest import Manifest
+from edgekit.packager import PackageResult, package
+from tests.factories import confident_inputs, tiny_classifier
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +30,37 @@ def open_bundle(
         return dest, verified.manifest
 
     return open_
+
+
+@pytest.fixture(scope="session")
+def package_tiny(
+    tmp_path_factory: pytest.TempPathFactory,
+    keypair: tuple[Path, Path],
+    open_bundle: Callable[[Path], tuple[Path, Manifest]],
+) -> Callable[..., tuple[PackageResult, Manifest, Path]]:
+    """``edgekit.package`` of the tiny classifier for one target, calibrated on ``samples`` confident
+    inputs; returns (result, verified manifest, extracted model dir)."""
+
+    def package_(
+        target: str, precision: str, samples: int, options: Mapping[str, Any] | None = None
+    ) -> tuple[PackageResult, Manifest, Path]:
+        root = tmp_path_factory.mktemp(f"{target}-pkg")
+        model = tiny_classifier(root / "tiny.onnx")
+        result = package(
+            model,
+            [target],
+            precision,
+            calib={"input": confident_inputs(model, samples)},
+            key=keypair[0],
+            name="tiny",
+            version=1,
+            out_dir=root / "out",
+            options=options,
+        )
+        model_dir, manifest = open_bundle(result.bundles[target])
+        return result, manifest, model_dir
+
+    return package_
 
 
 @contextmanager

@@ -17,7 +17,7 @@ import pytest
 
 from device_agents.runtimes import RuntimeOptions, load_model
 from device_agents.runtimes.coreml import compute_units, package_dir
-from edgekit.bundle import TrustStore, extract, file_entries, read_verified_manifest
+from edgekit.bundle import file_entries
 from edgekit.errors import BundleError, ConfigError, IncompatibleError, ValidationFailedError
 from edgekit.targets.apple import AppleOptions, AppleTarget
 from edgekit.targets.base import BuildContext
@@ -226,25 +226,10 @@ def test_apple_check_model_accepts_the_tiny_classifier(prepared) -> None:
 
 
 @pytest.fixture(scope="module")
-def apple_bundle(tmp_path_factory: pytest.TempPathFactory, keypair):
-    from edgekit import package
-
-    root = tmp_path_factory.mktemp("apple-pkg")
-    model = tiny_classifier(root / "tiny.onnx")
+def apple_bundle(package_tiny):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = package(
-            model,
-            ["apple"],
-            "int8-weights",
-            calib={"input": confident_inputs(model, 40)},
-            key=keypair[0],
-            name="tiny",
-            out_dir=root / "out",
-            options={"apple": {"weight_threshold": 0}},
-        )
-    verified = read_verified_manifest(result.bundles["apple"], TrustStore.from_files([keypair[1]]))
-    return result, verified.manifest, extract(result.bundles["apple"], verified, root / "extracted")
+        return package_tiny("apple", "int8-weights", samples=40, options={"apple": {"weight_threshold": 0}})
 
 
 def test_package_apple_writes_a_verified_bundle_with_the_whole_mlpackage(apple_bundle) -> None:

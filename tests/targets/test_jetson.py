@@ -18,7 +18,6 @@ import pytest
 
 from device_agents.runtimes import RuntimeOptions, load_model
 from device_agents.runtimes.tensorrt import EngineCache, EngineKey, workspace_bound_mb
-from edgekit.bundle import TrustStore, extract, read_verified_manifest
 from edgekit.bundle.manifest import Tolerance
 from edgekit.compress.qdq_structure import QdqStructureError, check_tensorrt_qdq
 from edgekit.compress.trt_calibration_table import format_table, parse_table, scales_from_ranges, trt_version_number
@@ -361,23 +360,8 @@ def test_workspace_is_bounded_by_agent_setting_bundle_and_memory_budget(jetson_b
 
 
 @pytest.fixture(scope="module")
-def jetson_bundle(tmp_path_factory: pytest.TempPathFactory, keypair):
-    from edgekit import package
-
-    root = tmp_path_factory.mktemp("jetson-pkg")
-    model = tiny_classifier(root / "tiny.onnx")
-    result = package(
-        model,
-        ["jetson"],
-        "int8",
-        calib={"input": confident_inputs(model, 60)},
-        key=keypair[0],
-        name="tiny",
-        version=1,
-        out_dir=root / "out",
-    )
-    verified = read_verified_manifest(result.bundles["jetson"], TrustStore.from_files([keypair[1]]))
-    return result, verified.manifest, extract(result.bundles["jetson"], verified, root / "extracted")
+def jetson_bundle(package_tiny):
+    return package_tiny("jetson", "int8", samples=60)
 
 
 def test_package_jetson_int8_writes_a_verified_bundle_validated_on_the_intermediate(jetson_bundle) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from examples.fleet_processes import MOSQUITTO
-from tests.updates.bundles import bundle
+from tests.updates.bundles import bundle, padded_classifier
 from tests.updates.services import Agent, AgentSpec, FileServer, Mosquitto
 
 FLEET = "test-fleet"
@@ -43,6 +43,14 @@ def tiny_bundles(tmp_path_factory: pytest.TempPathFactory, keys: Keys) -> dict[i
     """``tiny`` v1..v4, signed with the trusted key; weights differ per version."""
     out = tmp_path_factory.mktemp("bundles")
     return {v: bundle(out / f"tiny-v{v}.ekb", keys.private, v) for v in (1, 2, 3, 4)}
+
+
+@pytest.fixture(scope="session")
+def padded_v2(tmp_path_factory: pytest.TempPathFactory, keys: Keys) -> Path:
+    """v2 of ``tiny`` at about 1 MB: larger than one download block, so a kill leaves a partial file."""
+    out = tmp_path_factory.mktemp("padded")
+    model = padded_classifier(out / "tiny-v2-padded.onnx", 1024 * 1024, seed=2)
+    return bundle(out / "tiny-v2-padded.ekb", keys.private, 2, model=model)
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,7 @@ __all__ = [
     "AgentSpec",
     "FileServer",
     "Mosquitto",
+    "MotoServer",
     "Process",
     "Watcher",
     "fleet_broker",
@@ -62,6 +63,31 @@ def fleet_broker(directory: Path, ca: TestCA, server: Identity) -> Mosquitto:
         if n != 1:
             raise AssertionError(f"{TEMPLATE} has {n} lines matching {pattern!r}; update the tests")
     return Mosquitto(directory, config, port)
+
+
+class MotoServer(Process):
+    """``python -m moto.server``: an S3-compatible server (PyPI ``moto[server]``) in memory.
+
+    Each request is a line of its log (werkzeug's access log: ``"GET /bucket/key?... HTTP/1.1" 206 -``).
+    """
+
+    def __init__(self, log_path: Path) -> None:
+        self.port = free_port()
+        super().__init__([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)], log_path)
+
+    def start(self) -> MotoServer:
+        self.spawn()
+        self.wait_port(self.port)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def requests(self, path_prefix: str = "") -> list[str]:
+        """``METHOD PATH STATUS`` of every request whose path starts with ``path_prefix``."""
+        found = re.findall(r'"([A-Z]+) (\S+) HTTP/[\d.]+" (\d{3})', self.log())
+        return [f"{m} {p} {status}" for m, p, status in found if p.startswith(path_prefix)]
 
 
 @dataclass

@@ -12,20 +12,12 @@ import pytest
 from device_agents.store import Store
 from edgekit.bundle.manifest import sha256_file
 from tests.factories import sample_inputs
-from tests.updates.bundles import bundle, padded_classifier, reference_outputs
+from tests.updates.bundles import reference_outputs
 from tests.updates.conftest import FLEET, AgentFactory, Keys, publish
 from tests.updates.services import FileServer, Mosquitto, Watcher
 
 # Steps before the new version is promoted leave v1 active; from "commit" on, v2 is.
 STEPS = {"download": 1, "verify": 1, "stage": 1, "selftest": 1, "switch": 1, "commit": 2, "cleanup": 2}
-
-
-@pytest.fixture(scope="module")
-def padded_v2(tmp_path_factory: pytest.TempPathFactory, keys: Keys) -> Path:
-    """v2 of ``tiny`` at about 1 MB: larger than one download block, so a kill leaves a partial file."""
-    out = tmp_path_factory.mktemp("padded")
-    model = padded_classifier(out / "tiny-v2-padded.onnx", 1024 * 1024, seed=2)
-    return bundle(out / "tiny-v2-padded.ekb", keys.private, 2, model=model)
 
 
 def _active_is_complete(store_dir: Path) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import subprocess
+import sys
 import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -177,7 +178,8 @@ def test_bad_bundles_are_rejected_with_the_reason_and_the_old_version_keeps_serv
         served.unlink()
         # the host refuses to publish an expired bundle; a notice that reaches a device anyway is refused there
         refused = subprocess.run(
-            ["edgekit", "publish", str(bad_bundles["expired"]), "--broker", url, "--fleet", FLEET, "--device", "dev-1",
+            [sys.executable, "-m", "edgekit.cli", "publish", str(bad_bundles["expired"]),
+             "--broker", url, "--fleet", FLEET, "--device", "dev-1",
              "--base-url", files.base_url, "--trusted-key", str(pub)],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
