@@ -130,15 +130,13 @@ def store_bundle(bundle: Path, sha256: str, target: S3Upload, *, public_base_url
             return StoredBundle(uri, existing is None, f"{public_base_url.rstrip('/')}/{quote(key)}", None, False)
         if target.region is None and region is not None and region != client.meta.region_name:
             # A URL signed for another region than the bucket's is refused: sign for the bucket's.
-            session, client = _client(target, region)
+            _, client = _client(target, region)
         expires_s = target.url_expires_s if target.url_expires_s is not None else DEFAULT_URL_EXPIRES_S
         expires = (datetime.now(timezone.utc).replace(microsecond=0) + timedelta(seconds=expires_s)).isoformat()
         url = client.generate_presigned_url(
             "get_object", Params={"Bucket": target.bucket, "Key": key}, ExpiresIn=expires_s
         )
-    return StoredBundle(
-        uri, existing is None, url, expires.replace("+00:00", "Z"), bool(getattr(credentials, "token", None))
-    )
+    return StoredBundle(uri, existing is None, url, expires.replace("+00:00", "Z"), bool(credentials.token))
 
 
 def _client(target: S3Upload, region: str | None) -> tuple[Any, Any]:

@@ -133,7 +133,8 @@ def test_apple_palettize4_stores_16_entry_luts_and_the_intermediate_computes_wit
     compressed = [w for w in package_weights(program) if w.compressed]
     assert {(w.op_type, w.compression) for w in compressed} == {("constexpr_lut_to_dense", "palettized-4bit")}
     module = onnx_to_torch(fold_for_torch(prepared.path, {"input": (1, 3, 16, 16)}, ctx.work_dir / "again.onnx"))
-    report = load_into_torch(module, package_weights(program))
+    _, uncompressed = load_program(ctx.work_dir / "uncompressed.mlpackage")
+    report = load_into_torch(module, package_weights(program), package_weights(uncompressed))
     assert len(report.compressed_loaded) == 3
     assert report.min_compressed_cosine is not None and report.min_compressed_cosine > 0.9
     weights = dict(module.named_parameters())
@@ -179,19 +180,87 @@ def test_loading_package_weights_refuses_a_compressed_weight_with_no_torch_tenso
     from edgekit.compress.onnx_to_torch import fold_for_torch, onnx_to_torch
 
     module = onnx_to_torch(fold_for_torch(prepared.path, {"input": (1, 3, 16, 16)}, tmp_path / "f.onnx"))
-    stray = PackageWeight(
-        "mystery_weight_to_fp16_palettized", np.zeros((4, 4), np.float32), "palettized-4bit", "constexpr_lut_to_dense"
-    )
-    with pytest.raises(ValidationFailedError, match=r"mystery_weight_to_fp16_palettized.*match no tensor"):
-        load_into_torch(module, [stray])
-    wrong = PackageWeight(
-        "conv1_weight_to_fp16_palettized",
-        -module.conv1.weight.detach().numpy(),
-        "palettized-4bit",
-        "constexpr_lut_to_dense",
-    )
+    conv1 = module.conv1.weight.detach().numpy()
+    lut = "constexpr_lut_to_dense"
+
+    def weight(name: str, values: np.ndarray, op_type: str = "const") -> PackageWeight:
+        return PackageWeight(name, values, "palettized-4bit" if op_type == lut else "float16", op_type, (("c", "w"),))
+
+    mystery = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
+    with pytest.raises(
+        ValidationFailedError, match=r"1 compressed weight.*: op_7_q \(uncompressed as op_7, which is no "
+    ):
+        load_into_torch(module, [weight("op_7_q", mystery, lut)], [weight("op_7", mystery)])
+    with pytest.raises(ValidationFailedError, match=r"op_8_q \(feeds the inputs of 0 constants"):
+        load_into_torch(module, [weight("op_8_q", conv1, lut)], [])
     with pytest.raises(ValidationFailedError, match="does not match torch tensor conv1_weight"):
-        load_into_torch(module, [wrong])
+        load_into_torch(module, [weight("conv1_weight_q", -conv1, lut)], [weight("conv1_weight", conv1)])
+
+
+# -- linking package constants to torch tensors ----------------------------------------------------------
+
+
+def _tensors(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "conv_a_weight": rng.standard_normal((8, 4, 3, 3)),
+        "conv_b_weight": rng.standard_normal((8, 4, 3, 3)),
+        "conv_a_bias": rng.standard_normal(8),
+        "fc_weight": rng.standard_normal((10, 16)),
+    }
+
+
+def _const(name: str, values: np.ndarray) -> object:
+    from edgekit.compress.mlpackage_weights import PackageWeight
+
+    return PackageWeight(name, values.astype(np.float16).astype(np.float32), "float16", "const")
+
+
+def test_link_weights_finds_a_renamed_constant_with_a_fused_scale_by_value() -> None:
+    from edgekit.compress.mlpackage_weights import link_weights
+
+    t = _tensors()
+    hard_sigmoid = 0.2 * t["conv_b_weight"]  # coremltools' fuse_conv_scale under a new name
+    per_channel = np.linspace(0.5, 2.0, 8)[:, None, None, None] * t["conv_a_weight"]  # batch norm folded in
+    links, why = link_weights(
+        [
+            _const("op_813_weight_0", hard_sigmoid),
+            _const("var_9_weight_0", per_channel),
+            _const("fc_weight", t["fc_weight"].T),
+        ],
+        t,
+    )
+    assert why == {}
+    b, a, fc = links["op_813_weight_0"], links["var_9_weight_0"], links["fc_weight"]
+    assert (b.tensor, b.by, b.transposed) == ("conv_b_weight", "value", False)
+    assert float(b.scale) == pytest.approx(0.2, rel=1e-4)
+    assert (a.tensor, a.scale.shape) == ("conv_a_weight", (8, 1, 1, 1))
+    np.testing.assert_allclose(a.scale.ravel(), np.linspace(0.5, 2.0, 8), rtol=1e-3)
+    assert (fc.tensor, fc.by, fc.transposed, fc.rescaled) == ("fc_weight", "name", True, False)
+    # what goes into torch is the package constant with the fused scale divided out
+    np.testing.assert_allclose(b.to_torch(0.2 * t["conv_b_weight"]), t["conv_b_weight"], rtol=1e-4, atol=1e-6)
+
+
+def test_link_weights_refuses_affine_copies_and_ambiguous_values() -> None:
+    from edgekit.compress.mlpackage_weights import link_weights
+
+    t = _tensors()
+    t["conv_c_weight"] = t["conv_b_weight"] * 3.0  # two free tensors a constant fits equally
+    links, why = link_weights(
+        [_const("const_9", 0.2 * t["conv_a_bias"] + 0.5), _const("op_5_weight", 0.2 * t["conv_b_weight"])], t
+    )
+    assert links == {}
+    assert why["const_9"] == "is no scaled copy of a free torch tensor of shape [8]"  # HardSigmoid's fused bias
+    assert why["op_5_weight"].startswith("fits the torch tensors conv_b_weight, conv_c_weight equally")
+
+
+def test_link_weights_does_not_give_a_named_tensor_to_a_second_constant() -> None:
+    from edgekit.compress.mlpackage_weights import link_weights
+
+    t = _tensors()
+    links, why = link_weights([_const("conv_a_weight", t["conv_a_weight"]), _const("op_3", t["conv_a_weight"])], t)
+    assert links["conv_a_weight"].by == "name" and not links["conv_a_weight"].rescaled
+    assert "op_3" in why
 
 
 # -- check_model -------------------------------------------------------------------------------------
