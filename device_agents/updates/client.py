@@ -157,7 +157,7 @@ class UpdateClient:
                 self.updates.device_id,
             )
             return
-        import paho.mqtt.client as mqtt
+        from paho.mqtt.subscribeoptions import SubscribeOptions
 
         self._connected = True
         self.connections += 1
@@ -165,7 +165,7 @@ class UpdateClient:
         self._connect_backoff.reset()
         log.info("updates: connected to %s (session present: %s)", self.address.url, flags.session_present)
         # Subscribing again makes the broker re-send the retained notices, even with a session.
-        client.subscribe([(t, mqtt.SubscribeOptions(qos=1)) for t in self.topics])
+        client.subscribe([(t, SubscribeOptions(qos=1)) for t in self.topics])
         self._publish_report()
 
     def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:

@@ -63,11 +63,12 @@ def new_client(address: BrokerAddress, client_id: str) -> mqtt.Client:
     paho's own reconnect loop is off: callers reconnect with jittered backoff themselves.
     """
     import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
     client = mqtt.Client(
-        mqtt.CallbackAPIVersion.VERSION2,
+        CallbackAPIVersion.VERSION2,
         client_id=client_id,
-        protocol=mqtt.MQTTProtocolVersion.MQTTv5,
+        protocol=MQTTProtocolVersion.MQTTv5,
         reconnect_on_failure=False,
     )
     if address.tls:
@@ -83,6 +84,6 @@ def session_properties(persistent: bool) -> Properties:
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.properties import Properties
 
-    props = Properties(PacketTypes.CONNECT)
+    props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]  # paho's Properties is unannotated
     props.SessionExpiryInterval = SESSION_EXPIRY_S if persistent else 0
     return props

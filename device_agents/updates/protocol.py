@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal, TypeVar
 from urllib.parse import urlsplit
 
 from edgekit.bundle.codec import from_data, to_data
@@ -30,6 +30,7 @@ REPORTED_SCHEMA_VERSION = 1
 MAX_PAYLOAD_BYTES = 64 * 1024
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _TOPIC_LEVEL = re.compile(r"^[A-Za-z0-9_.-]+$")
+_T = TypeVar("_T")
 # "group" is the second level of group topics, so it cannot also be a device id.
 RESERVED_DEVICE_IDS = ("group",)
 
@@ -156,7 +157,7 @@ def _check_time(label: str, text: str) -> None:
         raise ValueError(f"{label} {text!r} is not an ISO 8601 time") from exc
 
 
-def _parse(cls: type[Any], payload: bytes, what: str, schema_version: int) -> Any:
+def _parse(cls: type[_T], payload: bytes, what: str, schema_version: int) -> _T:
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise NoticeError(f"{what}: {len(payload)} bytes is over the {MAX_PAYLOAD_BYTES}-byte cap")
     try:
@@ -176,8 +177,8 @@ def _parse(cls: type[Any], payload: bytes, what: str, schema_version: int) -> An
 
 def parse_notice(payload: bytes) -> Notice:
     """A ``Notice`` from an MQTT payload, or ``NoticeError`` naming the bad field."""
-    return _parse(Notice, payload, "notice", NOTICE_SCHEMA_VERSION)  # type: ignore[no-any-return]
+    return _parse(Notice, payload, "notice", NOTICE_SCHEMA_VERSION)
 
 
 def parse_reported(payload: bytes) -> Reported:
-    return _parse(Reported, payload, "reported", REPORTED_SCHEMA_VERSION)  # type: ignore[no-any-return]
+    return _parse(Reported, payload, "reported", REPORTED_SCHEMA_VERSION)

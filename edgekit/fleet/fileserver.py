@@ -28,16 +28,16 @@ class RangeRequestHandler(SimpleHTTPRequestHandler):
 
     _range: tuple[int, int] | None = None
 
-    def send_head(self) -> BinaryIO | None:  # type: ignore[override]  # the base returns BytesIO | BufferedReader
+    def send_head(self) -> BinaryIO | None:
         self._range = None
         header = self.headers.get("Range")
         path = Path(self.translate_path(self.path))
         if header is None or not path.is_file():
-            return super().send_head()  # type: ignore[return-value]  # as above
+            return super().send_head()
         size = path.stat().st_size
         span = _parse_range(header, size)
         if span is None:  # multi-range or malformed: ignore the header, as RFC 9110 allows
-            return super().send_head()  # type: ignore[return-value]  # as above
+            return super().send_head()
         start, end = span
         if start >= size or start > end:
             self.send_response(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE)

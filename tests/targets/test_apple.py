@@ -263,6 +263,80 @@ def test_link_weights_does_not_give_a_named_tensor_to_a_second_constant() -> Non
     assert "op_3" in why
 
 
+def _se_classifier(path: Path) -> Path:
+    """The tiny classifier with a MobileNetV3 squeeze-excite block gated by HardSigmoid(0.2, 0.5), as
+    paddle2onnx writes PP-OCR: coremltools folds the gate's 0.2 into the conv before it."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+
+    def init(name: str, shape: tuple[int, ...], scale: float = 0.3) -> onnx.TensorProto:
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+    node = helper.make_node
+    nodes = [
+        node("Conv", ["input", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        node("Relu", ["c1"], ["r1"]),
+        node("GlobalAveragePool", ["r1"], ["squeeze"]),
+        node("Conv", ["squeeze", "w_se1", "b_se1"], ["se1"]),
+        node("Relu", ["se1"], ["se1r"]),
+        node("Conv", ["se1r", "w_se2", "b_se2"], ["se2"]),
+        node("HardSigmoid", ["se2"], ["gate"], alpha=0.2, beta=0.5),
+        node("Mul", ["r1", "gate"], ["excited"]),
+        node("Conv", ["excited", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        node("Relu", ["c2"], ["r2"]),
+        node("GlobalAveragePool", ["r2"], ["gap"]),
+        node("Flatten", ["gap"], ["flat"], axis=1),
+        node("Gemm", ["flat", "w3", "b3"], ["logits"], transB=1),
+        node("Softmax", ["logits"], ["probs"], axis=1),
+    ]
+    shapes = {"w1": (8, 3, 3, 3), "w_se1": (4, 8, 1, 1), "w_se2": (8, 4, 1, 1), "w2": (16, 8, 3, 3), "w3": (10, 16)}
+    inits = [init(n, s, 1.0 if n == "w3" else 0.3) for n, s in shapes.items()]
+    inits += [init(f"b{n[1:]}", (s[0],), 0.1) for n, s in shapes.items()]
+    graph = helper.make_graph(
+        nodes,
+        "se_classifier",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 3, 16, 16])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 10])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize("precision", ["int8-weights", "palettize4"])
+def test_apple_intermediate_takes_a_compressed_weight_coremltools_fused_a_scale_into(
+    precision: str, tmp_path: Path
+) -> None:
+    from edgekit.compress.mlpackage_weights import load_into_torch, load_program, package_weights
+    from edgekit.compress.onnx_prep import prepare_model
+    from edgekit.compress.onnx_to_torch import fold_for_torch, onnx_to_torch
+
+    prepared = prepare_model(_se_classifier(tmp_path / "se.onnx"), tmp_path / "prepared")
+    ctx = _ctx(prepared, tmp_path, precision)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = AppleTarget().build(ctx)
+    _, program = load_program(ctx.out_dir / "model.mlpackage")
+    (fused,) = [w for w in package_weights(program) if w.compressed and w.values.shape == (8, 4, 1, 1)]
+    assert not fused.base_name.startswith("w_se2")  # renamed by the fusion: only its value can place it
+    assert f"1 with a scale coremltools fused in divided out ({fused.name})" in " ".join(result.notes)
+    # loaded into torch, the SE conv holds the package's compressed weight with the 0.2 divided out
+    module = onnx_to_torch(fold_for_torch(prepared.path, {"input": (1, 3, 16, 16)}, tmp_path / "again.onnx"))
+    _, uncompressed = load_program(ctx.work_dir / "uncompressed.mlpackage")
+    report = load_into_torch(module, package_weights(program), package_weights(uncompressed))
+    assert report.by_value == report.rescaled == (fused.name,)
+    (se2,) = [p for p in module.parameters() if tuple(p.shape) == (8, 4, 1, 1)]
+    np.testing.assert_allclose(se2.detach().numpy() * 0.2, fused.values, rtol=1e-3, atol=1e-6)
+    x = confident_inputs(prepared.path, 16, seed=2)
+    ref = ort_cpu_runner(prepared.path)({"input": x})["probs"]
+    got = _served_outputs(result.intermediate, x)
+    assert np.mean(got.argmax(1) == ref.argmax(1)) >= 0.9
+
+
 # -- check_model -------------------------------------------------------------------------------------
 
 
