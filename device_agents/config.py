@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, time
@@ -32,7 +33,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser from PyPI (the `agent` extra installs it)
+    import tomli as tomllib
 
 from device_agents.runtimes.base import RuntimeOptions
 from edgekit.bundle.codec import from_data
