@@ -89,7 +89,7 @@ class TorchLink:
     def to_torch(self, values: np.ndarray) -> np.ndarray:
         """Package values laid out and scaled as the torch tensor (the fused scale divided out)."""
         oriented = (values.T if self.transposed else values).astype(np.float64)
-        out = np.divide(oriented, self.scale, out=np.zeros_like(oriented), where=self.scale != 0)
+        out: np.ndarray = np.divide(oriented, self.scale, out=np.zeros_like(oriented), where=self.scale != 0)
         return out.astype(np.float32)
 
 
@@ -177,7 +177,7 @@ def link_weights(
     """Link each uncompressed constant of ``reference`` to a torch tensor of ``tensors`` (keyed by
     ``_mil_name``): by name first, then by value among the tensors no constant took by name.
     Returns (links by constant name, why each other constant has none). A value match must be
-    unique: two tensors that fit equally well link neither."""
+    unique: a constant that fits several free tensors links none."""
     links: dict[str, TorchLink] = {}
     why: dict[str, str] = {}
     taken: set[str] = set()
@@ -200,7 +200,7 @@ def link_weights(
             links[const.name] = fits[0]
             taken.add(fits[0].tensor)
         elif fits:
-            why[const.name] = f"fits the torch tensors {', '.join(f.tensor for f in fits[:3])} equally: ambiguous"
+            why[const.name] = f"fits several free torch tensors ({', '.join(f.tensor for f in fits[:3])}): ambiguous"
         else:
             why[const.name] = f"is no scaled copy of a free torch tensor of shape {list(const.values.shape)}"
     return links, why

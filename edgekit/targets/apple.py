@@ -5,13 +5,15 @@ Path: ONNX -> onnxslim (constants folded, input shapes fixed) -> PyTorch (onnx2t
 
 - ``fp32`` / ``fp16``: compute precision of the ML Program (I/O stay float32);
 - ``int8-weights``: ``linear_quantize_weights`` (symmetric int8, per output channel);
-- ``palettize6`` / ``palettize4``: ``palettize_weights`` (k-means LUT of 64 / 16 entries; needs
-  scikit-learn).
+- ``palettize6`` / ``palettize4``: ``palettize_weights`` (k-means LUT of 64 / 16 entries per weight,
+  or per group of output channels with ``palettize_granularity=per_grouped_channel`` on iOS18+;
+  needs scikit-learn).
 
 Core ML prediction does not run on Linux. The package is checked structurally (spec, inputs and
 outputs, compression ops really present) and numerically through the torch graph it was
 converted from, with the weights the saved package holds (LUT + indices / int8 + scales,
-decompressed by coremltools) loaded into it and activations rounded to FP16 at every module
+decompressed by coremltools; scales coremltools folded into a weight divided back out, see
+``edgekit.compress.mlpackage_weights``) loaded into it and activations rounded to FP16 at every module
 output, as Core ML computes in FP16. Op placement comes from the MIL program (op types), with the
 compute device measured only on macOS (``MLComputePlan``).
 """
@@ -47,6 +49,7 @@ PACKAGE = "model.mlpackage"
 DEPLOYMENT_TARGETS = ("iOS16", "iOS17", "iOS18", "macOS13", "macOS14", "macOS15")
 COMPUTE_UNITS = ("ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY")
 _PALETTE_BITS = {"palettize6": 6, "palettize4": 4}
+_IOS18 = ("iOS18", "macOS15")
 _PIP_NAMES = {"sklearn": "scikit-learn"}
 _ML_DTYPES = {"FLOAT32": "float32", "FLOAT16": "float16", "INT32": "int32", "DOUBLE": "float32"}
 
@@ -60,10 +63,22 @@ class AppleOptions:
     # coremltools leaves weights with fewer elements than this uncompressed (its default: 2048)
     weight_threshold: int = 2048
     palettize_mode: Literal["kmeans", "uniform"] = "kmeans"
+    # one LUT per weight (iOS16+) or per group of output channels (iOS18+: more accurate at 4 bits; a
+    # weight whose channel count the group size does not divide stays uncompressed)
+    palettize_granularity: Literal["per_tensor", "per_grouped_channel"] = "per_tensor"
+    palettize_group_size: int = 4
 
     def __post_init__(self) -> None:
         if self.weight_threshold < 0:
             raise ValueError(f"weight_threshold must be >= 0, got {self.weight_threshold}")
+        if self.palettize_group_size < 1:
+            raise ConfigError(f"targets.apple.palettize_group_size: must be >= 1, got {self.palettize_group_size}")
+        if self.palettize_granularity == "per_grouped_channel" and self.minimum_deployment_target not in _IOS18:
+            raise ConfigError(
+                "targets.apple.palettize_granularity: per_grouped_channel LUTs need Core ML 8 "
+                f"(minimum_deployment_target {' or '.join(_IOS18)}), not {self.minimum_deployment_target}; "
+                "set targets.apple.minimum_deployment_target=iOS18"
+            )
 
 
 class AppleTarget:
@@ -189,12 +204,19 @@ def _compress(ct: Any, mlmodel: Any, precision: str, opts: AppleOptions) -> tupl
         return cto.linear_quantize_weights(mlmodel, config), Precision("int8", "fp16", method)
     if precision in _PALETTE_BITS:
         bits = _PALETTE_BITS[precision]
+        grouped = opts.palettize_granularity == "per_grouped_channel"
+        groups = {"group_size": opts.palettize_group_size} if grouped else {}
         config = cto.OptimizationConfig(
             global_config=cto.OpPalettizerConfig(
-                mode=opts.palettize_mode, nbits=bits, granularity="per_tensor", weight_threshold=opts.weight_threshold
+                mode=opts.palettize_mode,
+                nbits=bits,
+                granularity=opts.palettize_granularity,
+                weight_threshold=opts.weight_threshold,
+                **groups,
             )
         )
-        method = f"coremltools palettize_weights {opts.palettize_mode} {bits}-bit per-tensor LUT, fp16 compute"
+        luts = f"one LUT per {opts.palettize_group_size} output channels" if grouped else "per-tensor LUT"
+        method = f"coremltools palettize_weights {opts.palettize_mode} {bits}-bit {luts}, fp16 compute"
         weights: Any = f"palettized-{bits}bit"
         return cto.palettize_weights(mlmodel, config), Precision(weights, "fp16", method)
     raise ValueError(f"apple target cannot build precision {precision!r}")  # the packager checks first

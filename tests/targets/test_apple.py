@@ -149,6 +149,35 @@ def test_apple_palettize4_stores_16_entry_luts_and_the_intermediate_computes_wit
     )
 
 
+def test_apple_palettize4_per_grouped_channel_keeps_one_lut_per_channel_group(prepared, tmp_path: Path) -> None:
+    from edgekit.compress.mlpackage_weights import load_program, main_operations
+
+    options = AppleOptions(
+        weight_threshold=0, minimum_deployment_target="iOS18", palettize_granularity="per_grouped_channel"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = AppleTarget().build(_ctx(prepared, tmp_path, "palettize4", options))
+    _, program = load_program(tmp_path / "out" / "model.mlpackage")
+    luts = {
+        op.outputs[0].name: op.inputs["lut"].val.shape
+        for op in main_operations(program)
+        if op.op_type == "constexpr_lut_to_dense"
+    }
+    # conv1 (8 output channels) and conv2 (16): 2 and 4 LUTs of 16 entries; fc's 10 channels do not split into 4s
+    assert sorted(shape[0] for shape in luts.values()) == [2, 4]
+    assert all(shape[-2:] == (16, 1) for shape in luts.values())
+    assert "one LUT per 4 output channels" in result.precision.method
+    assert "package weights: 4 float16, 2 palettized-4bit" in result.notes
+
+
+def test_apple_refuses_grouped_luts_below_ios18() -> None:
+    with pytest.raises(ConfigError, match=r"targets\.apple\.palettize_granularity: per_grouped_channel .* not iOS16"):
+        AppleOptions(palettize_granularity="per_grouped_channel")
+    with pytest.raises(ConfigError, match=r"targets\.apple\.palettize_group_size: must be >= 1"):
+        AppleOptions(palettize_group_size=0)
+
+
 def test_apple_fp16_intermediate_agrees_with_fp32_onnx(build, prepared) -> None:
     _, result = build("fp16")
     x = confident_inputs(prepared.path, 16, seed=2)
@@ -251,7 +280,7 @@ def test_link_weights_refuses_affine_copies_and_ambiguous_values() -> None:
     )
     assert links == {}
     assert why["const_9"] == "is no scaled copy of a free torch tensor of shape [8]"  # HardSigmoid's fused bias
-    assert why["op_5_weight"].startswith("fits the torch tensors conv_b_weight, conv_c_weight equally")
+    assert why["op_5_weight"] == "fits several free torch tensors (conv_b_weight, conv_c_weight): ambiguous"
 
 
 def test_link_weights_does_not_give_a_named_tensor_to_a_second_constant() -> None:
