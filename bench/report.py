@@ -76,7 +76,7 @@ def write_plot(path: Path, rows: Sequence[Measurement], title: str) -> Path | No
     labels = [f"{m.benchmark}: {m.case}, {m.metric}" for m in measured]
     ratios = [m.ratio or 0.0 for m in measured]
     fig, ax = plt.subplots(figsize=(11, 0.4 * len(measured) + 1.8))
-    ax.barh(range(len(measured)), ratios, color=["tab:green" if r <= 1 else "tab:orange" for r in ratios])
+    ax.barh(range(len(measured)), ratios, color="tab:blue")  # whether > 1 is good depends on the row
     ax.axvline(1.0, color="black", linewidth=0.8)
     if max(ratios) / max(min(ratios), 1e-9) > 10:  # e.g. HTTP overhead next to quantization ratios
         ax.set_xscale("log")
