@@ -39,7 +39,7 @@ else:  # Python 3.10: the same parser from PyPI (the `agent` extra installs it)
     import tomli as tomllib
 
 from device_agents.runtimes.base import RuntimeOptions
-from edgekit.bundle.codec import from_data
+from edgekit.bundle.codec import from_data, upgrade
 from edgekit.bundle.errors import ConfigError
 
 CONFIG_VERSION = 1
@@ -210,20 +210,8 @@ def config_from_data(data: dict[str, Any], base: Path) -> AgentConfig:
 
 def migrate(data: dict[str, Any]) -> dict[str, Any]:
     """Bring a config dict up to ``CONFIG_VERSION`` (a file without the key is version 1)."""
-    version = data.setdefault("config_version", 1)
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise ConfigError(f"agent.config_version: expected an integer, got {version!r}")
-    if version > CONFIG_VERSION:
-        raise ConfigError(
-            f"agent.config_version: {version} is newer than this agent understands ({CONFIG_VERSION}); "
-            "upgrade edgekit-agent"
-        )
-    while version < CONFIG_VERSION:
-        if version not in MIGRATIONS:
-            raise ConfigError(f"agent.config_version: no migration from version {version}")
-        data = MIGRATIONS[version](data)
-        version = data["config_version"]
-    return data
+    data.setdefault("config_version", 1)
+    return upgrade(data, "config_version", CONFIG_VERSION, MIGRATIONS, "agent", ConfigError, "upgrade edgekit-agent")
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

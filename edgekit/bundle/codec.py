@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePath
 from typing import Any, TypeVar
 
@@ -111,6 +112,32 @@ def _convert_dataclass(cls: type, value: Any, path: str, error: type[EdgekitErro
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:
         raise error(f"{path}: {exc}") from exc
+
+
+def upgrade(
+    data: dict[str, Any],
+    key: str,
+    current: int,
+    migrations: Mapping[int, Callable[[dict[str, Any]], dict[str, Any]]],
+    path: str,
+    error: type[EdgekitError],
+    newer_hint: str,
+) -> dict[str, Any]:
+    """Bring a versioned document (``data[key]``) up to ``current`` one migration at a time.
+
+    A version newer than ``current`` is refused with ``newer_hint`` (what to upgrade).
+    """
+    version = data.get(key)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise error(f"{path}.{key}: expected an integer, got {version!r}")
+    if version > current:
+        raise error(f"{path}.{key}: {version} is newer than this agent understands ({current}); {newer_hint}")
+    while version < current:
+        if version not in migrations:
+            raise error(f"{path}.{key}: no migration from version {version}")
+        data = migrations[version](data)
+        version = data[key]
+    return data
 
 
 def to_data(obj: Any) -> Any:

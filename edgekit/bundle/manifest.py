@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from edgekit.bundle.codec import from_data, to_data
+from edgekit.bundle.codec import from_data, to_data, upgrade
 from edgekit.bundle.errors import ManifestError
 
 SCHEMA_VERSION = 1
@@ -319,20 +319,9 @@ class Manifest:
 
 def migrate(data: dict[str, Any]) -> dict[str, Any]:
     """Bring a manifest dict up to ``SCHEMA_VERSION`` (or refuse a newer one)."""
-    version = data.get("schema_version")
-    if not isinstance(version, int):
-        raise ManifestError("manifest: schema_version must come first and be an integer")
-    if version > SCHEMA_VERSION:
-        raise ManifestError(
-            f"manifest: schema_version {version} is newer than this agent understands "
-            f"({SCHEMA_VERSION}); upgrade edgekit on the device"
-        )
-    while version < SCHEMA_VERSION:
-        if version not in MIGRATIONS:
-            raise ManifestError(f"manifest: no migration from schema_version {version}")
-        data = MIGRATIONS[version](data)
-        version = data["schema_version"]
-    return data
+    return upgrade(
+        data, "schema_version", SCHEMA_VERSION, MIGRATIONS, "manifest", ManifestError, "upgrade edgekit on the device"
+    )
 
 
 def utc_now() -> str:
