@@ -170,6 +170,30 @@ def test_package_opset11_dynamic_axes_per_channel_int8(keypair, tmp_path: Path) 
         served.close()
 
 
+@pytest.mark.parametrize("opset", [12, 14, 16, 18])
+def test_package_int8_across_opsets_keeps_the_source_interface(keypair, tmp_path: Path, opset: int) -> None:
+    model = tiny_classifier(tmp_path / f"o{opset}.onnx", opset=opset)
+    result = package(
+        model,
+        "cpu",
+        "int8",
+        calib={"input": confident_inputs(model, 40)},
+        key=keypair[0],
+        name=f"o{opset}",
+        out_dir=tmp_path,
+    )
+    m = result.manifests["cpu"]
+    assert m.source.opset == opset and m.validation.passed
+    assert m.precision.weights == "int8"
+    assert [s.name for s in m.signature.inputs] == ["input"] and m.signature.inputs[0].shape[0] == "batch"
+    _, model_dir = _extract(result.bundles["cpu"], keypair[1], tmp_path / "x")
+    served = load_model(model_dir, m)
+    try:
+        assert served.infer({"input": sample_inputs(2)})["probs"].shape == (2, 10)
+    finally:
+        served.close()
+
+
 def test_package_with_eval_and_labels_records_accuracy(keypair, tmp_path: Path) -> None:
     model = tiny_classifier(tmp_path / "m.onnx")
     x_eval = sample_inputs(20, seed=9)
