@@ -64,6 +64,18 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise StoreError(f"cannot write {path}: {exc}") from exc
 
 
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (and ``root`` itself), files first."""
+    for dirpath, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
 @contextlib.contextmanager
 def flock(path: Path, timeout_s: float) -> Iterator[bool]:
     """Hold an exclusive flock on ``path`` (polling up to ``timeout_s``); yields False if another has it."""
@@ -219,10 +231,18 @@ class Store:
                 tmp.unlink(missing_ok=True)
                 raise StoreError(f"cannot copy the bundle into {self.root}: {exc}") from exc
             os.replace(tmp, kept)
+            fsync_dir(kept.parent)
         try:
             extract(kept, vm, dest)
+            # extract writes without fsync: make the files durable before a slot points at them
+            fsync_tree(dest)
         except OSError as exc:
             raise StoreError(f"cannot extract into {dest}: {exc}") from exc
+        except BundleError as exc:
+            if isinstance(exc.__cause__, OSError) and exc.__cause__.errno in (errno.ENOSPC, errno.EDQUOT):
+                # a full disk is not the bundle's fault: StoreError lets the update be tried again
+                raise StoreError(f"no space left extracting into {dest}; free disk space and try again") from exc
+            raise
         fsync_dir(dest.parent)
         slot = Slot(version=m.version, sha256=sha, path=rel, installed=utc_now())
         self.update_model(

@@ -316,6 +316,8 @@ def _run(args: argparse.Namespace) -> int:
         manifest, kid = read_unverified_manifest(args.bundle)
         print(f"note: signature not checked (no --pubkey); signed by key {kid} per the bundle", file=sys.stderr)
         verified = VerifiedManifest(manifest, manifest.to_json(), kid)
+    if args.output is not None and not args.output.parent.is_dir():
+        raise ConfigError(f"--output {args.output}: folder {args.output.parent} does not exist; create it first")
     inputs = load_arrays(args.input, "--input")
     names = [s.name for s in verified.manifest.signature.inputs]
     missing = [n for n in names if n not in inputs and f"in_{n}" not in inputs]
@@ -332,7 +334,10 @@ def _run(args: argparse.Namespace) -> int:
         finally:
             served.close()
     if args.output is not None:
-        np.savez(args.output, **outputs)  # type: ignore[arg-type]  # numpy's savez kwargs stub is too narrow
+        try:
+            np.savez(args.output, **outputs)  # type: ignore[arg-type]  # numpy's savez kwargs stub is too narrow
+        except OSError as exc:
+            raise ConfigError(f"--output {args.output}: cannot write it ({exc}); choose a writable path") from exc
         print(f"wrote {args.output}")
     for name, value in outputs.items():
         line = f"{name}: {value.dtype} {list(value.shape)}"

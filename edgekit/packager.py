@@ -54,6 +54,7 @@ from edgekit.validate.calib import (
     fixed_batch,
     load_arrays,
     load_labels,
+    pad_samples,
     sample_count,
     split_holdout,
     take,
@@ -174,7 +175,7 @@ def package(
         if dest.exists() and not force:
             raise ConfigError(f"{dest} already exists; publish a higher --version, remove it, or pass --force")
 
-    from edgekit.compress.onnx_prep import prepare_model, resolve_static_shapes
+    from edgekit.compress.onnx_prep import model_size_bytes, prepare_model, resolve_static_shapes
 
     with tempfile.TemporaryDirectory(prefix="edgekit-package-") as tmp:
         work = Path(tmp)
@@ -192,7 +193,7 @@ def package(
             labels=eval_labels,
             reference=run_all(fp32, eval_arrays, _batch(prepared.served, static=False)),
             fp32=fp32,
-            source_size=model.stat().st_size,
+            source_size=model_size_bytes(model),
             steps=prepared.steps,
             say=say,
         )
@@ -219,7 +220,7 @@ def package(
                     work_dir=target_dir / "work",
                     options=target_options[t],
                     progress=target_say,
-                    evaluate=_evaluator(run, prepared.served),
+                    evaluate=_evaluator(run, _static_signature(prepared.served, static_shapes)),
                 )
                 target_say(f"[{t}] building {precisions[t]}")
                 result = chosen[t].build(ctx)
@@ -330,12 +331,13 @@ def _batch(served: Signature, static: bool) -> int:
     return fixed_batch(served) or (1 if static else EVAL_BATCH)
 
 
-def _evaluator(run: _Run, served: Signature) -> Callable[[RunFn], Comparison]:
-    # One sample at a time: a target may hand in a candidate that takes static shapes only.
-    batch = _batch(served, static=True)
+def _evaluator(run: _Run, static: Signature) -> Callable[[RunFn], Comparison]:
+    # At the static batch (1 unless --input-shape fixes another), short batches padded: a target
+    # may hand in a candidate that takes static shapes only.
+    batch = _batch(static, static=True)
 
     def evaluate(fn: RunFn) -> Comparison:
-        outputs = run_all(fn, run.eval, batch)
+        outputs = run_all(fn, run.eval, batch, pad=True)
         return compare(run.reference, outputs, run.kind, run.tolerance, run.labels)
 
     return evaluate
@@ -361,6 +363,8 @@ def _validate_and_describe(
         if path in (GOLDEN_FILE, MANIFEST_NAME, SIGNATURE_NAME):
             raise EdgekitError(f"target {target} wrote {path!r}, a name the packager owns")
     served = _static_signature(run.served, static_shapes) if result.static else run.served
+    if result.static:
+        _check_static_fit(target, run.eval, static_shapes)
     artifact_files = file_entries(ctx.out_dir, result.files)
     size = sum(f.size_bytes for f in artifact_files if f.role == "artifact")
     provisional = _manifest(
@@ -377,6 +381,7 @@ def _validate_and_describe(
         private_key,
     )
     batch = _batch(served, result.static)
+    pad = fixed_batch(served) is not None  # a fixed batch takes exactly `batch` samples per call
     latency: dict[str, float] = {}
     served_model = None
     if result.runnable_here:
@@ -392,15 +397,16 @@ def _validate_and_describe(
         raise EdgekitError(f"target {target} can neither run its artifact here nor gave an intermediate to validate")
     try:
         run.say(f"[{target}] validating on {sample_count(run.eval)} held-out samples ({measured_on})")
-        outputs = run_all(fn, run.eval, batch)
+        outputs = run_all(fn, run.eval, batch, pad=pad)
         comparison = compare(run.reference, outputs, run.kind, run.tolerance, run.labels)
         if served_model is not None:
-            one = take(run.eval, 0, batch if fixed_batch(served) else 1)
+            one = pad_samples(take(run.eval, 0, batch if pad else 1), batch if pad else 1)
             run.say(f"[{target}] timing the artifact side by side with fp32")
             latency = p50_side_by_side(
                 {"fp32": call_with(run.fp32, one), "artifact": call_with(served_model.infer, one)}, repeats=20
             )
-        golden = _write_golden(ctx.out_dir, run, served, fn if served_model is not None else None, comparison)
+        artifact = fn if served_model is not None else None
+        golden = _write_golden(ctx.out_dir, run, served, artifact, comparison, outputs)
     finally:
         if served_model is not None:
             served_model.close()
@@ -424,13 +430,21 @@ def _validate_and_describe(
 
 
 def _write_golden(
-    out_dir: Path, run: _Run, served: Signature, artifact: RunFn | None, comparison: Comparison
+    out_dir: Path,
+    run: _Run,
+    served: Signature,
+    artifact: RunFn | None,
+    comparison: Comparison,
+    measured: Mapping[str, np.ndarray],
 ) -> Golden:
     """A few evaluation samples with expected outputs: the artifact's own where it runs here
-    (tight tolerance), else FP32 outputs under the validation tolerance."""
+    (tight tolerance), else FP32 outputs under the validation tolerance. ``measured``: what the
+    artifact (or its intermediate) gave on the evaluation samples."""
     fixed = fixed_batch(served)
     count = fixed or min(GOLDEN_COUNT, sample_count(run.eval))
-    inputs = take(run.eval, 0, count)
+    chosen = _golden_samples(run, measured if artifact is None else None)[:count]
+    # padded: a fixed batch larger than the evaluation set
+    inputs = pad_samples({k: v[chosen] for k, v in run.eval.items()}, count)
     if artifact is not None:
         expected = {k: np.asarray(v) for k, v in artifact(inputs).items()}
         # Another CPU's kernels (e.g. int8 without VNNI) may differ from this host's by about as much
@@ -438,7 +452,7 @@ def _write_golden(
         atol = max(1e-3, comparison.max_abs_error or 0.0)
         golden = Golden(file=GOLDEN_FILE, count=count, min_cosine=0.99, atol=_round_up(atol), rtol=1e-2)
     else:
-        expected = {k: v[:count] for k, v in run.reference.items()}
+        expected = pad_samples({k: v[chosen] for k, v in run.reference.items()}, count)
         t = run.tolerance
         golden = Golden(
             file=GOLDEN_FILE,
@@ -451,6 +465,30 @@ def _write_golden(
     arrays = {f"in_{k}": v for k, v in inputs.items()} | {f"out_{k}": v for k, v in expected.items()}
     np.savez(out_dir / GOLDEN_FILE, **arrays)  # type: ignore[arg-type]  # numpy's savez kwargs stub is too narrow
     return golden
+
+
+def _check_static_fit(target: str, arrays: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Evaluation samples must have the static shape a static artifact takes (axis 0 aside)."""
+    for name, shape in shapes.items():
+        got = tuple(arrays[name].shape[1:])
+        if got != tuple(shape[1:]):
+            raise ConfigError(
+                f"evaluation data: input {name!r} has samples of shape {list(got)}, but the {target} artifact takes "
+                f"the static shape {list(shape)} (from --input-shape, else the calibration data); give --eval data "
+                f"of shape [N, {', '.join(map(str, shape[1:]))}] or --input-shape {name}=... matching both"
+            )
+
+
+def _golden_samples(run: _Run, measured: Mapping[str, np.ndarray] | None) -> np.ndarray:
+    """Evaluation sample indices for golden vectors. Where the expected outputs are FP32's and the
+    gate is top-1 agreement, samples on which the validated artifact agreed come first: a device
+    faithful to that artifact must be able to reproduce every golden top-1."""
+    n = sample_count(run.eval)
+    if measured is None or run.kind != "classifier":
+        return np.arange(n)
+    first = next(iter(run.reference))
+    agree = run.reference[first].reshape(n, -1).argmax(-1) == np.asarray(measured[first]).reshape(n, -1).argmax(-1)
+    return np.concatenate([np.flatnonzero(agree), np.flatnonzero(~agree)])
 
 
 def _round_up(x: float) -> float:

@@ -181,6 +181,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _check_loopback(self) -> None:
         if not is_loopback(self.client_address[0]):
+            self.close_connection = True  # the body stays unread
             raise _Forbidden("this route answers only on loopback; run `edgekit-agent` on the device itself")
 
     # -- v2 -----------------------------------------------------------------------------
@@ -203,10 +204,12 @@ class _Handler(BaseHTTPRequestHandler):
         manager = self.server.manager
         label = ""
         try:
+            # The body first: a refused request whose body stays unread would be parsed as the next
+            # request on this keep-alive connection (tritonclient reuses connections).
+            body = self._read_body()
             name, version, rest = _model_route(parts)
             if rest != ["infer"]:
                 raise ModelNotFoundError(f"no route POST {self.path}")
-            body = self._read_body()
             with manager.lease(name, version) as lease:
                 label = name
                 model = lease.model

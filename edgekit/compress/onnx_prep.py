@@ -153,6 +153,20 @@ def prepare_model(source_path: Path, work_dir: Path, progress: Callable[[str], N
     )
 
 
+def model_size_bytes(path: Path) -> int:
+    """Bytes of an ONNX model on disk: the model file plus the external-data files its
+    initializers reference (the ``size vs fp32`` baseline)."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    locations = {ExternalDataInfo(t).location for t in model.graph.initializer if uses_external_data(t)}
+    return path.stat().st_size + sum(
+        (path.parent / loc).stat().st_size for loc in sorted(locations) if (path.parent / loc).is_file()
+    )
+
+
 def upgrade_opset(model: Any, opset: int) -> Any:
     import onnx
     from onnx import version_converter

@@ -27,11 +27,13 @@ def load_arrays(source: ArraysLike, what: str = "calibration data") -> dict[str,
     if not path.is_file():
         raise CalibrationDataError(f"{what} {path} does not exist")
     try:
-        with np.load(path, allow_pickle=False) as data:
-            if not hasattr(data, "files"):
-                raise CalibrationDataError(
-                    f"{what} {path} holds a single array; save one array per input name with np.savez"
-                )
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):  # an .npy: one bare array, no input name
+            raise CalibrationDataError(
+                f"{what} {path} holds a single array without an input name; save one array per input "
+                "name with np.savez(PATH, INPUT_NAME=array)"
+            )
+        with data:
             return {k: data[k] for k in data.files}
     except (ValueError, OSError, EOFError) as exc:
         raise CalibrationDataError(f"{what} {path} is not a readable .npz file ({exc})") from exc
@@ -134,6 +136,15 @@ def split_holdout(
 
 def take(arrays: Mapping[str, np.ndarray], start: int, stop: int) -> dict[str, np.ndarray]:
     return {k: v[start:stop] for k, v in arrays.items()}
+
+
+def pad_samples(arrays: Mapping[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
+    """``arrays`` with at least ``count`` samples, the last sample repeated: a feed for a model
+    whose batch is fixed (callers drop the padding's outputs)."""
+    n = sample_count(arrays)
+    if n >= count:
+        return dict(arrays)
+    return {k: np.concatenate([v, np.repeat(v[-1:], count - n, axis=0)]) for k, v in arrays.items()}
 
 
 def iter_batches(arrays: Mapping[str, np.ndarray], batch: int = 1) -> Iterator[dict[str, np.ndarray]]:

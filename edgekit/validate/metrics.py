@@ -19,7 +19,7 @@ import numpy as np
 
 from edgekit.bundle.manifest import Signature, Tolerance
 from edgekit.errors import ConfigError
-from edgekit.validate.calib import iter_batches
+from edgekit.validate.calib import iter_batches, pad_samples, sample_count
 
 Kind = Literal["classifier", "dense"]
 RunFn = Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]]
@@ -73,12 +73,17 @@ def output_kind(served: Signature) -> Kind:
     return "dense"
 
 
-def run_all(fn: RunFn, arrays: Mapping[str, np.ndarray], batch: int = 1) -> dict[str, np.ndarray]:
-    """Run ``fn`` over every sample, ``batch`` at a time; outputs concatenated on axis 0."""
+def run_all(fn: RunFn, arrays: Mapping[str, np.ndarray], batch: int = 1, pad: bool = False) -> dict[str, np.ndarray]:
+    """Run ``fn`` over every sample, ``batch`` at a time; outputs concatenated on axis 0.
+
+    ``pad``: ``fn`` takes exactly ``batch`` samples (a static batch), so a short last batch is
+    padded with copies of its last sample and the padding's outputs are dropped."""
     parts: dict[str, list[np.ndarray]] = {}
     for feed in iter_batches(arrays, batch):
-        for name, value in fn(feed).items():
-            parts.setdefault(name, []).append(np.asarray(value))
+        n = sample_count(feed)
+        short = pad and n < batch
+        for name, value in fn(pad_samples(feed, batch) if short else feed).items():
+            parts.setdefault(name, []).append(np.asarray(value)[:n] if short else np.asarray(value))
     return {name: np.concatenate(values, axis=0) for name, values in parts.items()}
 
 

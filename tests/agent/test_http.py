@@ -234,3 +234,25 @@ def test_metrics_count_requests_by_model_and_code(agent: RunningAgent, client: t
 def _metrics_text(url: str) -> str:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         return resp.read().decode()
+
+
+@pytest.mark.parametrize(
+    ("path", "code"),
+    [("/v2/models/tiny/versions/x/infer", 404), ("/v2/models/tiny/ready/infer", 404)],
+    ids=["bad-version", "bad-route"],
+)
+def test_error_before_the_body_is_read_keeps_the_connection_in_step(agent: RunningAgent, path: str, code: int) -> None:
+    """A keep-alive client (tritonclient's) sends its next request on the same connection: the
+    refused request's body must not be read as the next request line."""
+    host, port = agent.address.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1], "datatype": "FP32", "data": [1.0]}]}).encode()
+    conn.request("POST", path, body)
+    resp = conn.getresponse()
+    assert resp.status == code
+    resp.read()
+    conn.request("GET", "/v2/health/live")  # reconnects by itself if the server closed the connection
+    follow = conn.getresponse()
+    assert follow.status == 200
+    follow.read()
+    conn.close()

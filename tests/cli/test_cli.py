@@ -382,6 +382,20 @@ def test_cli_run_missing_input_exit_1(capsys, workspace, tmp_path: Path) -> None
     assert err == f"edgekit: error: --input {x} has no array 'input' (or in_input); it has image\n"
 
 
+def test_cli_run_bad_input_or_output_paths_one_error_line(capsys, workspace, tmp_path: Path) -> None:
+    npy = tmp_path / "x.npy"
+    np.save(npy, sample_inputs(1))
+    code, out, err = _cli(capsys, "run", workspace["bundle"], "--input", npy, "--pubkey", workspace["pub"])
+    assert (code, out) == (2, "") and err.startswith(f"edgekit: error: --input {npy} holds a single array")
+    missing = tmp_path / "no-such-folder" / "y.npz"
+    x = workspace["root"] / "x.npz"
+    code, out, err = _cli(capsys, "run", workspace["bundle"], "--input", x, "--output", missing)
+    assert (code, out) == (2, "")
+    assert err.endswith(
+        f"edgekit: error: --output {missing}: folder {missing.parent} does not exist; create it first\n"
+    )
+
+
 def test_cli_run_accepts_golden_style_keys(capsys, workspace, tmp_path: Path) -> None:
     x = tmp_path / "g.npz"
     np.savez(x, in_input=sample_inputs(2))

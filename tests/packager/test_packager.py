@@ -527,3 +527,77 @@ def test_package_several_targets_share_one_preparation_and_report_unmeasured(key
     row = result.table().splitlines()[3]
     assert row.startswith("jetson ") and row.count("not measured here") == 2
     assert result.manifests["cpu"].signature.inputs[0].shape == ("batch", 3, 16, 16)
+
+
+def test_package_size_ratio_counts_the_source_models_external_data(keypair, tmp_path: Path) -> None:
+    # A model saved with external data is a small .onnx plus a data file; the fp32 baseline is both.
+    import onnx
+
+    model = tmp_path / "ext.onnx"
+    onnx.save(
+        onnx.load(str(tiny_classifier(tmp_path / "m.onnx"))),
+        str(model),
+        save_as_external_data=True,
+        location="ext.data",
+        size_threshold=0,
+    )
+    assert (tmp_path / "ext.data").stat().st_size > 4 * model.stat().st_size
+    result = package(
+        model, "cpu", "fp32", calib={"input": confident_inputs(model, 20)}, key=keypair[0], out_dir=tmp_path / "o"
+    )
+    ratio = result.manifests["cpu"].validation.size_ratio
+    assert ratio is not None and 0.8 < ratio < 1.3
+
+
+def test_package_static_batch_validates_an_evaluation_set_it_does_not_divide(keypair, tmp_path: Path) -> None:
+    # --input-shape fixes batch 4; 35 samples leave 7 held out: the last batch is padded, not fed short.
+    pytest.importorskip("coremltools")
+    model = tiny_classifier(tmp_path / "m.onnx")
+    result = package(
+        model,
+        "apple",
+        "fp16",
+        calib={"input": confident_inputs(model, 35)},
+        key=keypair[0],
+        out_dir=tmp_path,
+        input_shapes={"input": (4, 3, 16, 16)},
+        options={"apple": {"weight_threshold": 0}},
+    )
+    m = result.manifests["apple"]
+    assert m.validation.samples == 7 and m.validation.passed
+    assert m.signature.inputs[0].shape == (4, 3, 16, 16) and m.golden.count == 4
+
+
+def test_package_static_target_refuses_evaluation_data_of_another_shape(keypair, tmp_path: Path) -> None:
+    # Static shapes come from the calibration data (20x20); evaluation samples at 24x24 cannot be fed.
+    model = tiny_classifier(tmp_path / "dyn.onnx", dynamic_size=True)
+    with pytest.raises(ConfigError, match=r"input 'input' has samples of shape \[3, 24, 24\].*\[1, 3, 20, 20\]"):
+        package(
+            model,
+            "jetson",
+            "fp32",
+            calib={"input": sample_inputs(10, size=20)},
+            eval={"input": sample_inputs(5, size=24)},
+            key=keypair[0],
+            out_dir=tmp_path,
+        )
+
+
+def test_package_golden_vectors_for_an_intermediate_skip_samples_it_disagreed_on(tmp_path: Path) -> None:
+    # Golden outputs for an artifact that cannot run here are FP32's; the device must match their top-1,
+    # so a sample the validated intermediate got wrong must not be one of them.
+    from edgekit.bundle.manifest import Signature, TensorSpec, Tolerance
+    from edgekit.packager import GOLDEN_FILE, _Run, _write_golden
+    from edgekit.validate.metrics import compare
+
+    served = Signature(inputs=(TensorSpec("x", "float32", (1, 2)),), outputs=(TensorSpec("p", "float32", (1, 2)),))
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    reference = {"p": np.tile(np.array([[0.9, 0.1]], np.float32), (6, 1))}
+    measured = {"p": reference["p"].copy()}
+    measured["p"][0] = [0.1, 0.9]  # the intermediate disagrees with FP32 on sample 0 only
+    tol = Tolerance(min_top1_agreement=0.8)
+    run = _Run(served, "classifier", tol, {"x": x}, {"x": x}, None, reference, lambda f: f, 1, (), print)
+    golden = _write_golden(tmp_path, run, served, None, compare(reference, measured, "classifier", tol), measured)
+    assert golden.count == 1 and golden.min_top1_agreement == 0.8
+    with np.load(tmp_path / GOLDEN_FILE) as saved:
+        np.testing.assert_array_equal(saved["in_x"], x[1:2])

@@ -126,6 +126,23 @@ def test_calib_npz_with_pickled_objects_refused(tmp_path: Path) -> None:
         load_arrays(path)
 
 
+def test_calib_npy_file_refused_saying_to_name_the_input(tmp_path: Path) -> None:
+    path = tmp_path / "x.npy"
+    np.save(path, np.zeros((4, 3), np.float32))
+    with pytest.raises(CalibrationDataError, match=r"single array without an input name.*np\.savez"):
+        load_arrays(path)
+
+
+def test_metrics_run_all_pads_a_short_last_batch_for_a_static_batch() -> None:
+    def fn(feed: dict) -> dict:
+        if feed["x"].shape[0] != 2:
+            raise ValueError("static batch of 2")
+        return {"y": feed["x"] * 2}
+
+    out = run_all(fn, {"x": np.arange(5.0)}, batch=2, pad=True)
+    np.testing.assert_array_equal(out["y"], np.arange(5.0) * 2)
+
+
 def test_calib_iter_batches_covers_every_sample() -> None:
     feeds = list(iter_batches({"x": np.arange(7)}, 3))
     assert [f["x"].tolist() for f in feeds] == [[0, 1, 2], [3, 4, 5], [6]]

@@ -21,7 +21,11 @@ def test_agent_reconnects_after_broker_sigkill_and_applies_each_update_once(
     first = publish(tiny_bundles[2], broker.url(), files, keys.public, "--device", "dev-1")
     agent.wait_version("tiny", 2)
 
-    time.sleep(1.5)  # the test broker autosaves every second: let it write the notice and the session
+    # The test broker autosaves every second: wait for a save made after the notice and the session
+    # existed (a fixed sleep is too short on a busy machine).
+    saved_after = time.time_ns()
+    database = broker.dir / "mosquitto.db"
+    wait_for(lambda: database.exists() and database.stat().st_mtime_ns > saved_after, 30, "the broker to autosave")
     broker.kill()
     assert agent.served_version("tiny") == 2  # offline, the agent keeps serving
     broker.start()  # same port, same persistence file

@@ -3,8 +3,6 @@ the reason is reported, and the update goes through once there is space again.""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,22 +11,13 @@ import pytest
 from tests.updates.bundles import bundle, padded_classifier
 from tests.updates.conftest import FLEET, AgentFactory, Keys, publish
 from tests.updates.services import FileServer, Mosquitto, Watcher, wait_for
+from tests.updates.tmpfs import resize, small_tmpfs
 
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 512 KiB tmpfs (mounting needs root: skipped otherwise)."""
-    mount_point = tmp_path / "downloads"
-    mount_point.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a size-limited tmpfs for the disk-full test needs root")
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount_point)], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+    with small_tmpfs(tmp_path / "downloads", "512k") as mount_point:
+        yield mount_point
 
 
 def test_disk_full_during_download_aborts_cleanly_and_retries(
@@ -47,7 +36,7 @@ def test_disk_full_during_download_aborts_cleanly_and_retries(
         wait_for(lambda: not any(small_disk.iterdir()), 10, "the partial download to be removed", interval_s=0.01)
         assert agent.served_version("tiny") == 1
 
-        subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
+        resize(small_disk, "4m")
         watcher.wait(lambda r: r["state"] == "checking" and r["version"] == 2, 60, "v2 to be switched in")
     finally:
         watcher.close()
