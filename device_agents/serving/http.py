@@ -169,6 +169,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if parts == ["edgekit", "v1", "install"]:
                 self._check_loopback()
+                self._check_json()
                 self._install(self._read_body())
             else:
                 self._read_body()  # keep the connection usable
@@ -234,6 +235,13 @@ class _Handler(BaseHTTPRequestHandler):
         manager.metrics.observe_request(label, code, time.perf_counter() - start)
 
     # -- edgekit/v1 ---------------------------------------------------------------------
+    def _check_json(self) -> None:
+        """A web page open on the device can POST to loopback, but only as a "simple" request
+        (form or text/plain): requiring application/json forces a CORS preflight, never answered."""
+        if self.headers.get_content_type() != _JSON:
+            self.close_connection = True  # the body stays unread
+            raise _Forbidden("install takes Content-Type: application/json")
+
     def _install(self, body: bytes) -> None:
         try:
             doc = json.loads(body)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -256,3 +257,16 @@ def test_error_before_the_body_is_read_keeps_the_connection_in_step(agent: Runni
     assert follow.status == 200
     follow.read()
     conn.close()
+
+
+def test_install_route_refuses_a_non_json_post_that_a_web_page_could_send(
+    agent: RunningAgent, client: triton.InferenceServerClient, reference: ort.InferenceSession, bundles: Bundles
+) -> None:
+    body = json.dumps({"bundle": str(bundles.v2)}).encode()
+    req = urllib.request.Request(
+        f"http://{agent.address}/edgekit/v1/install", data=body, headers={"Content-Type": "text/plain"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 403 and "application/json" in err.value.read().decode()
+    _assert_still_serving(client, reference)

@@ -105,6 +105,21 @@ def test_coral_converts_offline_to_a_full_integer_tflite_that_matches_fp32(
     assert np.mean(_cosines(got, want)) > 0.98
 
 
+def test_coral_golden_vectors_cover_several_batch_1_samples_and_pass_the_device_self_test(
+    packaged: tuple[PackageResult, list[object]], open_bundle: Callable[[Path], tuple[Path, Manifest]], tmp_path: Path
+) -> None:
+    from device_agents.selftest import run_selftest
+
+    model_dir, manifest = open_bundle(packaged[0].bundles["coral"])
+    assert manifest.signature.inputs[0].shape[0] == 1  # a static batch-1 artifact ...
+    assert manifest.golden.count == 4  # ... still gets several golden samples, checked one batch at a time
+    with np.load(model_dir / manifest.golden.file) as golden:
+        assert golden["in_input"].shape[0] == golden["out_probs"].shape[0] == 4
+    report = run_selftest(model_dir, timeout_s=60, memory_mb=2048, options=RuntimeOptions(threads=1), work_dir=tmp_path)
+    assert report.passed, report.reason
+    assert report.latency_p50_ms is not None
+
+
 def test_coral_dense_nchw_output_comes_back_nchw_through_the_runtime(
     tmp_path_factory: pytest.TempPathFactory,
     keypair: tuple[Path, Path],
