@@ -14,6 +14,9 @@ Every state change is write -> fsync -> rename -> fsync(dir), and the previous s
 A model name has three slots: ``active`` (served), ``candidate`` (staged, being tested) and
 ``previous`` (last good, for rollback). ``max_version`` is the anti-rollback counter: the
 highest version ever *staged*, persisted before the candidate is opened by any runtime.
+Versions below it are refused; the counter's own version may be staged again (a candidate
+rejected for a passing reason, e.g. a self-test killed by a power cut, can be retried by a local
+``install``). The update client additionally refuses a version it rolled back.
 """
 
 from __future__ import annotations
