@@ -200,6 +200,8 @@ def package(
         static_shapes = resolve_static_shapes(prepared.served, run.calib, input_shapes)
         for t in names:
             chosen[t].check_model(prepared.path)
+            if chosen[t].static_shapes:  # before any conversion: a mismatch found after one wastes it
+                _check_static_fit(t, run.eval, static_shapes)
         bundles: dict[str, Path] = {}
         manifests: dict[str, Manifest] = {}
         rows: list[Row] = []
@@ -224,6 +226,8 @@ def package(
                 )
                 target_say(f"[{t}] building {precisions[t]}")
                 result = chosen[t].build(ctx)
+                if result.static and not chosen[t].static_shapes:
+                    raise EdgekitError(f"target {t} built a static-shape artifact but does not declare static_shapes")
                 manifest, comparison, row = _validate_and_describe(
                     t,
                     precisions[t],
@@ -363,8 +367,6 @@ def _validate_and_describe(
         if path in (GOLDEN_FILE, MANIFEST_NAME, SIGNATURE_NAME):
             raise EdgekitError(f"target {target} wrote {path!r}, a name the packager owns")
     served = _static_signature(run.served, static_shapes) if result.static else run.served
-    if result.static:
-        _check_static_fit(target, run.eval, static_shapes)
     artifact_files = file_entries(ctx.out_dir, result.files)
     size = sum(f.size_bytes for f in artifact_files if f.role == "artifact")
     provisional = _manifest(

@@ -86,6 +86,7 @@ class AppleTarget:
     runtime: ClassVar[str] = "coreml"
     precisions: ClassVar[tuple[str, ...]] = ("fp16", "int8-weights", "palettize6", "palettize4", "fp32")
     Options: ClassVar[type] = AppleOptions
+    static_shapes: ClassVar[bool] = True
 
     def check_model(self, model_path: Path) -> None:
         """Refuse ops onnx2torch's converter registry has no entry for."""

@@ -75,6 +75,7 @@ class Target(Protocol):
     runtime: ClassVar[str]  # key in device_agents.runtimes.RUNTIMES
     precisions: ClassVar[tuple[str, ...]]  # subset of PRECISIONS, first is the default
     Options: ClassVar[type]  # frozen dataclass of this target's settings (all defaulted)
+    static_shapes: ClassVar[bool]  # artifacts take static shapes only (BuildResult.static)
 
     def check_model(self, model_path: Path) -> None:
         """Raise ``UnsupportedOpError`` naming op, node and the targets that can take it."""

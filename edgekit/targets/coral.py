@@ -71,6 +71,7 @@ class CoralTarget:
     runtime: ClassVar[str] = "litert"
     precisions: ClassVar[tuple[str, ...]] = ("int8",)
     Options: ClassVar[type] = CoralOptions
+    static_shapes: ClassVar[bool] = True
 
     def check_model(self, model_path: Path) -> None:
         """Raise ``UnsupportedOpError`` for ops onnx2tf has no converter for (its own op table)."""

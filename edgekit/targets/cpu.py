@@ -77,6 +77,7 @@ class CpuTarget:
     runtime: ClassVar[str] = "onnxruntime"
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "fp16", "int8", "int8-weights", "int4-weights")
     Options: ClassVar[type] = CpuOptions
+    static_shapes: ClassVar[bool] = False
 
     def check_model(self, model_path: Path) -> None:
         """ONNX Runtime's CPU provider runs every standard ONNX op; nothing to refuse up front."""

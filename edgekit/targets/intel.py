@@ -113,6 +113,7 @@ class IntelTarget:
     runtime: ClassVar[str] = "openvino"
     precisions: ClassVar[tuple[str, ...]] = ("int8", "fp16", "fp32", "int8-weights", "int4-weights")
     Options: ClassVar[type] = IntelOptions
+    static_shapes: ClassVar[bool] = False
 
     def check_model(self, model_path: Path) -> None:
         """Raise ``UnsupportedOpError`` for ops OpenVINO's ONNX frontend cannot convert."""

@@ -86,6 +86,7 @@ class JetsonTarget:
     runtime: ClassVar[str] = "tensorrt"
     precisions: ClassVar[tuple[str, ...]] = ("int8", "fp16", "fp32")
     Options: ClassVar[type] = JetsonOptions
+    static_shapes: ClassVar[bool] = True
 
     def check_model(self, model_path: Path) -> None:
         """Ask TensorRT's ONNX parser where it is installed; else refuse the ops its parser lacks

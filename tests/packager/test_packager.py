@@ -571,6 +571,7 @@ def test_package_static_batch_validates_an_evaluation_set_it_does_not_divide(key
 def test_package_static_target_refuses_evaluation_data_of_another_shape(keypair, tmp_path: Path) -> None:
     # Static shapes come from the calibration data (20x20); evaluation samples at 24x24 cannot be fed.
     model = tiny_classifier(tmp_path / "dyn.onnx", dynamic_size=True)
+    lines: list[str] = []
     with pytest.raises(ConfigError, match=r"input 'input' has samples of shape \[3, 24, 24\].*\[1, 3, 20, 20\]"):
         package(
             model,
@@ -580,7 +581,9 @@ def test_package_static_target_refuses_evaluation_data_of_another_shape(keypair,
             eval={"input": sample_inputs(5, size=24)},
             key=keypair[0],
             out_dir=tmp_path,
+            progress=lines.append,
         )
+    assert not any("building" in line for line in lines), "refused only after converting"
 
 
 def test_package_golden_vectors_for_an_intermediate_skip_samples_it_disagreed_on(tmp_path: Path) -> None:
