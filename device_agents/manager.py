@@ -143,7 +143,7 @@ class ModelManager:
         try:
             with self.store.lock(timeout_s=5.0):
                 for name, ms in self.store.load_state().models.items():
-                    if ms.status == "serving" and ms.boots_since_switch > 0:
+                    if not ms.active_healthy and ms.boots_since_switch > 0:
                         self.store.update_model(name, lambda s: replace(s, boots_since_switch=s.boots_since_switch - 1))
         except StoreError as exc:  # shutting down: a crash-loop count one too high is the safe side
             log.warning("could not record the clean stop: %s", exc)
@@ -153,7 +153,7 @@ class ModelManager:
             why = f"interrupted while {ms.status} v{ms.candidate.version} (agent stopped mid-install); install it again"
             log.warning("%s: %s", name, why)
             self.store.reject_candidate(name, why)
-        elif ms.status == "serving" and ms.active is not None:
+        elif ms.active is not None and not ms.active_healthy:
             boots = ms.boots_since_switch + 1
             if boots >= self.crash_loop_boots and ms.previous is not None:
                 why = (
@@ -181,7 +181,7 @@ class ModelManager:
             self.metrics.rollbacks.labels(name).inc()
             self._load_active(name, rolled, ms.previous)
             return
-        if ms.status == "serving":
+        if not ms.active_healthy:
             self._arm_health_timer(name, active.version)
 
     # -- install ------------------------------------------------------------------------
@@ -299,8 +299,16 @@ class ModelManager:
         """Confirm a switched-to version (ends its crash-loop watch)."""
         with self.store.lock():
             ms = self.store.model_state(name)
-            if ms.status == "serving":
-                self.store.update_model(name, lambda s: replace(s, status="healthy", boots_since_switch=0))
+            if ms.active is not None and not ms.active_healthy:
+                self.store.update_model(
+                    name,
+                    lambda s: replace(
+                        s,
+                        active_healthy=True,
+                        boots_since_switch=0,
+                        status="healthy" if s.status == "serving" else s.status,  # keep a later rejection's
+                    ),
+                )
                 log.info("%s: v%s is healthy", name, ms.active.version if ms.active else "?")
 
     def _arm_health_timer(self, name: str, version: int) -> None:

@@ -34,11 +34,24 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.bundle import TrustStore, extract, read_verified_manifest
-from edgekit.bundle.codec import from_data, to_data
+from edgekit.bundle.codec import from_data, to_data, upgrade
 from edgekit.bundle.errors import BundleError, StoreError
 from edgekit.bundle.manifest import Manifest, sha256_file, utc_now
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+
+
+def _state_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    # v1 kept the active slot's health in ``status``: "serving" meant still in its health window.
+    models = {
+        name: {**ms, "active_healthy": ms.get("status", "empty") != "serving"} if isinstance(ms, dict) else ms
+        for name, ms in (data.get("models") or {}).items()
+    }
+    return {**data, "schema_version": 2, "models": models}
+
+
+# schema_version -> function upgrading a state dict of that version by one step.
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _state_v1_to_v2}
 
 
 def fsync_dir(path: Path) -> None:
@@ -113,10 +126,13 @@ class ModelState:
     active: Slot | None = None
     candidate: Slot | None = None
     previous: Slot | None = None
-    status: str = "empty"  # empty, serving, staged, testing, switching, failed, rolled_back
+    status: str = "empty"  # the last event: empty, serving, healthy, staged, testing, switching, failed, rolled_back
     error: str = ""
     updated: str = ""
-    # Crash-loop guard: boots since the last switch that did not reach "healthy".
+    # Crash-loop guard for the active slot, apart from ``status`` (which a rejected *candidate*
+    # overwrites): has the active version run through its health window, and how many agent
+    # starts has it seen before that.
+    active_healthy: bool = False
     boots_since_switch: int = 0
     last_notice_id: str = ""  # id of the last desired-state notice applied (replay guard)
     last_notice_issued: str = ""  # its ``issued`` time: notices issued earlier are stale
@@ -159,16 +175,28 @@ class Store:
     def load_state(self) -> State:
         for path in (self.state_path, self.backup_path):
             try:
-                raw = path.read_bytes()
+                data = json.loads(path.read_bytes())
             except FileNotFoundError:
                 continue
-            try:
-                return from_data(State, json.loads(raw), "state", StoreError)
-            except (ValueError, StoreError):
-                continue  # truncated / zeroed / corrupt: fall back to the backup copy
+            except ValueError:
+                continue  # truncated / zeroed: fall back to the backup copy
+            if isinstance(data, dict) and isinstance(data.get("schema_version"), int):
+                if data["schema_version"] > STATE_VERSION:  # not corrupt: written by a newer agent
+                    raise StoreError(
+                        f"{path}: schema_version {data['schema_version']} is newer than this agent understands "
+                        f"({STATE_VERSION}); upgrade edgekit-agent"
+                    )
+                try:
+                    return from_data(State, self._upgrade(data), "state", StoreError)
+                except StoreError:
+                    continue  # corrupt content: fall back to the backup copy
         if self.state_path.exists() or self.backup_path.exists():
             raise StoreError(f"{self.state_path} and its backup are both unreadable; restore one from a backup")
         return State()
+
+    @staticmethod
+    def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
+        return upgrade(data, "schema_version", STATE_VERSION, MIGRATIONS, "state", StoreError, "upgrade edgekit-agent")
 
     def save_state(self, state: State) -> None:
         data = json.dumps(to_data(state), indent=1).encode() + b"\n"
@@ -262,7 +290,14 @@ class Store:
                 raise StoreError(f"{name}: no candidate to promote")
             prev = s.active if s.active is not None and s.active != s.candidate else s.previous
             return replace(
-                s, active=s.candidate, candidate=None, previous=prev, status="serving", error="", boots_since_switch=0
+                s,
+                active=s.candidate,
+                candidate=None,
+                previous=prev,
+                status="serving",
+                error="",
+                active_healthy=False,
+                boots_since_switch=0,
             )
 
         return self.update_model(name, fn)
@@ -283,6 +318,7 @@ class Store:
                 candidate=None,
                 status="rolled_back",
                 error=error,
+                active_healthy=True,  # the last good version: not watched for crash loops again
                 boots_since_switch=0,
             )
 

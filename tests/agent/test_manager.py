@@ -223,6 +223,26 @@ def test_crash_loop_rolls_back_after_crash_loop_boots_starts(config_path: Path, 
     m.stop()
 
 
+def test_a_rejected_candidate_does_not_end_the_crash_loop_watch_of_the_active_version(
+    config_path: Path, bundles: Bundles
+) -> None:
+    m = _restart(config_path)
+    m.install(bundles.v1)
+    m.mark_healthy("tiny")
+    m.install(bundles.v2)  # v2 is in its health window ...
+    with pytest.raises(SelfTestError):
+        m.install(bundles.v3_bad_golden)  # ... when a bad v3 is rejected
+    assert m.store.model_state("tiny").status == "failed"
+    m.stop(clean=False)
+    for _ in range(2):
+        m = _restart(config_path)
+        assert m.models() == {"tiny": 2}
+        m.stop(clean=False)
+    m = _restart(config_path)  # v2 keeps crashing the agent: still rolled back
+    assert m.models() == {"tiny": 1} and "crash loop" in m.store.model_state("tiny").error
+    m.stop()
+
+
 def test_clean_stops_inside_the_health_window_do_not_count_as_crashes(config_path: Path, bundles: Bundles) -> None:
     m = _restart(config_path)
     m.install(bundles.v1)

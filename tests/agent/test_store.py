@@ -3,6 +3,7 @@ during extraction is a store error (try again later), not a verdict on the bundl
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from device_agents.platforms.compatibility import check_compatible
-from device_agents.store import Store
+from device_agents.store import STATE_VERSION, Store
 from edgekit.bundle import TrustStore
 from edgekit.bundle.errors import StoreError
 from tests.updates.bundles import bundle, padded_classifier
@@ -63,3 +64,30 @@ def test_disk_full_while_extracting_is_a_store_error_and_staging_works_once_ther
     resize(small_disk, "4m")
     staged = store.stage(ekb, trust, compatible=check_compatible)
     assert store.model_state("tiny").candidate == staged.slot
+
+
+def test_a_version_1_state_file_is_migrated_keeping_which_active_versions_are_still_watched(tmp_path: Path) -> None:
+    slot = {"version": 2, "sha256": "ab" * 32, "path": "models/m/2-abababababab"}
+    v1 = {
+        "schema_version": 1,
+        "models": {
+            "watched": {"max_version": 2, "active": slot, "status": "serving", "boots_since_switch": 1},
+            "confirmed": {"max_version": 2, "active": slot, "status": "healthy"},
+            "rolled": {"max_version": 3, "active": slot, "status": "rolled_back"},
+        },
+    }
+    (tmp_path / "state.json").write_text(json.dumps(v1))
+    state = Store(tmp_path).load_state()
+    assert state.schema_version == STATE_VERSION == 2
+    assert {n: ms.active_healthy for n, ms in state.models.items()} == {
+        "watched": False,
+        "confirmed": True,
+        "rolled": True,
+    }
+    assert state.models["watched"].boots_since_switch == 1
+
+
+def test_a_state_file_from_a_newer_agent_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    (tmp_path / "state.json").write_text(json.dumps({"schema_version": 99, "models": {}}))
+    with pytest.raises(StoreError, match="upgrade edgekit-agent"):
+        Store(tmp_path).load_state()
