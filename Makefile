@@ -1,26 +1,35 @@
 # The two commands a new user runs (see README.md):
 #   make demo   set up, then package the embedded example for every target, serve it, show numbers
-#   make test   set up, then run ruff and the whole test suite (what CI runs)
+#   make test   set up, then run ruff, mypy and the whole test suite (what CI runs)
 #
-# Set-up is a virtualenv in .venv that can see the system's site-packages (so an environment
-# that already has the SDKs installs nothing twice) plus Mosquitto from Debian for the OTA tests.
+# Set-up is an isolated virtualenv (no system site-packages) holding exactly the versions in
+# requirements/lock.txt, installed without dependency resolution (--no-deps) and then checked
+# with `uv pip check`: a package missing from the lock fails set-up, it is never fetched
+# silently. Mosquitto comes from Debian for the OTA tests.
 
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 BIN    := $(VENV)/bin
+LOCK   := requirements/lock.txt
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# The lock pins torch 2.13.0+cpu for CPython 3.11 on x86_64 Linux: on PyPI torch is a CUDA build.
+# Where a folder of local wheels holds it (this workplace's /opt/wheels) it is used; elsewhere pass
+# TORCH_FIND_LINKS=https://download.pytorch.org/whl/cpu/torch (or any folder holding that wheel).
+TORCH_FIND_LINKS ?= $(wildcard /opt/wheels)
+UV_FLAGS := --python $(BIN)/python $(if $(TORCH_FIND_LINKS),--find-links $(TORCH_FIND_LINKS))
 
-.PHONY: setup system-deps demo test lint bench clean
+.PHONY: setup system-deps demo test test-fast lint bench lock clean
 
 $(BIN)/python:
-	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
-	# onnx2tf imports tf_keras, whose metadata requires the full `tensorflow` (~600 MB more,
-	# beside tensorflow-cpu); it runs on tensorflow-cpu, so install it without dependencies.
-	$(BIN)/python -m pip install -q --no-deps 'tf-keras==2.21.*'
+$(VENV)/.installed: $(LOCK) pyproject.toml | $(BIN)/python
+	@start=$$(date +%s); \
+	$(BIN)/python -m pip install -q --disable-pip-version-check "$$(grep -E '^uv==' $(LOCK) | cut -d' ' -f1)" && \
+	$(BIN)/uv pip install -q $(UV_FLAGS) --no-deps -r $(LOCK) && \
+	$(BIN)/uv pip install -q $(UV_FLAGS) --no-deps -e . && \
+	$(BIN)/uv pip check --python $(BIN)/python && \
+	echo "set-up: $(VENV) from $(LOCK) in $$(( $$(date +%s) - start )) s"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -33,7 +42,6 @@ system-deps:
 demo: setup
 	$(BIN)/python examples/demo.py
 
-# python -m: with --system-site-packages, tools the system already has get no script in $(BIN)
 lint: setup
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m mypy edgekit device_agents
@@ -41,8 +49,23 @@ lint: setup
 test: setup system-deps lint
 	$(BIN)/python -m pytest -q
 
+# the edit loop: everything but the conversions marked slow
+test-fast: setup system-deps
+	$(BIN)/python -m pytest -q -m "not slow"
+
 bench: setup
 	$(BIN)/python -m bench
+
+# Refresh the lock after changing pyproject.toml: one universal resolution for CPython 3.10-3.12
+# (uv's --universal writes environment markers where versions differ by Python or platform).
+lock: | $(BIN)/python
+	$(BIN)/python -m pip install -q --disable-pip-version-check 'uv>=0.5'
+	$(BIN)/uv pip compile pyproject.toml --extra all --extra dev --universal --python-version 3.10 \
+		$(if $(TORCH_FIND_LINKS),--find-links $(TORCH_FIND_LINKS)) --no-header --quiet -o $(LOCK).new
+	( echo "# The exact versions the suite is tested with. Refresh: make lock (uv pip compile --universal, CPython 3.10-3.12)."; \
+	  echo "# Tested: CPython 3.11 on x86_64 Linux. Install: make setup, or"; \
+	  echo "#   pip install -c requirements/lock.txt -e '.[all,dev]'"; cat $(LOCK).new ) > $(LOCK)
+	rm -f $(LOCK).new
 
 clean:
 	rm -rf $(VENV) .edgekit-demo .pytest_cache
