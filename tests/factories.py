@@ -161,6 +161,7 @@ def make_cpu_bundle(
 
     from edgekit.bundle import file_entries, key_id, load_private_key, write_bundle
     from edgekit.bundle.manifest import (
+        SCHEMA_VERSION,
         Compatibility,
         Golden,
         Manifest,
@@ -192,7 +193,7 @@ def make_cpu_bundle(
             outputs=(TensorSpec(o.name, "float32", shape_out),),
         )
         manifest = Manifest(
-            schema_version=1,
+            schema_version=SCHEMA_VERSION,
             name=name,
             version=version,
             created=utc_now(),

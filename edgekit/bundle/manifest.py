@@ -1,10 +1,18 @@
-"""Manifest v1: the only thing the device trusts about a model.
+"""Manifest v2: the only thing the device trusts about a model.
 
 Frozen dataclasses, ``schema_version`` first, unknown keys rejected (see ``codec``). The JSON
-Schema in ``schema/manifest.v1.schema.json`` describes the same structure for other tools; the
-golden-file test keeps the two and ``tests/golden/manifest_v1.json`` in step.
+Schema in ``schema/manifest.v2.schema.json`` describes the same structure for other tools; the
+golden-file test keeps the two and ``tests/golden/manifest_v2.json`` in step. v1 manifests
+(``tests/golden/manifest_v1.json``) load through ``MIGRATIONS[1]``.
 
-A schema change bumps ``SCHEMA_VERSION`` and adds a migration to ``MIGRATIONS`` (house rule 1).
+v2 is designed once for every field DESIGN.md plans, so that later features add behaviour, not
+schema: pre/post-processing as typed data, cache policy with approximate-cache calibration, a
+``stateful`` marker, memory/energy estimates, a split plan with several cuts, the provenance of
+compression steps, the optimisation candidate report, calibration-data identity, mixed-precision
+exclusions and the failed-validation mark. Every v2 addition is optional. A field whose
+docstring says *planned* is written by no host code yet and read by no agent code yet; the
+agent never acts on it until a release implements it. Additive optional fields do not bump
+``SCHEMA_VERSION`` again; anything else does, with a migration (house rule 1).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from typing import Any, Literal
 from edgekit.bundle.codec import from_data, to_data, upgrade
 from edgekit.bundle.errors import ManifestError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 SIGNATURE_NAME = "manifest.sig"
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
@@ -94,16 +102,63 @@ class Signature:
         raise KeyError(name)
 
 
+PreOp = Literal["resize", "letterbox", "center_crop", "channel_order", "layout", "scale", "normalize", "cast"]
+PostOp = Literal["softmax", "sigmoid", "argmax", "topk", "cast"]
+
+
 @dataclass(frozen=True)
 class ProcessingStep:
-    """Pre- or post-processing described as data, applied by the agent (never code).
+    """One pre- or post-processing step, described as data and applied by the agent (never code).
 
-    ``op`` is one of: ``scale`` (x * value), ``normalize`` (x - mean) / std per channel,
-    ``softmax`` (axis), ``cast`` (dtype).
+    Pre-processing runs in list order from what a client sends (e.g. an HWC uint8 image) to the
+    served input; post-processing from the served output to what the client receives. Each op
+    reads only its own fields:
+
+    - ``resize`` / ``center_crop``: ``size`` (height, width), ``interpolation``;
+    - ``letterbox``: ``size``, ``pad_value`` (keeps aspect ratio, pads the rest);
+    - ``channel_order``: ``order`` of the result ("RGB" / "BGR");
+    - ``layout``: ``layout`` of the result ("NCHW" / "NHWC");
+    - ``scale``: x * ``value``; ``normalize``: (x - ``mean``) / ``std`` per channel;
+    - ``cast``: to ``dtype``; ``softmax`` / ``sigmoid`` / ``argmax``: along ``axis``;
+      ``topk``: the ``k`` largest along ``axis``.
+
+    ``tensor`` names the served tensor it applies to (None: the only input / output).
+    The host CLI's ``--preprocess`` syntax builds these; agent-side application is planned.
     """
 
-    op: Literal["scale", "normalize", "softmax", "cast"]
-    params: dict[str, Any] = field(default_factory=dict)
+    op: PreOp | PostOp
+    tensor: str | None = None
+    size: tuple[int, int] | None = None
+    interpolation: Literal["nearest", "bilinear", "area"] | None = None
+    pad_value: float | None = None
+    order: Literal["RGB", "BGR"] | None = None
+    layout: Literal["NCHW", "NHWC"] | None = None
+    value: float | None = None
+    mean: tuple[float, ...] = ()
+    std: tuple[float, ...] = ()
+    dtype: str | None = None
+    axis: int | None = None
+    k: int | None = None
+
+    def __post_init__(self) -> None:
+        needs: dict[str, tuple[str, ...]] = {
+            "resize": ("size",),
+            "center_crop": ("size",),
+            "letterbox": ("size",),
+            "channel_order": ("order",),
+            "layout": ("layout",),
+            "scale": ("value",),
+            "normalize": ("mean", "std"),
+            "cast": ("dtype",),
+            "topk": ("k",),
+        }
+        missing = [f for f in needs.get(self.op, ()) if getattr(self, f) in (None, ())]
+        if missing:
+            raise ValueError(f"op {self.op!r} needs {', '.join(missing)}")
+        if self.op == "normalize" and len(self.mean) != len(self.std):
+            raise ValueError(f"normalize: mean has {len(self.mean)} values, std {len(self.std)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
 
 
 @dataclass(frozen=True)
@@ -133,11 +188,18 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class Precision:
-    """Weights and activations separately; ``label`` is the short form (``w8a8``)."""
+    """Weights and activations separately; ``label`` is the short form (``w8a8``).
+
+    ``excluded_nodes``: mixed precision, the source-graph nodes kept in higher precision (float)
+    because the accuracy budget needed them, most sensitive first; ``excluded_reason`` says how
+    they were chosen (e.g. "per-layer sensitivity on the calibration set").
+    """
 
     weights: Literal["fp32", "fp16", "int8", "int4", "palettized-4bit", "palettized-6bit"]
     activations: Literal["fp32", "fp16", "int8", "uint8", "int16"]
     method: str = ""  # what produced it, e.g. "ort-static-qdq minmax u8s8 per-channel"
+    excluded_nodes: tuple[str, ...] = ()
+    excluded_reason: str = ""
 
     @property
     def label(self) -> str:
@@ -177,6 +239,15 @@ class Validation:
     fp32_latency_p50_ms: float | None = None
     measured_on: str = ""  # "host runtime onnxruntime 1.32 on x86_64" / "intermediate (torch)"
     notes: tuple[str, ...] = ()
+    # v2: spread of the artifact's host latency (p90, interquartile range), same run as p50
+    latency_p90_ms: float | None = None
+    latency_iqr_ms: float | None = None
+    # v2: True when the artifact measured slower than the FP32 source on the same runtime host
+    # ("passed (slower than fp32)"); None when latency was not measured here.
+    slower_than_fp32: bool | None = None
+    # v2, the failed-validation mark: with ``passed`` False, one line per missed gate
+    # ("top-1 agreement 0.95 < 0.98"); agents refuse such bundles unless configured otherwise.
+    failures: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -210,24 +281,133 @@ class OpPlacement:
 
 
 @dataclass(frozen=True)
-class SplitPlan:
-    cut: tuple[str, ...]  # tensor names at the cut
+class SplitCut:
+    """One place to cut the model: the head runs on the device, the tail on a v2 server.
+
+    ``head_file`` is in this bundle; the tail is model ``tail_model`` on the tail server (its
+    bundle travels separately). Sizes and fractions are measured on the host (planned: the
+    split planner fills them).
+    """
+
+    id: str
+    tensors: tuple[str, ...]  # tensor names at the cut (head outputs = tail inputs)
     head_file: str
-    tail_file: str
+    tail_model: str
     cut_bytes_per_sample: int
+    head_flops_fraction: float | None = None
+    head_latency_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Split inference: the full model stays in the bundle as the local fallback (planned)."""
+
+    cuts: tuple[SplitCut, ...]
+    default_cut: str | None = None  # id of the cut to use when no budget says otherwise
+
+
+@dataclass(frozen=True)
+class ApproximateCache:
+    """Approximate-result cache calibration: reuse a cached result for an input whose embedding
+    is within ``max_distance`` (cosine distance) of a cached one; ``agreement`` is the measured
+    top-1 agreement with fresh inference at that threshold on ``samples`` held-out inputs (planned)."""
+
+    embedding: str  # served output (or "input") whose vector is the cache key
+    max_distance: float
+    agreement: float
+    samples: int
 
 
 @dataclass(frozen=True)
 class CachePolicy:
-    enabled: bool = True
+    """The model's result-cache policy on the device (``exact``: keyed by the input's hash)."""
+
+    mode: Literal["exact", "approximate"] = "exact"
     ttl_s: int = 3600
     max_entries: int = 10000
+    approximate: ApproximateCache | None = None
+
+    def __post_init__(self) -> None:
+        if (self.mode == "approximate") != (self.approximate is not None):
+            raise ValueError("mode 'approximate' goes with an approximate calibration, and only it")
 
 
 @dataclass(frozen=True)
 class Estimates:
-    memory_mb: float | None = None
+    """Resource estimates for budgets (planned): what was measured and where, never guessed."""
+
+    memory_mb: float | None = None  # resident memory of a loaded session
+    peak_memory_mb: float | None = None  # peak during load / first inference
     energy_mj_per_inference: float | None = None
+    flops_per_inference: int | None = None
+    measured_on: str = ""
+
+
+@dataclass(frozen=True)
+class CompressionStep:
+    """One step that produced the artifact from the source model, in order (provenance).
+
+    ``kind`` examples: fix_shapes, fold_constants, simplify, graph_optimize, convert, prune,
+    distill, low_rank, palettize, quantize. ``metric`` names what ``before``/``after`` measure
+    (e.g. "top1_agreement" against the ORIGINAL model).
+    """
+
+    kind: str
+    tool: str
+    settings: dict[str, str] = field(default_factory=dict)
+    metric: str = ""
+    before: float | None = None
+    after: float | None = None
+    notes: str = ""
+
+
+@dataclass(frozen=True)
+class CalibrationData:
+    """Identity of the calibration (and selection) data, so a build can be reproduced."""
+
+    sha256: str  # over the arrays actually used, in order (see edgekit.validate.calib)
+    samples: int
+    source: str = ""  # file or folder name as given
+    selection: str = ""  # how the subset was drawn, e.g. "stratified by fp32 top-1, seed 0"
+
+
+@dataclass(frozen=True)
+class CandidateResult:
+    """One candidate the optimisation engine built (or tried to), with what it measured."""
+
+    id: str
+    settings: dict[str, str]
+    status: Literal["chosen", "passed", "failed", "error", "skipped"]
+    reason: str = ""  # why failed / error (the SDK's message) / skipped (dominated by ...)
+    top1_agreement: float | None = None
+    top1_drop: float | None = None
+    cosine: float | None = None
+    relative_error: float | None = None
+    size_bytes: int | None = None
+    latency_p50_ms: float | None = None
+    latency_p90_ms: float | None = None
+    latency_iqr_ms: float | None = None
+    speedup_vs_fp32: float | None = None
+    excluded_nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CandidateReport:
+    """The optimisation engine's search: objective, budget, every candidate, the choice.
+
+    Candidates are compared on ``selection_samples`` samples that the final gate (``validation``)
+    does not see. ``latency_measured`` False means the runtime cannot run here (the choice
+    follows the device class's documented preference order, said in ``notes``).
+    """
+
+    objective: Literal["latency", "size", "accuracy"]
+    budget: Tolerance
+    chosen: str
+    selection_samples: int
+    latency_measured: bool
+    candidates: tuple[CandidateResult, ...]
+    measured_on: str = ""
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -257,6 +437,12 @@ class Manifest:
     cache: CachePolicy | None = None
     estimates: Estimates | None = None
     target_options: dict[str, Any] = field(default_factory=dict)
+    # v2 additions (all optional)
+    # the model keeps state between calls (RNN state, KV cache): never cached or batched across clients
+    stateful: bool = False
+    calibration: CalibrationData | None = None
+    provenance: tuple[CompressionStep, ...] = ()
+    candidates: CandidateReport | None = None
 
     def __post_init__(self) -> None:
         if self.schema_version != SCHEMA_VERSION:
@@ -270,6 +456,15 @@ class Manifest:
             raise ValueError("files lists a path twice")
         if self.golden.file not in paths:
             raise ValueError(f"golden.file {self.golden.file!r} is not in files")
+        if self.split is not None:
+            for cut in self.split.cuts:
+                if cut.head_file not in paths:
+                    raise ValueError(f"split cut {cut.id!r}: head_file {cut.head_file!r} is not in files")
+            ids = [c.id for c in self.split.cuts]
+            if self.split.default_cut is not None and self.split.default_cut not in ids:
+                raise ValueError(f"split.default_cut {self.split.default_cut!r} is not one of {ids}")
+        if self.validation.passed and self.validation.failures:
+            raise ValueError("validation.passed is true but validation.failures lists missed gates")
 
     # -- serialisation ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -315,6 +510,41 @@ class Manifest:
 
     def with_updates(self, **changes: Any) -> Manifest:
         return replace(self, **changes)
+
+
+def _v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    """v1 -> v2: typed processing steps, split plan with cuts, cache mode; the rest is additive."""
+    out = dict(data, schema_version=2)
+    for key in ("preprocess", "postprocess"):
+        steps = []
+        for step in out.get(key) or ():
+            if isinstance(step, dict) and isinstance(step.get("params"), dict):
+                step = {"op": step.get("op"), **step["params"]}
+            steps.append(step)
+        if key in out:
+            out[key] = steps
+    split = out.get("split")
+    if isinstance(split, dict) and "cut" in split:
+        out["split"] = {
+            "cuts": [
+                {
+                    "id": "cut0",
+                    "tensors": split.get("cut"),
+                    "head_file": split.get("head_file"),
+                    "tail_model": split.get("tail_file"),
+                    "cut_bytes_per_sample": split.get("cut_bytes_per_sample"),
+                }
+            ],
+            "default_cut": "cut0",
+        }
+    cache = out.get("cache")
+    if isinstance(cache, dict) and "enabled" in cache:
+        cache = dict(cache)
+        out["cache"] = None if not cache.pop("enabled") else {**cache, "mode": "exact"}
+    return out
+
+
+MIGRATIONS[1] = _v1_to_v2
 
 
 def migrate(data: dict[str, Any]) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""Derive the manifest v1 JSON Schema from the ``Manifest`` dataclasses.
+"""Derive the manifest JSON Schema (current ``SCHEMA_VERSION``) from the ``Manifest`` dataclasses.
 
-The committed ``edgekit/bundle/schema/manifest.v1.schema.json`` must equal what this prints
+The committed ``edgekit/bundle/schema/manifest.v2.schema.json`` must equal what this prints
 (``tests/bundle/test_manifest_golden.py`` checks it), so the schema other tools read and the
 dataclasses the agent parses with cannot drift apart. After a deliberate schema change::
 
-    python -m tests.bundle.manifest_schema > edgekit/bundle/schema/manifest.v1.schema.json
+    python -m tests.bundle.manifest_schema > edgekit/bundle/schema/manifest.v2.schema.json
+
+``manifest.v1.schema.json`` is kept as it was released, for v1 manifests (which agents migrate).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ def schema() -> dict[str, Any]:
     root = defs.pop("Manifest")
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "$id": "https://edgekit.dev/schema/manifest.v1.schema.json",
-        "title": "edgekit bundle manifest, schema_version 1",
+        "$id": f"https://edgekit.dev/schema/manifest.v{m.SCHEMA_VERSION}.schema.json",
+        "title": f"edgekit bundle manifest, schema_version {m.SCHEMA_VERSION}",
         "description": "Generated from edgekit/bundle/manifest.py by tests/bundle/manifest_schema.py; do not edit.",
         **root,
         "$defs": dict(sorted(defs.items())),
