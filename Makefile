@@ -5,7 +5,8 @@
 # Set-up is an isolated virtualenv (no system site-packages) holding exactly the versions in
 # requirements/lock.txt, installed without dependency resolution (--no-deps) and then checked
 # with `uv pip check`: a package missing from the lock fails set-up, it is never fetched
-# silently. Mosquitto comes from Debian for the OTA tests.
+# silently (uv pip check covers what installed packages require, requirements/check_extras.py
+# what edgekit's own extras require). Mosquitto comes from Debian for the OTA tests.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -29,6 +30,7 @@ $(VENV)/.installed: $(LOCK) pyproject.toml | $(BIN)/python
 	$(BIN)/uv pip install -q $(UV_FLAGS) --no-deps -r $(LOCK) && \
 	$(BIN)/uv pip install -q $(UV_FLAGS) --no-deps -e . && \
 	$(BIN)/uv pip check --python $(BIN)/python && \
+	$(BIN)/python requirements/check_extras.py all dev && \
 	echo "set-up: $(VENV) from $(LOCK) in $$(( $$(date +%s) - start )) s"
 	touch $@
 
