@@ -102,7 +102,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         manager = ModelManager(config)
         manager.start()
         server = AgentServer(
-            config.listen_host, config.listen_port, manager, max_request_bytes=config.max_request_bytes
+            config.listen_host, config.listen_port, manager, max_request_bytes=config.server.max_request_bytes
         )
         updater: Any = None
         try:

@@ -1,29 +1,49 @@
 """The agent's config file (``agent.toml``): frozen dataclasses, versioned, strict.
 
-Unknown keys and wrong types are ``ConfigError`` naming their path (``agent.updates.broker``).
-Relative paths are resolved against the directory of the config file. A format change bumps
-``CONFIG_VERSION`` and adds a step to ``MIGRATIONS`` (house rule: versioned config)::
+Unknown keys and wrong types are ``ConfigError`` naming their path (``agent.updates.broker``),
+with the nearest known key where there is one. Relative paths are resolved against the
+directory of the config file. A format change bumps ``CONFIG_VERSION`` and adds a step to
+``MIGRATIONS`` (house rule: versioned config); an additive optional field does not. Version 2::
 
-    config_version = 1
+    config_version = 2
     store = "/var/lib/edgekit"
     listen = "127.0.0.1:8500"
     trusted_keys = ["keys/release.pub"]
 
-    [runtime]            # device_agents.runtimes.base.RuntimeOptions
+    [server]                       # ServerConfig: limits of the HTTP front-end and the pipeline
+    max_request_mb = 64
+    idle_timeout_s = 30
+
+    [runtimes.onnxruntime]         # one typed table per runtime (device_agents.runtimes.options)
     threads = 2
+    [runtimes.openvino]
+    device = "GPU"
+
+    [models.classifier]            # per served model name (ModelConfig)
+    threads = 1                    # overrides its runtime's threads
+    [models.classifier.batching]   # dynamic batching (BatchingConfig)
+    max_batch_size = 32
+    max_wait_ms = 2.0
 
     [selftest]
     timeout_s = 60
 
-    [updates]            # optional: pull updates over MQTT
+    [updates]                      # optional: pull updates over MQTT
     broker = "mqtts://broker.example:8883"
     fleet = "shop-floor"
     device_id = "cam-07"
+
+A version 1 file (no ``config_version``) migrates: ``[runtime]`` spreads over the
+``[runtimes.*]`` tables it applied to, ``max_request_mb`` moves to ``[server]``, and tables new in
+version 2 (``[models]``, ``[budgets]``, ``[server]``) are kept. Planned settings (a model's
+``cache``, ``route``, ``variants``; ``[budgets]``) are documented and refused with a clear error:
+nothing in the file is silently ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -38,14 +58,11 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser from PyPI (the `agent` extra installs it)
     import tomli as tomllib
 
-from device_agents.runtimes.base import RuntimeOptions
+from device_agents.runtimes.options import COMPUTE_UNITS, OPTIONS, RuntimeOptions, RuntimesConfig
 from edgekit.bundle.codec import from_data, upgrade
 from edgekit.bundle.errors import ConfigError
 
-CONFIG_VERSION = 1
-
-# config_version -> function upgrading a config dict of that version by one step.
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+CONFIG_VERSION = 2
 
 DEFAULT_HEALTH_WINDOW_S = 30.0
 DEFAULT_CRASH_LOOP_BOOTS = 3
@@ -147,6 +164,104 @@ class UpdatesConfig:
         return start <= t < end if start <= end else (t >= start or t < end)
 
 
+def _planned(path: str) -> str:
+    return f"{path} is planned, not in this agent version; remove it (or upgrade edgekit-agent)"
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """``[models.<name>.batching]``: coalesce concurrent requests into one runtime call.
+
+    Only for a model whose batch axis (axis 0 of every input) is dynamic. A batch is run when it
+    holds ``max_batch_size`` samples, or ``max_wait_ms`` after its first request arrived if it
+    holds at least ``min_batch_size`` (else as soon as its oldest request's deadline nears).
+    With ``preferred_batch_sizes``, a batch that reaches one of them before the wait is up runs at once.
+    """
+
+    max_batch_size: int = 8
+    max_wait_ms: float = 2.0
+    min_batch_size: int = 1
+    preferred_batch_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if not (0 <= self.max_wait_ms <= 10_000) or math.isnan(self.max_wait_ms):
+            raise ValueError(f"max_wait_ms must be between 0 and 10000, got {self.max_wait_ms}")
+        if not 1 <= self.min_batch_size <= self.max_batch_size:
+            raise ValueError(
+                f"min_batch_size must be between 1 and max_batch_size ({self.max_batch_size}), "
+                f"got {self.min_batch_size}"
+            )
+        bad = [b for b in self.preferred_batch_sizes if not 1 <= b <= self.max_batch_size]
+        if bad:
+            raise ValueError(
+                f"preferred_batch_sizes: {bad[0]} is not between 1 and max_batch_size ({self.max_batch_size})"
+            )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """``[models.<served name>]``: how one served name is run.
+
+    ``cache`` (the result cache), ``route`` (a cascade) and ``variants`` (a variant set under
+    budgets) are planned by later agent versions; setting them is refused, never ignored.
+    """
+
+    threads: int = 0  # overrides [runtimes.<runtime>] threads for this model; 0 = the runtime's setting
+    batching: BatchingConfig | None = None
+    cache: dict[str, Any] | None = None  # planned
+    route: dict[str, Any] | None = None  # planned
+    variants: tuple[str, ...] | None = None  # planned
+
+    def __post_init__(self) -> None:
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+        for key in ("cache", "route", "variants"):
+            if getattr(self, key) is not None:
+                raise ValueError(_planned(key))
+
+
+@dataclass(frozen=True)
+class BudgetsConfig:
+    """``[budgets]`` (planned: memory, power and thermal budgets). Every field is refused if set."""
+
+    memory_mb: int | None = None
+    power_mw: int | None = None
+    thermal_c: float | None = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                raise ValueError(_planned(f.name))
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``[server]``: the limits of the HTTP front-end and of the serving pipeline."""
+
+    max_request_mb: int = 64  # a body (after gzip/deflate inflation) over this is a 413
+    max_connections: int = 512  # at the cap, the oldest idle connection is closed for a new one
+    idle_timeout_s: float = 30.0  # a connection with no complete request for this long is closed
+    max_concurrent_decodes: int = 4  # request bodies read and parsed at once; more wait (bounded) or get 503
+    workers: int = 2  # inference threads per model (batches run one per worker)
+    queue_size: int = 64  # requests waiting per model before a 429
+    request_timeout_s: float = 30.0  # a request's deadline unless it asks for less (parameters.timeout_ms)
+    hung_call_s: float = 60.0  # a runtime call running longer than this is hung: the model is reloaded
+    drain_timeout_s: float = 10.0  # on SIGTERM, in-flight requests get this long to finish
+    retry_after_s: int = 1  # the Retry-After of a 429/503
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            number = getattr(self, f.name)
+            if number <= 0:
+                raise ValueError(f"{f.name} must be > 0, got {number}")
+
+    @property
+    def max_request_bytes(self) -> int:
+        return self.max_request_mb * _MB
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     store: Path
@@ -155,8 +270,10 @@ class AgentConfig:
     listen: str = "127.0.0.1:8500"
     revoked_key_ids: tuple[str, ...] = ()
     max_bundle_mb: int = 512
-    max_request_mb: int = 64
-    runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    runtimes: RuntimesConfig = field(default_factory=RuntimesConfig)
+    models: dict[str, ModelConfig] = field(default_factory=dict)
+    budgets: BudgetsConfig = field(default_factory=BudgetsConfig)
     selftest: SelfTestConfig = field(default_factory=SelfTestConfig)
     updates: UpdatesConfig | None = None
 
@@ -164,8 +281,8 @@ class AgentConfig:
         if not self.trusted_keys:
             raise ValueError("trusted_keys is empty: list the .pub file(s) whose bundles this device accepts")
         parse_listen(self.listen)
-        if self.max_bundle_mb <= 0 or self.max_request_mb <= 0:
-            raise ValueError("max_bundle_mb and max_request_mb must be > 0")
+        if self.max_bundle_mb <= 0:
+            raise ValueError("max_bundle_mb must be > 0")
 
     @property
     def listen_host(self) -> str:
@@ -179,9 +296,29 @@ class AgentConfig:
     def max_bundle_bytes(self) -> int:
         return self.max_bundle_mb * _MB
 
-    @property
-    def max_request_bytes(self) -> int:
-        return self.max_request_mb * _MB
+    def model(self, name: str) -> ModelConfig:
+        """The ``[models.<name>]`` table, or the defaults."""
+        return self.models.get(name) or ModelConfig()
+
+    def runtime_options(self, name: str, runtime: str) -> RuntimeOptions:
+        """``[runtimes.<runtime>]`` with ``[models.<name>] threads`` applied: what model ``name`` loads with."""
+        options = self.runtimes.options_for(runtime)
+        threads = self.model(name).threads
+        if threads and hasattr(options, "threads"):
+            options = dataclasses.replace(options, threads=threads)  # type: ignore[arg-type]  # mypy cannot narrow the union by hasattr; every class with threads takes it
+        return options
+
+    def runtimes_for(self, name: str) -> RuntimesConfig:
+        """``runtimes`` with model ``name``'s threads applied to every runtime (for its self-test child)."""
+        threads = self.model(name).threads
+        if not threads:
+            return self.runtimes
+        changes = {
+            runtime: dataclasses.replace(getattr(self.runtimes, runtime), threads=threads)
+            for runtime, cls in OPTIONS.items()
+            if "threads" in {f.name for f in dataclasses.fields(cls)}
+        }
+        return dataclasses.replace(self.runtimes, **changes)
 
 
 def load_config(path: Path) -> AgentConfig:
@@ -212,6 +349,74 @@ def migrate(data: dict[str, Any]) -> dict[str, Any]:
     """Bring a config dict up to ``CONFIG_VERSION`` (a file without the key is version 1)."""
     data.setdefault("config_version", 1)
     return upgrade(data, "config_version", CONFIG_VERSION, MIGRATIONS, "agent", ConfigError, "upgrade edgekit-agent")
+
+
+# v1 [runtime] extra keys that became typed options: extra key -> (runtime, field, converter)
+_V1_EXTRA: dict[str, tuple[str, str, Callable[[str], Any]]] = {
+    "PERFORMANCE_HINT": ("openvino", "performance_hint", str),
+    "NUM_STREAMS": ("openvino", "num_streams", int),
+    "INFERENCE_PRECISION_HINT": ("openvino", "inference_precision", str),
+    "INFERENCE_NUM_THREADS": ("openvino", "threads", int),
+    "CACHE_DIR": ("openvino", "cache_dir", str),
+    "edgetpu_library": ("litert", "edgetpu_library", str),
+    "fallback": ("tensorrt", "fallback", str),
+    "memory_budget_mb": ("tensorrt", "memory_budget_mb", int),
+}
+# v1 [runtime] key -> the runtimes it applied to
+_V1_RUNTIME_KEYS: dict[str, tuple[str, ...]] = {
+    "threads": ("onnxruntime", "openvino", "litert", "tensorrt"),
+    "cache_dir": ("openvino", "tensorrt"),
+    "workspace_mb": ("tensorrt",),
+    "providers": ("onnxruntime",),
+}
+
+
+def _v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    """``[runtime]`` (one shared table + a free-form ``extra``) -> ``[runtimes.<runtime>]``;
+    ``max_request_mb`` -> ``[server]``. Everything else, new v2 tables included, is kept."""
+    data = dict(data)
+    runtime = data.pop("runtime", {})
+    if not isinstance(runtime, dict):
+        raise ConfigError(f"agent.runtime: expected a table, got {type(runtime).__name__}")
+    runtimes: dict[str, dict[str, Any]] = {}
+    for key, value in runtime.items():
+        if key == "device":  # OpenVINO's device, or Core ML's compute units (v1 shared one field)
+            target = ("coreml", "compute_units") if value in COMPUTE_UNITS else ("openvino", "device")
+            runtimes.setdefault(target[0], {})[target[1]] = value
+        elif key == "extra":
+            if not isinstance(value, dict):
+                raise ConfigError(f"agent.runtime.extra: expected a table, got {type(value).__name__}")
+            for name, raw in value.items():
+                if name not in _V1_EXTRA:
+                    raise ConfigError(
+                        f"agent.runtime.extra.{name}: config v2 has no free-form runtime options; the typed ones "
+                        f"are {', '.join(sorted(_V1_EXTRA))} (see [runtimes.<runtime>])"
+                    )
+                target_runtime, target_field, convert = _V1_EXTRA[name]
+                try:
+                    converted = convert(raw)
+                except ValueError as exc:
+                    raise ConfigError(f"agent.runtime.extra.{name}: {raw!r} is not valid ({exc})") from exc
+                runtimes.setdefault(target_runtime, {})[target_field] = converted
+        elif key in _V1_RUNTIME_KEYS:
+            for target_runtime in _V1_RUNTIME_KEYS[key]:
+                runtimes.setdefault(target_runtime, {}).setdefault(key, value)
+        else:
+            known = ", ".join(sorted([*_V1_RUNTIME_KEYS, "device", "extra"]))
+            raise ConfigError(f"agent.runtime: unknown key {key!r} (known keys: {known})")
+    if runtimes:
+        merged = dict(data.get("runtimes", {}))
+        for name, table in runtimes.items():
+            merged[name] = {**table, **merged.get(name, {})}  # a v2 table already in the file wins
+        data["runtimes"] = merged
+    if "max_request_mb" in data:
+        data["server"] = {"max_request_mb": data.pop("max_request_mb"), **data.get("server", {})}
+    data["config_version"] = 2
+    return data
+
+
+# config_version -> function upgrading a config dict of that version by one step.
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _v1_to_v2}
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

@@ -214,7 +214,9 @@ class ModelManager:
                 self._reject(m.name, f"v{m.version} failed its self-test: {report.reason}", old)
             self.store.update_model(m.name, lambda s: replace(s, status="switching"))
             try:
-                model = load_model(self.store.model_dir(slot), m, self.config.runtime)
+                model = load_model(
+                    self.store.model_dir(slot), m, self.config.runtime_options(m.name, m.compatibility.runtime)
+                )
             except Exception as exc:  # a runtime may raise anything; the old version keeps serving
                 self._reject(m.name, f"v{m.version} passed its self-test but does not load in the agent: {exc}", old)
             fault_point("switch")
@@ -242,7 +244,7 @@ class ModelManager:
             self.store.model_dir(slot),
             timeout_s=cfg.timeout_s,
             memory_mb=cfg.memory_mb,
-            options=self.config.runtime,
+            options=self.config.runtimes_for(name),
             work_dir=self.store.root / "tmp",
         )
         prev = self.selftest_report(name)  # the active (about to be previous) version's, on this device
@@ -382,7 +384,8 @@ class ModelManager:
         entry.model.close()
 
     def _open(self, slot: Slot) -> ServedModel:
-        return load_model(self.store.model_dir(slot), self.store.manifest_of(slot), self.config.runtime)
+        m = self.store.manifest_of(slot)
+        return load_model(self.store.model_dir(slot), m, self.config.runtime_options(m.name, m.compatibility.runtime))
 
     # -- reporting ----------------------------------------------------------------------
     def selftest_report(self, name: str, which: str = "active") -> SelfTestReport | None:

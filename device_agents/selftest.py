@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from device_agents.faults import fault_point
-from device_agents.runtimes.base import RuntimeOptions
+from device_agents.runtimes.options import RuntimesConfig
 from edgekit.bundle.codec import from_data, to_data
 from edgekit.bundle.errors import SelfTestError
 from edgekit.bundle.manifest import Golden, Manifest
@@ -70,7 +70,7 @@ def run_selftest(
     *,
     timeout_s: float,
     memory_mb: int,
-    options: RuntimeOptions,
+    options: RuntimesConfig,
     work_dir: Path,
 ) -> SelfTestReport:
     """Self-test the extracted bundle in ``model_dir`` in a child process; never raises for a bad model."""
@@ -177,12 +177,12 @@ def _log_tail(path: Path, lines: int = 3) -> str:
 # -- the child ----------------------------------------------------------------------------
 
 
-def _child(model_dir: Path, options: RuntimeOptions) -> SelfTestReport:
+def _child(model_dir: Path, options: RuntimesConfig) -> SelfTestReport:
     from device_agents.runtimes import load_model
 
     manifest = Manifest.from_json((model_dir / "manifest.json").read_bytes())
     fault_point("selftest_child")
-    model = load_model(model_dir, manifest, options)
+    model = load_model(model_dir, manifest, options.options_for(manifest.compatibility.runtime))
     try:
         with np.load(model_dir / manifest.golden.file, allow_pickle=False) as golden:
             inputs = {s.name: golden[f"in_{s.name}"] for s in manifest.signature.inputs}
@@ -254,7 +254,7 @@ def main(argv: list[str]) -> int:
     model_dir, options_json, result_path = Path(argv[0]), argv[1], Path(argv[2])
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     try:
-        options = from_data(RuntimeOptions, json.loads(options_json), "runtime", SelfTestError)
+        options = from_data(RuntimesConfig, json.loads(options_json), "runtimes", SelfTestError)
         report = _child(model_dir, options)
     except Exception as exc:  # entry point of the child: any failure becomes the report
         report = SelfTestReport(passed=False, reason=f"{type(exc).__name__}: {exc}")

@@ -77,13 +77,13 @@ class RunningAgent:
         self.workdir.mkdir(parents=True, exist_ok=True)
         keys = ", ".join(_toml_str(k) for k in self.trusted_keys)
         lines = [
-            "config_version = 1",
+            "config_version = 2",
             f"store = {_toml_str(self.store)}",
             'listen = "127.0.0.1:0"',
             f"trusted_keys = [{keys}]",
         ]
         if self.threads:
-            lines += ["", "[runtime]", f"threads = {self.threads}"]
+            lines += ["", "[runtimes.onnxruntime]", f"threads = {self.threads}"]
         if self.extra_config:
             lines += ["", self.extra_config.strip()]
         self.config.write_text("\n".join(lines) + "\n")

@@ -1,7 +1,8 @@
 """Device runtimes: one module each, listed in ``RUNTIMES`` (imported only when used).
 
-Each module defines one ``ArtifactRunner`` class (see ``base``). Its SDK is imported inside that
-module; a missing SDK raises ``MissingSDKError`` naming the extra to install.
+Each module defines one ``ArtifactRunner`` class (see ``base``) that takes its own typed options
+(``options.OPTIONS``). Its SDK is imported inside that module; a missing SDK raises
+``MissingSDKError`` naming the extra to install.
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from device_agents.runtimes.base import ArtifactRunner, RuntimeOptions, ServedModel
-from edgekit.bundle.errors import IncompatibleError
+from device_agents.runtimes.base import ArtifactRunner, ServedModel
+from device_agents.runtimes.options import OPTIONS, RuntimeOptions
+from edgekit.bundle.errors import ConfigError, IncompatibleError
 from edgekit.bundle.manifest import Manifest
 
 # runtime name -> "module:Class"
@@ -36,9 +38,22 @@ def runner_class(runtime: str) -> type[ArtifactRunner]:
 
 
 def load_model(model_dir: Path, manifest: Manifest, options: RuntimeOptions | None = None) -> ServedModel:
-    """Open an extracted, verified bundle with its runtime and wrap it in the served interface."""
-    cls = runner_class(manifest.compatibility.runtime)
-    return ServedModel(cls(Path(model_dir), manifest, options or RuntimeOptions()), manifest)
+    """Open an extracted, verified bundle with its runtime and wrap it in the served interface.
+
+    ``options`` is the bundle runtime's options class (e.g. ``OpenVinoOptions`` for an openvino
+    bundle); ``None`` = that class's defaults.
+    """
+    runtime = manifest.compatibility.runtime
+    cls = runner_class(runtime)
+    wanted = OPTIONS[runtime]
+    if options is None:
+        options = wanted()
+    elif not isinstance(options, wanted):
+        raise ConfigError(
+            f"model {manifest.name} runs on {runtime}, which takes {wanted.__name__}, not {type(options).__name__}"
+        )
+    runner = cls(Path(model_dir), manifest, options)  # type: ignore[call-arg]  # the Protocol leaves __init__ to each runtime
+    return ServedModel(runner, manifest)
 
 
-__all__ = ["RUNTIMES", "ArtifactRunner", "RuntimeOptions", "ServedModel", "load_model", "runner_class"]
+__all__ = ["OPTIONS", "RUNTIMES", "ArtifactRunner", "RuntimeOptions", "ServedModel", "load_model", "runner_class"]

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -39,24 +37,12 @@ def np_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(_NP_DTYPES[name])
 
 
-@dataclass(frozen=True)
-class RuntimeOptions:
-    """Device-side settings a runtime may use; each runtime reads only its own fields."""
-
-    device: str = ""  # OpenVINO device name (CPU, GPU, NPU, AUTO); "" = runtime default
-    threads: int = 0  # 0 = runtime default
-    cache_dir: Path | None = None  # engine / compiled-model cache (TensorRT, OpenVINO)
-    workspace_mb: int = 0  # TensorRT builder workspace bound; 0 = runtime default
-    providers: tuple[str, ...] = ()  # ONNX Runtime execution providers, in preference order
-    extra: dict[str, str] = field(default_factory=dict)
-
-
 class ArtifactRunner(Protocol):
-    """What a runtime module provides. ``name`` matches ``Compatibility.runtime``."""
+    """What a runtime module provides. ``name`` matches ``Compatibility.runtime``; its
+    ``__init__(model_dir, manifest, options)`` takes that runtime's options class
+    (``device_agents.runtimes.options.OPTIONS[name]``)."""
 
     name: ClassVar[str]
-
-    def __init__(self, model_dir: Path, manifest: Manifest, options: RuntimeOptions) -> None: ...
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run with artifact tensor names/dtypes/layout; return every artifact output."""

@@ -1,6 +1,6 @@
 """Core ML runner: the ``apple`` target's runtime (an ``.mlpackage`` ML Program), macOS only.
 
-The compute units come from the agent config (``RuntimeOptions.device``: ALL, CPU_AND_NE,
+The compute units come from the agent config (``[runtimes.coreml] compute_units``: ALL, CPU_AND_NE,
 CPU_AND_GPU, CPU_ONLY), else from the bundle (``target_options.compute_units``), else ALL.
 Tensors are named as the package names them; ``ServedModel`` maps them to the served names with
 the manifest's ``mapping``. Core ML prediction does not exist on Linux: loading there raises
@@ -16,11 +16,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from device_agents.runtimes.base import RuntimeOptions
-from edgekit.bundle.errors import BundleError, ConfigError, IncompatibleError, MissingSDKError
+from device_agents.runtimes.options import COMPUTE_UNITS, CoreMlOptions
+from edgekit.bundle.errors import BundleError, IncompatibleError, MissingSDKError
 from edgekit.bundle.manifest import Manifest
-
-COMPUTE_UNITS = ("ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY")
 
 
 def package_dir(manifest: Manifest) -> str:
@@ -37,10 +35,13 @@ def package_dir(manifest: Manifest) -> str:
     return roots.pop()
 
 
-def compute_units(options: RuntimeOptions, manifest: Manifest) -> str:
-    units = options.device or str(manifest.target_options.get("compute_units", "")) or "ALL"
+def compute_units(options: CoreMlOptions, manifest: Manifest) -> str:
+    units = options.compute_units or str(manifest.target_options.get("compute_units", "")) or "ALL"
     if units not in COMPUTE_UNITS:
-        raise ConfigError(f"runtime.device: {units!r} is not a Core ML compute unit ({', '.join(COMPUTE_UNITS)})")
+        raise BundleError(
+            f"target_options.compute_units: {units!r} is not a Core ML compute unit ({', '.join(COMPUTE_UNITS)}); "
+            "package the bundle again"
+        )
     return units
 
 
@@ -51,7 +52,7 @@ class CoreMlRunner:
     version: str
     _outputs: list[str]
 
-    def __init__(self, model_dir: Path, manifest: Manifest, options: RuntimeOptions) -> None:
+    def __init__(self, model_dir: Path, manifest: Manifest, options: CoreMlOptions) -> None:
         package = Path(model_dir) / package_dir(manifest)
         self.compute_units = compute_units(options, manifest)
         if sys.platform != "darwin":

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from device_agents.runtimes.base import RuntimeOptions
+from device_agents.runtimes.options import LiteRtOptions
 from edgekit.bundle.errors import BundleError, IncompatibleError, MissingSDKError
 from edgekit.bundle.manifest import Manifest
 
@@ -44,14 +44,14 @@ class LiteRtRunner:
     name: ClassVar[str] = "litert"
     serialize: ClassVar[bool] = True  # an interpreter is not re-entrant: ServedModel serialises calls
 
-    def __init__(self, model_dir: Path, manifest: Manifest, options: RuntimeOptions) -> None:
+    def __init__(self, model_dir: Path, manifest: Manifest, options: LiteRtOptions) -> None:
         files = [f.path for f in manifest.artifact_files() if f.path.endswith(".tflite")]
         if len(files) != 1:
             raise BundleError(f"litert needs exactly one .tflite artifact, manifest lists {len(files)}")
         self.accelerator = manifest.compatibility.accelerator
         delegates = []
         if self.accelerator == "edgetpu":
-            delegates.append(edgetpu_delegate(options.extra.get("edgetpu_library", EDGETPU_LIBRARY)))
+            delegates.append(edgetpu_delegate(options.edgetpu_library))
         elif self.accelerator is not None:
             raise IncompatibleError(f"litert runner has no delegate for accelerator {self.accelerator!r}")
         self.interpreter = Interpreter(

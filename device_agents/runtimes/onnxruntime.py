@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from device_agents.runtimes.base import RuntimeOptions
+from device_agents.runtimes.options import OnnxRuntimeOptions
 from edgekit.bundle.errors import BundleError, MissingSDKError
 from edgekit.bundle.manifest import Manifest
 
@@ -21,7 +21,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the SDK
 class OnnxRuntimeRunner:
     name: ClassVar[str] = "onnxruntime"
 
-    def __init__(self, model_dir: Path, manifest: Manifest, options: RuntimeOptions) -> None:
+    def __init__(self, model_dir: Path, manifest: Manifest, options: OnnxRuntimeOptions) -> None:
         onnx_files = [f for f in manifest.artifact_files() if f.path.endswith(".onnx")]
         if len(onnx_files) != 1:
             raise BundleError(f"onnxruntime needs exactly one .onnx artifact, manifest lists {len(onnx_files)}")
@@ -29,6 +29,8 @@ class OnnxRuntimeRunner:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if options.threads:
             so.intra_op_num_threads = options.threads
+        if options.inter_op_threads:
+            so.inter_op_num_threads = options.inter_op_threads
         available = ort.get_available_providers()
         wanted = [p for p in options.providers if p in available] or ["CPUExecutionProvider"]
         self.session = ort.InferenceSession(str(model_dir / onnx_files[0].path), so, providers=wanted)

@@ -1,10 +1,10 @@
 """OpenVINO runner: the ``intel`` target's runtime (IR ``.xml`` + ``.bin``).
 
-The device comes from the agent config (``RuntimeOptions.device``: CPU, GPU, NPU, AUTO), else
-from the device the bundle was built for (``target_options.device``), else AUTO.
-``RuntimeOptions.extra`` entries are passed to ``compile_model`` as OpenVINO properties
-(e.g. ``PERFORMANCE_HINT = "LATENCY"``); they override the manifest's ``inference_precision``
-(e.g. ``INFERENCE_PRECISION_HINT = "bf16"`` trades accuracy the host did not validate for speed).
+The device comes from the agent config (``[runtimes.openvino] device``: CPU, GPU, NPU, AUTO), else
+from the device the bundle was built for (``target_options.device``), else AUTO. The other
+``OpenVinoOptions`` fields map one to one onto OpenVINO properties (``PERFORMANCE_HINT``,
+``NUM_STREAMS``, ``INFERENCE_NUM_THREADS``, ``CACHE_DIR``); ``inference_precision`` overrides the
+manifest's (``"bf16"`` trades accuracy the host did not validate for speed).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from device_agents.runtimes.base import RuntimeOptions
+from device_agents.runtimes.options import OpenVinoOptions
 from edgekit.bundle.errors import BundleError, IncompatibleError, MissingSDKError
 from edgekit.bundle.manifest import Manifest
 
@@ -43,7 +43,7 @@ def precision_hint(device: str, promised: str) -> str:
 class OpenVinoRunner:
     name: ClassVar[str] = "openvino"
 
-    def __init__(self, model_dir: Path, manifest: Manifest, options: RuntimeOptions) -> None:
+    def __init__(self, model_dir: Path, manifest: Manifest, options: OpenVinoOptions) -> None:
         xml_files = [f.path for f in manifest.artifact_files() if f.path.endswith(".xml")]
         if len(xml_files) != 1:
             raise BundleError(f"openvino needs exactly one .xml artifact, manifest lists {len(xml_files)}")
@@ -65,10 +65,15 @@ class OpenVinoRunner:
         if options.cache_dir is not None:
             self.core.set_property({"CACHE_DIR": str(options.cache_dir)})
         config: dict[str, Any] = {}
-        hint = precision_hint(self.device, str(manifest.target_options.get("inference_precision", "")))
+        hint = options.inference_precision or precision_hint(
+            self.device, str(manifest.target_options.get("inference_precision", ""))
+        )
         if hint:
             config["INFERENCE_PRECISION_HINT"] = hint
-        config.update(options.extra)
+        if options.performance_hint:
+            config["PERFORMANCE_HINT"] = options.performance_hint
+        if options.num_streams:
+            config["NUM_STREAMS"] = options.num_streams
         if options.threads:
             config["INFERENCE_NUM_THREADS"] = options.threads
         self.compiled = self.core.compile_model(self.core.read_model(str(xml), str(weights)), self.device, config)

@@ -2,13 +2,13 @@
 
 The bundle carries ONNX (FP32, or explicit-quantization Q/DQ for INT8) and the builder flags in
 ``target_options.builder_flags``. On first load the engine is built with the TensorRT Python API
-(ONNX parser, workspace bounded by ``RuntimeOptions.workspace_mb`` and the memory budget, an
+(ONNX parser, workspace bounded by ``[runtimes.tensorrt] workspace_mb`` and the memory budget, an
 optimization profile pinned to the manifest's static input shapes) and cached in
-``RuntimeOptions.cache_dir``, keyed by GPU name, compute capability, TensorRT version, builder
+``cache_dir``, keyed by GPU name, compute capability, TensorRT version, builder
 flags, shapes and the artifact's sha256: engines are not portable, so a change of any of these
 builds a new one. Inference uses ``execute_async_v3`` with tensor addresses of torch CUDA tensors.
 
-Without the ``tensorrt`` package, ``RuntimeOptions.extra["fallback"]`` = ``ort-trt`` or
+Without the ``tensorrt`` package, ``[runtimes.tensorrt] fallback`` = ``ort-trt`` or
 ``ort-cuda`` runs the same ONNX with ONNX Runtime's TensorRT or CUDA execution provider.
 """
 
@@ -24,10 +24,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from device_agents.runtimes.base import RuntimeOptions
+from device_agents.runtimes.options import TensorRtOptions
 from edgekit.bundle.errors import (
     BundleError,
-    ConfigError,
     IncompatibleError,
     InferenceInputError,
     MissingSDKError,
@@ -130,20 +129,11 @@ def _write_atomic(path: Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
-def workspace_bound_mb(options: RuntimeOptions, manifest: Manifest) -> int:
+def workspace_bound_mb(options: TensorRtOptions, manifest: Manifest) -> int:
     """Builder workspace: the agent's ``workspace_mb``, else the bundle's, else 1024 MB; never
-    above the model's memory budget (``RuntimeOptions.extra["memory_budget_mb"]``)."""
+    above ``memory_budget_mb`` (0 = no bound)."""
     requested = options.workspace_mb or int(manifest.target_options.get("workspace_mb", 0)) or DEFAULT_WORKSPACE_MB
-    budget = options.extra.get("memory_budget_mb")
-    if budget is None:
-        return requested
-    try:
-        budget_mb = int(budget)
-    except ValueError as exc:
-        raise ConfigError(f"runtime.extra.memory_budget_mb: {budget!r} is not an integer number of MB") from exc
-    if budget_mb < 1:
-        raise ConfigError(f"runtime.extra.memory_budget_mb: {budget_mb} must be >= 1")
-    return min(requested, budget_mb)
+    return min(requested, options.memory_budget_mb) if options.memory_budget_mb else requested
 
 
 def builder_flags(manifest: Manifest) -> tuple[str, ...]:
@@ -188,16 +178,16 @@ class TensorRtRunner:
     name: ClassVar[str] = "tensorrt"
     serialize: ClassVar[bool] = True  # one execution context: calls are serialized by ServedModel
 
-    def __init__(self, model_dir: Path, manifest: Manifest, options: RuntimeOptions) -> None:
-        fallback = options.extra.get("fallback", "")
-        if fallback and fallback not in FALLBACKS:
-            raise ConfigError(f"runtime.extra.fallback: {fallback!r} is not one of {', '.join(FALLBACKS)}")
+    def __init__(self, model_dir: Path, manifest: Manifest, options: TensorRtOptions) -> None:
+        fallback = options.fallback
         try:
             import tensorrt as trt
         except ImportError as exc:
             if not fallback:
                 raise MissingSDKError(
-                    "tensorrt", "tensorrt", "the tensorrt runtime (or set runtime fallback = ort-trt | ort-cuda)"
+                    "tensorrt",
+                    "tensorrt",
+                    "the tensorrt runtime (or set [runtimes.tensorrt] fallback = ort-trt | ort-cuda)",
                 ) from exc
             self._impl: _TrtEngine | _OrtFallback = _OrtFallback(model_dir, manifest, options, fallback)
         else:
@@ -218,7 +208,7 @@ class TensorRtRunner:
 
 
 class _TrtEngine:
-    def __init__(self, trt: Any, model_dir: Path, manifest: Manifest, options: RuntimeOptions) -> None:
+    def __init__(self, trt: Any, model_dir: Path, manifest: Manifest, options: TensorRtOptions) -> None:
         torch = _torch_cuda()
         self.trt, self.torch = trt, torch
         onnx_path, sha = onnx_artifact(model_dir, manifest)
@@ -356,7 +346,7 @@ class _OrtFallback:
 
     layer_info: dict[str, Any] | None = None
 
-    def __init__(self, model_dir: Path, manifest: Manifest, options: RuntimeOptions, fallback: str) -> None:
+    def __init__(self, model_dir: Path, manifest: Manifest, options: TensorRtOptions, fallback: str) -> None:
         try:
             import onnxruntime as ort
         except ImportError as exc:

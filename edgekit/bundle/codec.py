@@ -1,7 +1,8 @@
 """Strict conversion between frozen dataclasses and plain JSON/TOML data.
 
 Used for the manifest and for the agent's config: unknown keys, missing fields and wrong types
-are errors that name their path (``manifest.validation.tolerance.min_cosine``). Supported field
+are errors that name their path (``manifest.validation.tolerance.min_cosine``) and the nearest
+known key. Supported field
 types: ``str``, ``int``, ``float``, ``bool``, ``Path``, nested dataclasses, ``tuple[X, ...]``,
 ``dict[str, X]``, ``X | None`` and ``Literal[...]``.
 """
@@ -9,6 +10,7 @@ types: ``str``, ``int``, ``float``, ``bool``, ``Path``, nested dataclasses, ``tu
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -101,7 +103,9 @@ def _convert_dataclass(cls: type, value: Any, path: str, error: type[EdgekitErro
     unknown = sorted(set(value) - set(fields))
     if unknown:
         known = ", ".join(sorted(fields))
-        raise error(f"{path}: unknown key {unknown[0]!r} (known keys: {known})")
+        near = difflib.get_close_matches(str(unknown[0]), list(fields), n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise error(f"{path}: unknown key {unknown[0]!r} ({hint}known keys: {known})")
     kwargs = {}
     for name, field in fields.items():
         if name in value:

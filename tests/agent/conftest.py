@@ -77,7 +77,9 @@ def write_config(directory: Path, pub: Path, extra: str = "", *, listen: str = "
     (keys / "trusted.pub").write_bytes(pub.read_bytes())
     path = directory / "agent.toml"
     path.write_text(
-        f'store = "store"\nlisten = "{listen}"\ntrusted_keys = ["keys/trusted.pub"]\n[runtime]\nthreads = 1\n{extra}'
+        "config_version = 2\n"
+        f'store = "store"\nlisten = "{listen}"\ntrusted_keys = ["keys/trusted.pub"]\n'
+        f"[runtimes.onnxruntime]\nthreads = 1\n{extra}"
     )
     return path
 

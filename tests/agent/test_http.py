@@ -27,7 +27,7 @@ def agent(
     tmp_path_factory: pytest.TempPathFactory, keypair: tuple[Path, Path], bundles: Bundles
 ) -> Iterator[RunningAgent]:
     config = write_config(tmp_path_factory.mktemp("http-agent"), keypair[1], "", listen="127.0.0.1:0")
-    text = config.read_text().replace("[runtime]", "max_request_mb = 1\n[runtime]")
+    text = config.read_text().replace("[runtimes.onnxruntime]", "[server]\nmax_request_mb = 1\n[runtimes.onnxruntime]")
     config.write_text(text)
     for b in (bundles.v1, bundles.v2, bundles.reshape):
         done = agent_cli("install", str(b), "--config", str(config))

@@ -108,7 +108,7 @@ def test_revoked_key_is_refused(tmp_path: Path, keypair: tuple[Path, Path], bund
 
     kid = key_id(load_public_key(keypair[1]))
     cfg = write_config(tmp_path / "a", keypair[1])
-    cfg.write_text(cfg.read_text().replace("[runtime]", f'revoked_key_ids = ["{kid}"]\n[runtime]'))
+    cfg.write_text(cfg.read_text().replace("[runtimes.", f'revoked_key_ids = ["{kid}"]\n[runtimes.', 1))
     m = _restart(cfg)
     with pytest.raises(SignatureError, match="revoked key"):
         m.install(bundles.v1)

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device_agents.runtimes.base import RuntimeOptions
+from device_agents.runtimes.options import OnnxRuntimeOptions, RuntimesConfig
 from device_agents.selftest import SelfTestReport, compare_outputs, latency_verdict, run_selftest
 from device_agents.store import Store
 from edgekit.bundle import TrustStore
@@ -26,7 +26,7 @@ def _run(model_dir: Path, tmp_path: Path, *, timeout_s: float = 60, memory_mb: i
         model_dir,
         timeout_s=timeout_s,
         memory_mb=memory_mb,
-        options=RuntimeOptions(threads=1),
+        options=RuntimesConfig(onnxruntime=OnnxRuntimeOptions(threads=1)),
         work_dir=tmp_path / "work",
     )
 

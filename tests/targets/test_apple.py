@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device_agents.runtimes import RuntimeOptions, load_model
+from device_agents.runtimes import load_model
 from device_agents.runtimes.coreml import compute_units, package_dir
+from device_agents.runtimes.options import CoreMlOptions
 from edgekit.bundle import file_entries
 from edgekit.errors import BundleError, ConfigError, IncompatibleError, ValidationFailedError
 from edgekit.targets.apple import AppleOptions, AppleTarget
@@ -429,10 +430,11 @@ def test_coreml_runtime_refuses_to_load_off_macos(apple_bundle) -> None:
 
 def test_coreml_runtime_reads_compute_units_and_refuses_unknown_ones(apple_bundle) -> None:
     _, manifest, _ = apple_bundle
-    assert compute_units(RuntimeOptions(), manifest) == "ALL"
-    assert compute_units(RuntimeOptions(device="CPU_AND_NE"), manifest) == "CPU_AND_NE"
-    with pytest.raises(ConfigError, match="'NPU' is not a Core ML compute unit"):
-        compute_units(RuntimeOptions(device="NPU"), manifest)
+    assert compute_units(CoreMlOptions(), manifest) == "ALL"
+    assert compute_units(CoreMlOptions(compute_units="CPU_AND_NE"), manifest) == "CPU_AND_NE"
+    npu = manifest.with_updates(target_options=manifest.target_options | {"compute_units": "NPU"})
+    with pytest.raises(BundleError, match="'NPU' is not a Core ML compute unit"):
+        compute_units(CoreMlOptions(), npu)
     two = manifest.with_updates(files=(*manifest.files, manifest.files[0].__class__("other.mlpackage/x", 1, "0" * 64)))
     with pytest.raises(BundleError, match=r"exactly one \.mlpackage"):
         package_dir(two)
@@ -443,7 +445,7 @@ def test_coreml_runtime_reads_compute_units_and_refuses_unknown_ones(apple_bundl
 def test_coreml_runtime_predicts_like_the_golden_vectors(apple_bundle) -> None:
     _, manifest, extracted = apple_bundle
     golden = np.load(extracted / "golden.npz")
-    served = load_model(extracted, manifest, RuntimeOptions(device="CPU_ONLY"))
+    served = load_model(extracted, manifest, CoreMlOptions(compute_units="CPU_ONLY"))
     try:
         got = np.concatenate([served.infer({"input": x[None]})["probs"] for x in golden["in_input"]])
     finally:

@@ -21,8 +21,9 @@ import pytest
 from onnx import TensorProto, helper
 
 import edgekit
-from device_agents.runtimes import RuntimeOptions, load_model
+from device_agents.runtimes import load_model
 from device_agents.runtimes.litert import LiteRtRunner
+from device_agents.runtimes.options import LiteRtOptions, RuntimesConfig
 from edgekit.bundle.manifest import Compatibility, Manifest
 from edgekit.compress.onnx2tflite import scope_name
 from edgekit.errors import ConfigError, IncompatibleError
@@ -93,7 +94,7 @@ def test_coral_converts_offline_to_a_full_integer_tflite_that_matches_fp32(
     assert "CONV_2D" in {e.op for e in placement.entries} and {e.device for e in placement.entries} == {"CPU"}
     assert placement.accelerated == 0 and placement.fallback == len(placement.entries)
 
-    served = load_model(model_dir, manifest, RuntimeOptions(threads=1))
+    served = load_model(model_dir, manifest, LiteRtOptions(threads=1))
     try:
         x = sample_inputs(40, seed=11) * 3.0
         got = np.concatenate([served.infer({"input": x[i : i + 1]})["probs"] for i in range(len(x))])
@@ -115,7 +116,13 @@ def test_coral_golden_vectors_cover_several_batch_1_samples_and_pass_the_device_
     assert manifest.golden.count == 4  # ... still gets several golden samples, checked one batch at a time
     with np.load(model_dir / manifest.golden.file) as golden:
         assert golden["in_input"].shape[0] == golden["out_probs"].shape[0] == 4
-    report = run_selftest(model_dir, timeout_s=60, memory_mb=2048, options=RuntimeOptions(threads=1), work_dir=tmp_path)
+    report = run_selftest(
+        model_dir,
+        timeout_s=60,
+        memory_mb=2048,
+        options=RuntimesConfig(litert=LiteRtOptions(threads=1)),
+        work_dir=tmp_path,
+    )
     assert report.passed, report.reason
     assert report.latency_p50_ms is not None
 
@@ -188,7 +195,7 @@ def test_litert_refuses_an_edgetpu_bundle_without_the_delegate(
     model_dir, manifest = open_bundle(packaged[0].bundles["coral"])
     compat = Compatibility(runtime="litert", runtime_version="x", accelerator="edgetpu")
     with pytest.raises(IncompatibleError, match=r"libedgetpu\.so\.1 cannot be loaded"):
-        LiteRtRunner(model_dir, manifest.with_updates(compatibility=compat), RuntimeOptions())
+        LiteRtRunner(model_dir, manifest.with_updates(compatibility=compat), LiteRtOptions())
 
 
 def test_coral_check_model_names_the_op_the_node_and_the_targets_that_take_it(tmp_path: Path) -> None:

@@ -17,8 +17,9 @@ import pytest
 from onnx import TensorProto, helper
 
 import edgekit
-from device_agents.runtimes import RuntimeOptions, load_model
+from device_agents.runtimes import load_model
 from device_agents.runtimes.openvino import OpenVinoRunner
+from device_agents.runtimes.options import OpenVinoOptions
 from edgekit.bundle.manifest import Manifest, Tolerance
 from edgekit.compress.onnx_prep import prepare_model
 from edgekit.errors import ConfigError, IncompatibleError, UnsupportedOpError
@@ -81,7 +82,7 @@ def test_intel_int8_bundle_runs_in_the_openvino_runtime_like_fp32(
     assert placement is not None and placement.tool == "openvino query_model(CPU)"
     assert {"Convolution", "FakeQuantize"} <= {e.op for e in placement.entries}
     assert placement.fallback == 0 and placement.accelerated == len(placement.entries)
-    served = load_model(model_dir, manifest, RuntimeOptions(device="CPU", threads=1))
+    served = load_model(model_dir, manifest, OpenVinoOptions(device="CPU", threads=1))
     try:
         x = sample_inputs(64, seed=11) * 3.0
         got = np.concatenate([served.infer({"input": x[i : i + 8]})["probs"] for i in range(0, 64, 8)])  # dynamic batch
@@ -97,7 +98,7 @@ def test_intel_int8_bundle_runs_in_the_openvino_runtime_like_fp32(
 def agent(
     tmp_path_factory: pytest.TempPathFactory, keypair: tuple[Path, Path], int8_bundle: Path
 ) -> Iterator[RunningAgent]:
-    config = write_config(tmp_path_factory.mktemp("intel-agent"), keypair[1], 'device = "CPU"\n')
+    config = write_config(tmp_path_factory.mktemp("intel-agent"), keypair[1], '[runtimes.openvino]\ndevice = "CPU"\nthreads = 1\n')
     done = agent_cli("install", str(int8_bundle), "--config", str(config))
     assert done.returncode == 0, done.stdout + done.stderr
     running = start_agent(config)
@@ -128,7 +129,7 @@ def test_intel_fp32_keeps_fp32_arithmetic_where_the_cpu_would_pick_bf16(
     )
     model_dir, manifest = open_bundle(result.bundles["intel"])
     assert manifest.target_options["inference_precision"] == "f32"
-    runner = OpenVinoRunner(model_dir, manifest, RuntimeOptions(device="CPU"))
+    runner = OpenVinoRunner(model_dir, manifest, OpenVinoOptions(device="CPU"))
     try:
         assert str(runner.compiled.get_property("INFERENCE_PRECISION_HINT")) in ("f32", "<Type: 'float32'>")
         x = sample_inputs(8, seed=5) * 3.0
@@ -221,9 +222,9 @@ def test_intel_for_an_absent_gpu_validates_on_the_cpu_plugin_and_the_runtime_ref
     assert manifest.validation.passed and "openvino CPU plugin (same IR)" in manifest.validation.measured_on
     assert any("op placement queried for CPU: GPU is not on this host" in n for n in manifest.validation.notes)
     with pytest.raises(IncompatibleError, match="OpenVINO device 'GPU' is not available here"):
-        OpenVinoRunner(model_dir, manifest, RuntimeOptions())
+        OpenVinoRunner(model_dir, manifest, OpenVinoOptions())
     # The agent's config picks the device: the same bundle runs on this host's CPU when told so.
-    runner = OpenVinoRunner(model_dir, manifest, RuntimeOptions(device="CPU"))
+    runner = OpenVinoRunner(model_dir, manifest, OpenVinoOptions(device="CPU"))
     try:
         x = sample_inputs(4, seed=9) * 3.0
         np.testing.assert_allclose(runner.run({"input": x})["probs"], _ort(classifier, x), atol=2e-3)

@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from device_agents.runtimes import RuntimeOptions, load_model
+from device_agents.runtimes import load_model
+from device_agents.runtimes.options import TensorRtOptions
 from device_agents.runtimes.tensorrt import EngineCache, EngineKey, workspace_bound_mb
+from edgekit.bundle.codec import from_data
 from edgekit.bundle.manifest import Tolerance
 from edgekit.compress.qdq_structure import QdqStructureError, check_tensorrt_qdq
 from edgekit.compress.trt_calibration_table import format_table, parse_table, scales_from_ranges, trt_version_number
@@ -347,13 +349,15 @@ def test_engine_cache_builds_once_then_hits_and_rebuilds_when_the_key_changes(tm
 
 def test_workspace_is_bounded_by_agent_setting_bundle_and_memory_budget(jetson_bundle) -> None:
     _, packaged, _ = jetson_bundle
-    assert workspace_bound_mb(RuntimeOptions(), packaged) == 1024  # JetsonOptions.workspace_mb, from the bundle
+    assert workspace_bound_mb(TensorRtOptions(), packaged) == 1024  # JetsonOptions.workspace_mb, from the bundle
     manifest = packaged.with_updates(target_options=packaged.target_options | {"workspace_mb": 512})
-    assert workspace_bound_mb(RuntimeOptions(), manifest) == 512
-    assert workspace_bound_mb(RuntimeOptions(workspace_mb=2048), manifest) == 2048
-    assert workspace_bound_mb(RuntimeOptions(workspace_mb=2048, extra={"memory_budget_mb": "300"}), manifest) == 300
-    with pytest.raises(ConfigError, match="memory_budget_mb: 'lots'"):
-        workspace_bound_mb(RuntimeOptions(extra={"memory_budget_mb": "lots"}), manifest)
+    assert workspace_bound_mb(TensorRtOptions(), manifest) == 512
+    assert workspace_bound_mb(TensorRtOptions(workspace_mb=2048), manifest) == 2048
+    assert workspace_bound_mb(TensorRtOptions(workspace_mb=2048, memory_budget_mb=300), manifest) == 300
+    with pytest.raises(
+        ConfigError, match=r"agent\.runtimes\.tensorrt\.memory_budget_mb: expected an integer, got 'lots'"
+    ):
+        from_data(TensorRtOptions, {"memory_budget_mb": "lots"}, "agent.runtimes.tensorrt", ConfigError)
 
 
 # -- edgekit.package end to end ---------------------------------------------------------------------
@@ -392,11 +396,11 @@ def test_tensorrt_runtime_without_sdk_names_the_extra_or_the_missing_fallback_pr
     with pytest.raises(MissingSDKError, match=r"tensorrt is not installed.*pip install 'edgekit\[tensorrt\]'"):
         load_model(extracted, manifest)
     with pytest.raises(IncompatibleError, match="needs ONNX Runtime's TensorrtExecutionProvider"):
-        load_model(extracted, manifest, RuntimeOptions(extra={"fallback": "ort-trt"}))
+        load_model(extracted, manifest, TensorRtOptions(fallback="ort-trt"))
     with pytest.raises(IncompatibleError, match="CUDAExecutionProvider"):
-        load_model(extracted, manifest, RuntimeOptions(extra={"fallback": "ort-cuda"}))
-    with pytest.raises(ConfigError, match="fallback: 'ort-cpu' is not one of ort-trt, ort-cuda"):
-        load_model(extracted, manifest, RuntimeOptions(extra={"fallback": "ort-cpu"}))
+        load_model(extracted, manifest, TensorRtOptions(fallback="ort-cuda"))
+    with pytest.raises(ConfigError, match="fallback: 'ort-cpu' is not one of '', 'ort-trt', 'ort-cuda'"):
+        from_data(TensorRtOptions, {"fallback": "ort-cpu"}, "agent.runtimes.tensorrt", ConfigError)
 
 
 # -- on a GPU ----------------------------------------------------------------------------------------
@@ -406,7 +410,7 @@ def test_tensorrt_runtime_without_sdk_names_the_extra_or_the_missing_fallback_pr
 @pytest.mark.skipif(not _gpu_ready(), reason="needs the tensorrt package and a CUDA GPU (none here)")
 def test_tensorrt_builds_caches_and_runs_the_engine_close_to_fp32(jetson_bundle, tmp_path: Path) -> None:
     _, manifest, extracted = jetson_bundle
-    options = RuntimeOptions(cache_dir=tmp_path / "engines", workspace_mb=256)
+    options = TensorRtOptions(cache_dir=tmp_path / "engines", workspace_mb=256)
     golden = np.load(extracted / "golden.npz")
     first = load_model(extracted, manifest, options)
     try:
