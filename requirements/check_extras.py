@@ -34,16 +34,17 @@ def problems(dist_name: str, extras: list[str]) -> list[str]:
         for req in reqs:
             if req.marker is None or not req.marker.evaluate({"extra": extra}):
                 continue
+            wanted = f"{req.name}{req.specifier}"
             if canonicalize_name(req.name) == own:
                 todo.extend(req.extras)
                 continue
             try:
                 version = metadata.version(req.name)
             except metadata.PackageNotFoundError:
-                found.append(f"edgekit[{extra}] requires {req}, which is not installed")
+                found.append(f"edgekit[{extra}] requires {wanted}, which is not installed")
                 continue
             if req.specifier and not req.specifier.contains(version, prereleases=True):
-                found.append(f"edgekit[{extra}] requires {req}, but {req.name} {version} is installed")
+                found.append(f"edgekit[{extra}] requires {wanted}, but {req.name} {version} is installed")
     return sorted(set(found))
 
 
