@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from device_agents.config import AgentConfig, load_config
+from device_agents.platforms import systemd
 from device_agents.store import Store, atomic_write, flock
 from edgekit.bundle.errors import EdgekitError, StoreError
 
@@ -105,11 +106,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             config.listen_host, config.listen_port, manager, max_request_bytes=config.server.max_request_bytes
         )
         updater: Any = None
+        notifier: systemd.SystemdNotifier | None = None
         try:
             atomic_write(config.store / DAEMON_INFO, json.dumps({"pid": os.getpid(), "url": server.url}).encode())
             threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
             served = ", ".join(f"{n} v{v}" for n, v in manager.models().items()) or "no models"
             log.info("listening on %s; serving %s", server.url, served)
+            notifier = systemd.announce_serving(server.url, f"serving {served} on {server.url}")  # READY=1, watchdog
             if config.updates is not None:
                 updater = _update_client(config, manager)
                 updater.start()
@@ -123,6 +126,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 pass
             log.info("stopping")
         finally:
+            if notifier is not None:
+                notifier.stopping()
             if updater is not None:
                 updater.stop()
             server.shutdown()

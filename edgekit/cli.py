@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     from edgekit.fleet import commands as fleet_commands  # lazy: pulls in the MQTT client only for `edgekit`
 
     fleet_commands.register(sub)
+    from edgekit import doctor  # `edgekit doctor`: this machine's device class, SDKs, buildable targets, runtimes
+
+    doctor.register(sub)
     return parser
 
 

@@ -1,4 +1,9 @@
-"""LiteRT runner: the ``coral`` target's runtime (``ai-edge-litert`` interpreter).
+"""LiteRT runner: the ``coral`` target's runtime (``ai-edge-litert``, or ``tflite_runtime`` where only it exists).
+
+The interpreter comes from ``ai_edge_litert.interpreter``; where that is not installed (older
+Coral / Mendel images, 32-bit Arm) from ``tflite_runtime.interpreter``, which has the same
+``Interpreter`` and ``load_delegate`` (so the Edge TPU delegate loads the same way).
+``INTERPRETER_PACKAGE`` names the one in use.
 
 A bundle compiled for the Edge TPU (``Compatibility.accelerator == "edgetpu"``) runs only through
 the Edge TPU delegate (``libedgetpu.so.1``); without it the runner refuses to load rather than
@@ -19,10 +24,16 @@ from edgekit.bundle.errors import BundleError, IncompatibleError, MissingSDKErro
 from edgekit.bundle.manifest import Manifest
 
 try:
-    import ai_edge_litert
+    import ai_edge_litert as _package
     from ai_edge_litert.interpreter import Interpreter, load_delegate
-except ImportError as exc:  # pragma: no cover - exercised only without the SDK
-    raise MissingSDKError("ai-edge-litert", "litert", "the litert runtime") from exc
+except ImportError as exc:
+    try:
+        import tflite_runtime as _package  # the same API, from the older distribution
+        from tflite_runtime.interpreter import Interpreter, load_delegate
+    except ImportError:
+        raise MissingSDKError("ai-edge-litert (or tflite-runtime)", "agent-coral", "the litert runtime") from exc
+
+INTERPRETER_PACKAGE: str = _package.__name__  # "ai_edge_litert" or "tflite_runtime"
 
 EDGETPU_LIBRARY = "libedgetpu.so.1"
 SIGNATURE_KEY = "serving_default"
@@ -71,7 +82,8 @@ class LiteRtRunner:
     def describe(self) -> dict[str, Any]:
         return {
             "runtime": "litert",
-            "version": getattr(ai_edge_litert, "__version__", "unknown"),
+            "interpreter": INTERPRETER_PACKAGE,
+            "version": getattr(_package, "__version__", "unknown"),
             "delegate": "edgetpu" if self.accelerator == "edgetpu" else "xnnpack (cpu)",
         }
 
