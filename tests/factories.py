@@ -106,6 +106,103 @@ def tiny_dense(
     return _save(graph, path, opset)
 
 
+def tiny_yolo(path: Path, *, size: int = 64, classes: int = 3, seed: int = 0) -> Path:
+    """A YOLOv8-style detector exported by torch with dynamic batch, height and width: Conv-BN-SiLU,
+    C2f blocks (Split + Concat), SPPF (three MaxPools), and a three-level Detect head whose anchors
+    come from the feature maps' run-time H/W (Shape -> Gather -> Range chains) and whose boxes go
+    through a DFL (Reshape, Transpose, Softmax, 1x1 Conv) before Split/Concat. Output
+    ``output0`` [batch, 4 + classes, anchors]: boxes in pixels, then class probabilities."""
+    import torch
+    from torch import nn
+
+    class Conv(nn.Module):
+        def __init__(self, c1: int, c2: int, k: int = 1, s: int = 1) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(c1, c2, k, s, k // 2, bias=False)
+            self.bn = nn.BatchNorm2d(c2)
+            self.act = nn.SiLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(self.bn(self.conv(x)))  # type: ignore[no-any-return]  # a tensor
+
+    class C2f(nn.Module):
+        def __init__(self, c1: int, c2: int) -> None:
+            super().__init__()
+            self.c = c2 // 2
+            self.cv1, self.cv2 = Conv(c1, 2 * self.c), Conv(3 * self.c, c2)
+            self.m = nn.Sequential(Conv(self.c, self.c, 3), Conv(self.c, self.c, 3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a, b = self.cv1(x).split((self.c, self.c), 1)
+            return self.cv2(torch.cat((a, b, b + self.m(b)), 1))  # type: ignore[no-any-return]  # a tensor
+
+    class SPPF(nn.Module):
+        def __init__(self, c1: int, c2: int) -> None:
+            super().__init__()
+            self.cv1, self.cv2, self.m = Conv(c1, c1 // 2), Conv(c1 * 2, c2), nn.MaxPool2d(5, 1, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = [self.cv1(x)]
+            y.extend(self.m(y[-1]) for _ in range(3))
+            return self.cv2(torch.cat(y, 1))  # type: ignore[no-any-return]  # a tensor
+
+    class Detect(nn.Module):
+        def __init__(self, nc: int, ch: tuple[int, ...], reg: int = 8) -> None:
+            super().__init__()
+            self.nc, self.reg, self.no = nc, reg, nc + 4 * reg
+            self.box = nn.ModuleList(nn.Sequential(Conv(c, 16, 3), nn.Conv2d(16, 4 * reg, 1)) for c in ch)
+            self.cls = nn.ModuleList(nn.Sequential(Conv(c, 16, 3), nn.Conv2d(16, nc, 1)) for c in ch)
+            self.dfl = nn.Conv2d(reg, 1, 1, bias=False).requires_grad_(False)
+            self.dfl.weight.data[:] = torch.arange(reg, dtype=torch.float32).view(1, reg, 1, 1)
+
+        def forward(self, feats: list[torch.Tensor]) -> torch.Tensor:
+            maps = [torch.cat((self.box[i](x), self.cls[i](x)), 1) for i, x in enumerate(feats)]
+            anchors, strides = [], []
+            for x, stride in zip(maps, (8.0, 16.0, 32.0), strict=True):
+                h, w = x.shape[2], x.shape[3]
+                gy, gx = torch.meshgrid(torch.arange(h) + 0.5, torch.arange(w) + 0.5, indexing="ij")
+                anchors.append(torch.stack((gx, gy), -1).view(-1, 2))
+                strides.append(torch.full((h * w, 1), stride))
+            anchor, scale = torch.cat(anchors).T.unsqueeze(0), torch.cat(strides).T
+            b = maps[0].shape[0]
+            box, cls = torch.cat([x.view(b, self.no, -1) for x in maps], 2).split((4 * self.reg, self.nc), 1)
+            dist = self.dfl(box.view(b, 4, self.reg, -1).transpose(2, 1).softmax(1)).view(b, 4, -1)
+            lt, rb = dist.chunk(2, 1)
+            x1y1, x2y2 = anchor - lt, anchor + rb
+            return torch.cat((torch.cat(((x1y1 + x2y2) / 2, x2y2 - x1y1), 1) * scale, cls.sigmoid()), 1)
+
+    class Detector(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p3 = nn.Sequential(Conv(3, 8, 3, 2), Conv(8, 16, 3, 2), C2f(16, 16), Conv(16, 16, 3, 2))
+            self.p4 = nn.Sequential(Conv(16, 32, 3, 2), C2f(32, 32))
+            self.p5 = nn.Sequential(Conv(32, 32, 3, 2), C2f(32, 32), SPPF(32, 32))
+            self.head = Detect(classes, (16, 32, 32))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            p3 = self.p3(x)
+            p4 = self.p4(p3)
+            return self.head([p3, p4, self.p5(p4)])  # type: ignore[no-any-return]  # a tensor
+
+    torch.manual_seed(seed)
+    model = Detector().eval()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dynamic = {"images": {0: "batch", 2: "height", 3: "width"}, "output0": {0: "batch", 2: "anchors"}}
+    with torch.no_grad():
+        torch.onnx.export(
+            model,
+            (torch.zeros(1, 3, size, size),),
+            str(path),
+            input_names=["images"],
+            output_names=["output0"],
+            dynamic_axes=dynamic,
+            opset_version=17,
+            dynamo=False,  # the TorchScript exporter, as Ultralytics uses: Shape->Gather->Range chains for H/W
+        )
+    return path
+
+
 def _save(graph: object, path: Path, opset: int) -> Path:
     import onnx
     from onnx import helper

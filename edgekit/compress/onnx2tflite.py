@@ -1,16 +1,20 @@
-"""ONNX -> full-integer INT8 TFLite, offline: onnx2tf makes a SavedModel, TFLiteConverter quantizes
-it with a representative dataset made from the user's calibration data.
+"""ONNX -> full-integer TFLite, offline: onnx2tf makes a SavedModel, TFLiteConverter quantizes
+it with a representative dataset made from the user's calibration data, with int8 activations
+(what the Edge TPU runs) or int16 activations and int8 weights ("16x8", LiteRT's CPU kernels only).
 
 What onnx2tf needs, and what this module does about it (see FIELD_NOTES "Converting"):
-- static shapes: inputs are fixed to the given shapes before conversion;
-- node names that are valid TensorFlow scope names: invalid characters are replaced
-  (onnxslim, for one, names nodes ``Softmax@0``);
+- a frozen graph: inputs fixed to the static shapes, constants folded and the graph simplified
+  with onnxslim, node names made valid TensorFlow scope names (``edgekit.compress.freeze``);
+  without that onnx2tf fails on dynamic-H/W graphs such as YOLOv8 in a Shape->Slice chain;
 - no download: for 4-D 3-channel inputs onnx2tf fetches sample images unless
   ``calibration_image_sample_data_20x128x128x3_float32.npy`` is in its working directory, so it
   runs in a scratch directory holding that file, made from the calibration data;
 - it converts NCHW to NHWC and renames tensors: the artifact's tensors are matched back to the
   served ones (inputs are renamed ``input_<i>`` first, outputs come out as ``output_<i>`` in the
   ONNX output order), and the layout of each is checked numerically against ONNX Runtime.
+
+``to_float`` does the slow part once (freeze, onnx2tf, float TFLite, tensor matching);
+``quantize`` makes one full-integer model from it per activation type, so candidates share it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from edgekit.compress.freeze import FrozenGraph, freeze_graph
 from edgekit.errors import MissingSDKError, ModelFormatError, UnsupportedOpError
 
 ONNX2TF_SAMPLE_FILE = "calibration_image_sample_data_20x128x128x3_float32.npy"
 SIGNATURE_KEY = "serving_default"
 # onnx2tf's float conversion must match ONNX Runtime this closely before we quantize it.
 MIN_FLOAT_COSINE = 0.999
-_INVALID_SCOPE_CHARS = re.compile(r"[^A-Za-z0-9_.\\/>-]")
 
 
 @dataclass(frozen=True)
@@ -48,11 +51,13 @@ class TensorLink:
 class TfliteModel:
     """A converted model: full-integer flatbuffer plus how its tensors map to the served ones."""
 
-    int8: bytes
+    quantized: bytes  # int8 weights; activations (and inputs/outputs) of type ``activations``
+    activations: str  # "int8" or "int16" (16x8)
     float32: bytes
     inputs: tuple[TensorLink, ...]
     outputs: tuple[TensorLink, ...]
     float_cosine: float  # worst output cosine, onnx2tf float conversion vs ONNX Runtime
+    frozen: FrozenGraph  # what freezing did before onnx2tf
 
 
 def import_tensorflow() -> Any:
@@ -87,53 +92,6 @@ def onnx2tf_ops() -> frozenset[str]:
         raise MissingSDKError("onnx2tf", "tflite", "the coral target")
     ops_dir = Path(next(iter(spec.submodule_search_locations))) / "ops"
     return frozenset(p.stem for p in ops_dir.glob("*.py") if p.stem[:1].isupper())
-
-
-def scope_name(name: str, index: int, taken: set[str]) -> str:
-    """A TensorFlow-valid, unique version of an ONNX node name."""
-    clean = _INVALID_SCOPE_CHARS.sub("_", name) or f"node_{index}"
-    if not (clean[0].isalnum() or clean[0] == "."):
-        clean = f"n{clean}"
-    candidate, n = clean, 1
-    while candidate in taken:
-        candidate, n = f"{clean}_{n}", n + 1
-    taken.add(candidate)
-    return candidate
-
-
-def prepare_for_onnx2tf(
-    src: Path, dst: Path, static_shapes: Mapping[str, tuple[int, ...]], input_names: Mapping[str, str]
-) -> None:
-    """Copy of ``src`` with inputs fixed to ``static_shapes`` and renamed, and TF-valid node names."""
-    import onnx
-
-    model = onnx.load(str(src))
-    graph = model.graph
-    for vi in graph.input:
-        shape = static_shapes.get(vi.name)
-        if shape is None:
-            continue
-        dims = vi.type.tensor_type.shape.dim
-        if len(dims) != len(shape):
-            raise ModelFormatError(f"input {vi.name!r}: static shape {list(shape)} has the wrong rank")
-        for dim, size in zip(dims, shape, strict=True):
-            dim.ClearField("dim_param")
-            dim.dim_value = int(size)
-    for vi in (*graph.output, *graph.value_info):  # re-inferred below from the fixed inputs
-        for dim in vi.type.tensor_type.shape.dim:
-            if dim.HasField("dim_param"):
-                dim.ClearField("dim_param")
-    rename = dict(input_names)
-    for vi in graph.input:
-        vi.name = rename.get(vi.name, vi.name)
-    for node in graph.node:
-        node.input[:] = [rename.get(i, i) for i in node.input]
-    taken: set[str] = set()
-    for i, node in enumerate(graph.node):
-        node.name = scope_name(node.name, i, taken)
-    del graph.value_info[:]
-    model = onnx.shape_inference.infer_shapes(model)
-    onnx.save(model, str(dst))
 
 
 @contextlib.contextmanager
@@ -177,22 +135,34 @@ def _tail(buffer: io.StringIO, lines: int = 5) -> str:
     return " | ".join(text[-lines:]) or "no message"
 
 
-def tflite_from_saved_model(saved_model: Path, representative: Any | None) -> bytes:
-    """Float32 TFLite, or full-integer INT8 (int8 inputs/outputs) when ``representative`` is given."""
+ACTIVATIONS = ("int8", "int16")
+
+
+def tflite_from_saved_model(saved_model: Path, representative: Any | None, activations: str = "int8") -> bytes:
+    """Float32 TFLite, or full-integer TFLite when ``representative`` is given: int8 weights and
+    ``activations`` (``int8``, or ``int16``: LiteRT's 16x8 mode) with inputs/outputs of that type."""
     tf = import_tensorflow()
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     converter = tf.lite.TFLiteConverter.from_saved_model(str(saved_model))
     if representative is not None:
         converter.optimizations = [tf.lite.Optimize.DEFAULT]
         converter.representative_dataset = representative
-        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-        converter.inference_input_type = tf.int8
-        converter.inference_output_type = tf.int8
+        if activations == "int16":
+            ops = tf.lite.OpsSet.EXPERIMENTAL_TFLITE_BUILTINS_ACTIVATIONS_INT16_WEIGHTS_INT8
+            io_type = tf.int16
+        else:
+            ops, io_type = tf.lite.OpsSet.TFLITE_BUILTINS_INT8, tf.int8
+        converter.target_spec.supported_ops = [ops]
+        converter.inference_input_type = io_type
+        converter.inference_output_type = io_type
     try:
         return bytes(converter.convert())
     except Exception as exc:  # TF raises ConverterError / RuntimeError / ValueError alike
         message = str(exc).strip().splitlines()
+        kind = "16x8 (int16 activations)" if activations == "int16" else "full-integer"
         raise UnsupportedOpError(
-            "TFLite full-integer conversion failed (an op has no int8 kernel, or the calibration data does "
+            f"TFLite {kind} conversion failed (an op has no {activations} kernel, or the calibration data does "
             f"not cover it): {message[-1] if message else type(exc).__name__}"
         ) from exc
 
@@ -287,6 +257,80 @@ def _apply(arr: np.ndarray, perm: tuple[int, ...] | None) -> np.ndarray:
     return np.ascontiguousarray(np.transpose(arr, perm) if perm else arr)
 
 
+@dataclass(frozen=True)
+class FloatConversion:
+    """onnx2tf's float conversion of a frozen graph, matched to the served tensors: what every
+    quantized candidate is made from."""
+
+    saved_model: Path
+    float32: bytes
+    inputs: tuple[TensorLink, ...]
+    outputs: tuple[TensorLink, ...]
+    float_cosine: float  # worst output cosine, float TFLite vs ONNX Runtime
+    frozen: FrozenGraph
+    batches: tuple[dict[str, np.ndarray], ...]  # calibration batches, served layout, static shapes
+
+    @property
+    def samples(self) -> int:
+        return sum(len(next(iter(b.values()))) for b in self.batches)
+
+
+def to_float(
+    model_path: Path,
+    work_dir: Path,
+    static_shapes: Mapping[str, tuple[int, ...]],
+    served_outputs: list[str],
+    calib: Mapping[str, np.ndarray],
+    max_samples: int,
+) -> FloatConversion:
+    """Freeze the ONNX model at ``model_path``, convert it with onnx2tf and check the float result."""
+    import onnxruntime as ort
+
+    batches = list(_static_batches(calib, static_shapes, max_samples))
+    if not batches:
+        raise ModelFormatError("the coral target needs calibration samples for its static input shapes")
+    renamed = {name: f"input_{i}" for i, name in enumerate(static_shapes)}
+    frozen = freeze_graph(
+        model_path,
+        work_dir / "for_onnx2tf.onnx",
+        static_shapes,
+        check=batches[0],
+        input_names=renamed,
+        tf_scope_names=True,
+    )
+    first_input = next(iter(static_shapes))
+    first = np.concatenate([b[first_input] for b in batches])
+    sample_images = _apply(first, channels_last(first.ndim)) if first.ndim == 4 else None
+    saved_model = onnx_to_saved_model(frozen.path, work_dir, sample_images)
+    float_model = tflite_from_saved_model(saved_model, None)
+    session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    reference = dict(zip(served_outputs, session.run(served_outputs, batches[0]), strict=True))
+    inputs, outputs, worst = link_tensors(float_model, static_shapes, served_outputs, renamed, batches[0], reference)
+    return FloatConversion(saved_model, float_model, inputs, outputs, worst, frozen, tuple(batches))
+
+
+def quantize(conversion: FloatConversion, activations: str = "int8") -> TfliteModel:
+    """Full-integer TFLite from ``conversion``: int8 weights, ``activations`` int8 or int16 (16x8)."""
+
+    def representative() -> Iterator[dict[str, np.ndarray]]:
+        for batch in conversion.batches:
+            yield {
+                link.artifact: _apply(batch[link.served].astype(np.float32), link.transpose)
+                for link in conversion.inputs
+            }
+
+    quantized = tflite_from_saved_model(conversion.saved_model, representative, activations)
+    return TfliteModel(
+        quantized=quantized,
+        activations=activations,
+        float32=conversion.float32,
+        inputs=conversion.inputs,
+        outputs=conversion.outputs,
+        float_cosine=conversion.float_cosine,
+        frozen=conversion.frozen,
+    )
+
+
 def convert(
     model_path: Path,
     work_dir: Path,
@@ -294,31 +338,10 @@ def convert(
     served_outputs: list[str],
     calib: Mapping[str, np.ndarray],
     max_samples: int,
+    activations: str = "int8",
 ) -> TfliteModel:
     """Full-integer TFLite for the ONNX model at ``model_path``, calibrated on ``calib`` (served layout)."""
-    import onnxruntime as ort
-
-    renamed = {name: f"input_{i}" for i, name in enumerate(static_shapes)}
-    prepared = work_dir / "for_onnx2tf.onnx"
-    prepare_for_onnx2tf(model_path, prepared, static_shapes, renamed)
-    batches = list(_static_batches(calib, static_shapes, max_samples))
-    if not batches:
-        raise ModelFormatError("the coral target needs calibration samples for its static input shapes")
-    first_input = next(iter(static_shapes))
-    first = np.concatenate([b[first_input] for b in batches])
-    sample_images = _apply(first, channels_last(first.ndim)) if first.ndim == 4 else None
-    saved_model = onnx_to_saved_model(prepared, work_dir, sample_images)
-    float_model = tflite_from_saved_model(saved_model, None)
-    session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
-    reference = dict(zip(served_outputs, session.run(served_outputs, batches[0]), strict=True))
-    inputs, outputs, worst = link_tensors(float_model, static_shapes, served_outputs, renamed, batches[0], reference)
-
-    def representative() -> Iterator[dict[str, np.ndarray]]:
-        for batch in batches:
-            yield {link.artifact: _apply(batch[link.served].astype(np.float32), link.transpose) for link in inputs}
-
-    int8 = tflite_from_saved_model(saved_model, representative)
-    return TfliteModel(int8=int8, float32=float_model, inputs=inputs, outputs=outputs, float_cosine=worst)
+    return quantize(to_float(model_path, work_dir, static_shapes, served_outputs, calib, max_samples), activations)
 
 
 def _static_batches(

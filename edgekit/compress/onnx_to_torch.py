@@ -1,8 +1,8 @@
 """ONNX -> PyTorch (onnx2torch), for converters that start from a torch graph (Core ML).
 
 FIELD_NOTES: onnx2torch failed on a real graph until constants were folded and the input shapes
-fixed with onnxslim, so ``fold_for_torch`` runs first. ``unconvertible_nodes`` asks onnx2torch's
-own converter registry which nodes it cannot take.
+fixed with onnxslim, so the graph is frozen first (``edgekit.compress.freeze.freeze_graph``).
+``unconvertible_nodes`` asks onnx2torch's own converter registry which nodes it cannot take.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +18,6 @@ from edgekit.targets.op_support import UnsupportedNode
 
 # onnx2torch converters that call torchvision kernels.
 _TORCHVISION_OPS = frozenset({"NonMaxSuppression", "RoiAlign"})
-
-
-def fold_for_torch(model_path: Path, static_shapes: Mapping[str, tuple[int, ...]], out_path: Path) -> Path:
-    """Fix the input shapes and fold constants with onnxslim; write the result to ``out_path``."""
-    import onnx
-
-    try:
-        import onnxslim
-    except ImportError as exc:
-        raise MissingSDKError("onnxslim", "host", "folding the model before onnx2torch") from exc
-    shapes = [f"{name}:{','.join(str(d) for d in shape)}" for name, shape in static_shapes.items()]
-    model = onnxslim.slim(onnx.load(str(model_path)), input_shapes=shapes or None)
-    onnx.save(model, str(out_path))
-    return out_path
 
 
 def import_onnx2torch() -> tuple[Any, bool]:
@@ -113,4 +98,4 @@ def onnx_to_torch(model_path: Path) -> Any:
     return onnx2torch.convert(str(model_path)).eval()
 
 
-__all__ = ["fold_for_torch", "import_onnx2torch", "onnx_to_torch", "unconvertible_nodes"]
+__all__ = ["import_onnx2torch", "onnx_to_torch", "unconvertible_nodes"]

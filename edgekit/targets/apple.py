@@ -1,6 +1,7 @@
 """``apple`` target: a Core ML ML Program (``.mlpackage``) for Apple Silicon / iOS.
 
-Path: ONNX -> onnxslim (constants folded, input shapes fixed) -> PyTorch (onnx2torch) ->
+Path: ONNX -> frozen graph (input shapes fixed, constants folded, onnxslim; ``edgekit.compress.freeze``)
+-> PyTorch (onnx2torch) ->
 ``torch.jit.trace`` -> ``coremltools.convert(convert_to="mlprogram")``, then weight compression:
 
 - ``fp32`` / ``fp16``: compute precision of the ML Program (I/O stay float32);
@@ -101,17 +102,23 @@ class AppleTarget:
     def build(self, ctx: BuildContext) -> BuildResult:
         ct = _sdk("coremltools", "the apple target")
         torch = _sdk("torch", "the apple target")
+        from edgekit.compress.freeze import freeze_graph
         from edgekit.compress.mlpackage_weights import load_into_torch, load_program, package_weights
-        from edgekit.compress.onnx_to_torch import fold_for_torch, onnx_to_torch
+        from edgekit.compress.onnx_to_torch import onnx_to_torch
 
         opts: AppleOptions = ctx.options
         if ctx.precision in _PALETTE_BITS and opts.palettize_mode == "kmeans":
             _sdk("sklearn", "k-means palettization")  # coremltools imports it lazily: fail before converting
         inputs = [_static(spec, ctx.static_shapes) for spec in ctx.served.inputs]
-        ctx.progress("[apple] onnxslim -> onnx2torch -> torch.jit.trace")
+        ctx.progress("[apple] freeze (onnxslim) -> onnx2torch -> torch.jit.trace")
         shapes = {s.name: tuple(int(d) for d in s.shape) for s in inputs}
-        folded = fold_for_torch(ctx.model_path, shapes, ctx.work_dir / "folded.onnx")
-        module = onnx_to_torch(folded)
+        frozen = freeze_graph(
+            ctx.model_path,
+            ctx.work_dir / "folded.onnx",
+            shapes,
+            check=_check_batch(ctx.calib, inputs),
+        )
+        module = onnx_to_torch(frozen.path)
         example = tuple(torch.zeros(s.shape, dtype=_torch_dtype(torch, s.dtype)) for s in inputs)
         with torch.no_grad():
             traced = torch.jit.trace(module, example, check_trace=False)
@@ -146,6 +153,7 @@ class AppleTarget:
         files = {p.relative_to(ctx.out_dir).as_posix(): "artifact" for p in sorted(package.rglob("*")) if p.is_file()}
         worst = report.min_compressed_cosine
         notes = [
+            *(f"frozen: {step}" for step in frozen.steps),
             summary,
             f"intermediate: {len(report.compressed_loaded)} compressed and {len(report.plain_loaded)} plain weights "
             "read back from the saved package" + (f" (worst cosine to the fp32 weight {worst:.4f})" if worst else ""),
@@ -365,6 +373,18 @@ def _static(spec: TensorSpec, shapes: Mapping[str, tuple[int, ...]]) -> TensorSp
     if any(not isinstance(d, int) for d in shape):
         raise ConfigError(f"--input-shape {spec.name}=...: Core ML needs a static shape for {list(spec.shape)}")
     return dataclasses.replace(spec, shape=shape)
+
+
+def _check_batch(calib: Mapping[str, np.ndarray], inputs: list[TensorSpec]) -> dict[str, np.ndarray] | None:
+    """One static-shape batch of calibration samples to check the frozen graph on, if they fit."""
+    batch: dict[str, np.ndarray] = {}
+    for spec in inputs:
+        arr = calib.get(spec.name)
+        n = int(spec.shape[0]) if spec.shape else 1
+        if arr is None or len(arr) < n or tuple(arr.shape[1:]) != tuple(spec.shape[1:]):
+            return None
+        batch[spec.name] = np.ascontiguousarray(arr[:n].astype(np.dtype(spec.dtype)))
+    return batch
 
 
 def _torch_dtype(torch: Any, dtype: str) -> Any:

@@ -1,6 +1,15 @@
 """``coral`` target: full-integer INT8 ``.tflite`` for LiteRT, compiled for the Edge TPU when
 ``edgetpu_compiler`` is on PATH.
 
+Before onnx2tf the graph is frozen (static input shapes, constants folded and simplified by
+onnxslim, TF-valid node names: ``edgekit.compress.freeze``), so dynamic-shape graphs such as
+YOLOv8 convert; the steps are recorded in the notes.
+
+``activations="int16"`` (``--option coral.activations=int16``) builds LiteRT's 16x8 mode instead:
+int16 activations and inputs/outputs, int8 weights. The Edge TPU runs int8 only, so a 16x8 model is
+never compiled for it (``edgetpu=true`` is refused) and runs on LiteRT's CPU kernels; the manifest
+notes and op placement say so.
+
 Inputs and outputs are int8; their scale and zero point go into the manifest (artifact
 signature) and the agent quantizes / dequantizes for clients that send floats, and transposes
 NCHW <-> NHWC (``TensorMapping.transpose``). Shapes are static (``ctx.static_shapes``).
@@ -58,10 +67,20 @@ class CoralOptions:
     edgetpu: bool | Literal["auto"] = "auto"
     calibration_samples: int = 300  # at most this many calibration samples feed the representative dataset
     edgetpu_compiler: str = EDGETPU_COMPILER  # command name or path
+    # int8: full-integer INT8 (Edge TPU or CPU); int16: 16x8 (int16 activations, int8 weights), CPU only
+    activations: Literal["int8", "int16"] = "int8"
 
     def __post_init__(self) -> None:
         if self.edgetpu not in (True, False, "auto"):
             raise ConfigError(f"targets.coral.edgetpu: {self.edgetpu!r} is not one of true, false, auto")
+        if self.activations not in ("int8", "int16"):
+            raise ConfigError(f"targets.coral.activations: {self.activations!r} is not one of int8, int16")
+        if self.activations == "int16" and self.edgetpu is True:
+            raise ConfigError(
+                "targets.coral.activations=int16: the Edge TPU runs int8 activations only, so a 16x8 model "
+                "cannot be compiled for it; set targets.coral.edgetpu to auto or false (LiteRT CPU), or "
+                "targets.coral.activations=int8"
+            )
         if self.calibration_samples < 1:
             raise ConfigError(f"targets.coral.calibration_samples: must be >= 1, got {self.calibration_samples}")
 
@@ -100,8 +119,9 @@ class CoralTarget:
         if missing:
             raise ConfigError(f"--input-shape: the coral target needs a static shape for input {missing[0]!r}")
         static = {s.name: tuple(ctx.static_shapes[s.name]) for s in ctx.served.inputs}
-        ctx.progress("[coral] onnx2tf -> SavedModel -> full-integer TFLite")
-        converted = onnx2tflite.convert(
+        kind = "16x8 (int16 activations)" if opts.activations == "int16" else "full-integer"
+        ctx.progress(f"[coral] freeze (onnxslim) -> onnx2tf -> SavedModel -> {kind} TFLite")
+        conversion = onnx2tflite.to_float(
             ctx.model_path,
             ctx.work_dir,
             static,
@@ -109,57 +129,8 @@ class CoralTarget:
             ctx.calib,
             opts.calibration_samples,
         )
-        artifact_sig = _artifact_signature(converted, ctx.served)
-        mapping = tuple(
-            TensorMapping(link.served, link.artifact, link.transpose)
-            for link in (*converted.inputs, *converted.outputs)
-        )
-        samples = min(opts.calibration_samples, min(len(a) for a in ctx.calib.values()))
-        precision = Precision(
-            "int8",
-            "int8",
-            f"onnx2tf -> TFLiteConverter full-integer PTQ, per-channel weights, {samples} calibration samples",
-        )
-        notes = [f"onnx2tf float conversion vs ONNX Runtime: cosine {converted.float_cosine:.5f}"]
-        common: dict[str, Any] = {
-            "artifact_signature": artifact_sig,
-            "mapping": mapping,
-            "precision": precision,
-            "target_options": asdict(opts),
-            "static": True,
-        }
-        if compiler is None:
-            (ctx.out_dir / ARTIFACT).write_bytes(converted.int8)
-            reason = "edgetpu=false" if opts.edgetpu is False else f"{opts.edgetpu_compiler} is not on PATH"
-            notes.append(f"not compiled for the Edge TPU ({reason}): the runtime uses the CPU (XNNPACK)")
-            return BuildResult(
-                files={ARTIFACT: "artifact"},
-                compatibility=Compatibility(runtime="litert", runtime_version=_litert_version()),
-                runnable_here=True,
-                op_placement=interpreter_placement(converted.int8),
-                notes=tuple(notes),
-                **common,
-            )
-        ctx.progress(f"[coral] {compiler} (Edge TPU)")
-        (ctx.work_dir / ARTIFACT).write_bytes(converted.int8)
-        version, log_text = compile_for_edgetpu(compiler, ctx.work_dir / ARTIFACT, ctx.out_dir)
-        (ctx.out_dir / COMPILER_LOG).write_text(log_text)
-        notes.append(f"compiled for the Edge TPU by edgetpu_compiler {version}; validated on the uncompiled int8 model")
-        return BuildResult(
-            files={COMPILED: "artifact", COMPILER_LOG: "report"},
-            compatibility=Compatibility(
-                runtime="litert",
-                runtime_version=_litert_version(),
-                accelerator="edgetpu",
-                hardware={"edgetpu_compiler": version},
-            ),
-            runnable_here=False,
-            op_placement=edgetpu_placement(log_text, COMPILER_LOG),
-            notes=tuple(notes),
-            intermediate=served_runner(converted.int8, artifact_sig, mapping, ctx.served),
-            intermediate_name="uncompiled int8 .tflite on the LiteRT CPU interpreter",
-            **common,
-        )
+        quantized = onnx2tflite.quantize(conversion, opts.activations)
+        return package_tflite(ctx, quantized, opts, compiler, conversion.samples)
 
     def _compiler(self, opts: CoralOptions) -> str | None:
         found = shutil.which(opts.edgetpu_compiler)
@@ -170,6 +141,81 @@ class CoralTarget:
                 "targets.coral.edgetpu to auto or false to build for the CPU"
             )
         return found if opts.edgetpu is not False else None
+
+
+def package_tflite(
+    ctx: BuildContext, converted: TfliteModel, opts: CoralOptions, compiler: str | None, samples: int
+) -> BuildResult:
+    """Write ``converted`` into ``ctx.out_dir`` (compiled for the Edge TPU when ``compiler`` is given
+    and the activations are int8) and describe it: one candidate's artifact, as the engine builds it."""
+    artifact_sig = _artifact_signature(converted, ctx.served)
+    mapping = tuple(
+        TensorMapping(link.served, link.artifact, link.transpose) for link in (*converted.inputs, *converted.outputs)
+    )
+    if converted.activations == "int16":
+        precision = Precision(
+            "int8",
+            "int16",
+            f"onnx2tf -> TFLiteConverter 16x8 PTQ (int16 activations, int8 per-channel weights), "
+            f"{samples} calibration samples",
+        )
+    else:
+        precision = Precision(
+            "int8",
+            "int8",
+            f"onnx2tf -> TFLiteConverter full-integer PTQ, per-channel weights, {samples} calibration samples",
+        )
+    notes = [
+        *(f"frozen: {step}" for step in converted.frozen.steps),
+        f"onnx2tf float conversion vs ONNX Runtime: cosine {converted.float_cosine:.5f}",
+    ]
+    common: dict[str, Any] = {
+        "artifact_signature": artifact_sig,
+        "mapping": mapping,
+        "precision": precision,
+        "target_options": asdict(opts),
+        "static": True,
+    }
+    if converted.activations == "int16" and compiler is not None:
+        notes.append("16x8 (int16 activations): the Edge TPU runs int8 only, so it is not compiled for it")
+        compiler = None
+    if compiler is None:
+        (ctx.out_dir / ARTIFACT).write_bytes(converted.quantized)
+        if converted.activations == "int16":
+            notes.append(
+                "16x8 (int16 activations, int8 weights): runs on LiteRT's CPU kernels; the Edge TPU runs int8 only"
+            )
+        else:
+            reason = "edgetpu=false" if opts.edgetpu is False else f"{opts.edgetpu_compiler} is not on PATH"
+            notes.append(f"not compiled for the Edge TPU ({reason}): the runtime uses the CPU (XNNPACK)")
+        return BuildResult(
+            files={ARTIFACT: "artifact"},
+            compatibility=Compatibility(runtime="litert", runtime_version=_litert_version()),
+            runnable_here=True,
+            op_placement=interpreter_placement(converted.quantized, converted.activations),
+            notes=tuple(notes),
+            **common,
+        )
+    ctx.progress(f"[coral] {compiler} (Edge TPU)")
+    (ctx.work_dir / ARTIFACT).write_bytes(converted.quantized)
+    version, log_text = compile_for_edgetpu(compiler, ctx.work_dir / ARTIFACT, ctx.out_dir)
+    (ctx.out_dir / COMPILER_LOG).write_text(log_text)
+    notes.append(f"compiled for the Edge TPU by edgetpu_compiler {version}; validated on the uncompiled int8 model")
+    return BuildResult(
+        files={COMPILED: "artifact", COMPILER_LOG: "report"},
+        compatibility=Compatibility(
+            runtime="litert",
+            runtime_version=_litert_version(),
+            accelerator="edgetpu",
+            hardware={"edgetpu_compiler": version},
+        ),
+        runnable_here=False,
+        op_placement=edgetpu_placement(log_text, COMPILER_LOG),
+        notes=tuple(notes),
+        intermediate=served_runner(converted.quantized, artifact_sig, mapping, ctx.served),
+        intermediate_name="uncompiled int8 .tflite on the LiteRT CPU interpreter",
+        **common,
+    )
 
 
 def _litert_version() -> str:
@@ -183,7 +229,7 @@ def _litert_version() -> str:
 def _artifact_signature(converted: TfliteModel, served: Signature) -> Signature:
     from edgekit.compress.onnx2tflite import signature_details
 
-    in_details, out_details = signature_details(converted.int8)
+    in_details, out_details = signature_details(converted.quantized)
 
     def spec(name: str, d: Mapping[str, Any], layout: str | None) -> TensorSpec:
         scale, zero_point = d["quantization"]
@@ -239,15 +285,16 @@ def served_runner(
     return run
 
 
-def interpreter_placement(model: bytes) -> OpPlacement:
+def interpreter_placement(model: bytes, activations: str = "int8") -> OpPlacement:
     """The LiteRT interpreter's own op list (not compiled for the Edge TPU: every op on the CPU)."""
     from ai_edge_litert.interpreter import Interpreter
 
     interpreter = Interpreter(model_content=model)
     ops = interpreter._get_ops_details()  # the interpreter's only op listing (private API)
     entries = tuple(OpPlacementEntry(op=str(o["op_name"]), node=f"op{o['index']}", device="CPU") for o in ops)
+    why = "16x8: the Edge TPU runs int8 only" if activations == "int16" else "not compiled for the Edge TPU"
     return OpPlacement(
-        tool="litert interpreter op list (not compiled for the Edge TPU)",
+        tool=f"litert interpreter op list ({why})",
         accelerated=0,
         fallback=len(entries),
         entries=entries,

@@ -126,14 +126,15 @@ def test_apple_int8_weights_are_stored_as_int8_and_shrink_the_weight_file(build)
 def test_apple_palettize4_stores_16_entry_luts_and_the_intermediate_computes_with_them(build, prepared) -> None:
     import torch
 
+    from edgekit.compress.freeze import freeze_graph
     from edgekit.compress.mlpackage_weights import load_into_torch, load_program, package_weights
-    from edgekit.compress.onnx_to_torch import fold_for_torch, onnx_to_torch
+    from edgekit.compress.onnx_to_torch import onnx_to_torch
 
     ctx, result = build("palettize4")
     _, program = load_program(ctx.out_dir / "model.mlpackage")
     compressed = [w for w in package_weights(program) if w.compressed]
     assert {(w.op_type, w.compression) for w in compressed} == {("constexpr_lut_to_dense", "palettized-4bit")}
-    module = onnx_to_torch(fold_for_torch(prepared.path, {"input": (1, 3, 16, 16)}, ctx.work_dir / "again.onnx"))
+    module = onnx_to_torch(freeze_graph(prepared.path, ctx.work_dir / "again.onnx", {"input": (1, 3, 16, 16)}).path)
     _, uncompressed = load_program(ctx.work_dir / "uncompressed.mlpackage")
     report = load_into_torch(module, package_weights(program), package_weights(uncompressed))
     assert len(report.compressed_loaded) == 3
@@ -206,10 +207,11 @@ def test_apple_refuses_to_label_uncompressed_weights_as_int8(prepared, tmp_path:
 
 
 def test_loading_package_weights_refuses_a_compressed_weight_with_no_torch_tensor(prepared, tmp_path: Path) -> None:
+    from edgekit.compress.freeze import freeze_graph
     from edgekit.compress.mlpackage_weights import PackageWeight, load_into_torch
-    from edgekit.compress.onnx_to_torch import fold_for_torch, onnx_to_torch
+    from edgekit.compress.onnx_to_torch import onnx_to_torch
 
-    module = onnx_to_torch(fold_for_torch(prepared.path, {"input": (1, 3, 16, 16)}, tmp_path / "f.onnx"))
+    module = onnx_to_torch(freeze_graph(prepared.path, tmp_path / "f.onnx", {"input": (1, 3, 16, 16)}).path)
     conv1 = module.conv1.weight.detach().numpy()
     lut = "constexpr_lut_to_dense"
 
@@ -341,9 +343,10 @@ def _se_classifier(path: Path) -> Path:
 def test_apple_intermediate_takes_a_compressed_weight_coremltools_fused_a_scale_into(
     precision: str, tmp_path: Path
 ) -> None:
+    from edgekit.compress.freeze import freeze_graph
     from edgekit.compress.mlpackage_weights import load_into_torch, load_program, package_weights
     from edgekit.compress.onnx_prep import prepare_model
-    from edgekit.compress.onnx_to_torch import fold_for_torch, onnx_to_torch
+    from edgekit.compress.onnx_to_torch import onnx_to_torch
 
     prepared = prepare_model(_se_classifier(tmp_path / "se.onnx"), tmp_path / "prepared")
     ctx = _ctx(prepared, tmp_path, precision)
@@ -355,7 +358,7 @@ def test_apple_intermediate_takes_a_compressed_weight_coremltools_fused_a_scale_
     assert not fused.base_name.startswith("w_se2")  # renamed by the fusion: only its value can place it
     assert f"1 with a scale coremltools fused in divided out ({fused.name})" in " ".join(result.notes)
     # loaded into torch, the SE conv holds the package's compressed weight with the 0.2 divided out
-    module = onnx_to_torch(fold_for_torch(prepared.path, {"input": (1, 3, 16, 16)}, tmp_path / "again.onnx"))
+    module = onnx_to_torch(freeze_graph(prepared.path, tmp_path / "again.onnx", {"input": (1, 3, 16, 16)}).path)
     _, uncompressed = load_program(ctx.work_dir / "uncompressed.mlpackage")
     report = load_into_torch(module, package_weights(program), package_weights(uncompressed))
     assert report.by_value == report.rescaled == (fused.name,)

@@ -1,7 +1,8 @@
 """The ``coral`` target (onnx2tf -> full-integer INT8 TFLite) and the ``litert`` device runtime.
 
 Two conversions for the whole module (TensorFlow is slow to load): a classifier and a dense model
-with an NCHW map output, both packaged with every network connection refused. Their bundles are
+with an NCHW map output, both packaged with every network connection refused. Marked ``slow``: a
+YOLOv8-style detector exported with dynamic H/W (frozen before onnx2tf), and the 16x8 build. Their bundles are
 checked against ONNX Runtime FP32 through the runtime the agent uses; the classifier is served by
 a real agent over the v2 API. The Edge TPU compile path needs ``edgetpu_compiler`` and an Edge
 TPU: marked ``requires_edgetpu``.
@@ -25,14 +26,14 @@ from device_agents.runtimes import load_model
 from device_agents.runtimes.litert import LiteRtRunner
 from device_agents.runtimes.options import LiteRtOptions, RuntimesConfig
 from edgekit.bundle.manifest import Compatibility, Manifest
-from edgekit.compress.onnx2tflite import scope_name
+from edgekit.compress.freeze import scope_name
 from edgekit.errors import ConfigError, IncompatibleError
 from edgekit.packager import PackageResult
 from edgekit.targets.base import BuildContext
 from edgekit.targets.coral import CoralOptions, CoralTarget, edgetpu_placement
 from edgekit.targets.op_support import TargetOpError
 from tests.agent.conftest import RunningAgent, agent_cli, start_agent, write_config
-from tests.factories import sample_inputs, tiny_classifier, tiny_dense
+from tests.factories import sample_inputs, tiny_classifier, tiny_dense, tiny_yolo
 from tests.targets.conftest import no_network
 
 HAS_EDGETPU = shutil.which("edgetpu_compiler") is not None and ctypes.util.find_library("edgetpu") is not None
@@ -287,3 +288,124 @@ def test_coral_compiles_for_the_edgetpu_and_runs_on_it(
     finally:
         served.close()
     assert np.mean(got.argmax(1) == _ort(classifier, {"input": x})[0].argmax(1)) >= 0.95
+
+
+# -- frozen graphs (static shapes, onnxslim folding) and 16x8 ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def yolo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_yolo(tmp_path_factory.mktemp("coral-yolo") / "yolo.onnx")
+
+
+def test_freeze_graph_folds_the_shape_chains_of_a_dynamic_hw_detector(yolo: Path, tmp_path: Path) -> None:
+    import re
+
+    from edgekit.compress.freeze import freeze_graph
+
+    source = onnx.load(str(yolo))
+    assert {"Shape", "Range"} <= {n.op_type for n in source.graph.node}  # anchors computed from run-time H/W
+    x = sample_inputs(1, size=64, seed=5)
+    frozen = freeze_graph(
+        yolo,
+        tmp_path / "frozen.onnx",
+        {"images": (1, 3, 64, 64)},
+        check={"images": x},
+        input_names={"images": "in0"},
+        tf_scope_names=True,
+    )
+    model = onnx.load(str(frozen.path))
+    ops = {n.op_type for n in model.graph.node}
+    assert frozen.shape_ops_left == 0 and not ops & {"Shape", "Range", "ConstantOfShape", "Gather"}
+    assert {"Split", "Softmax", "MaxPool", "Concat"} <= ops  # C2f, DFL, SPPF survive as computation
+    assert frozen.nodes_after < frozen.nodes_before == len(source.graph.node)
+    assert all(re.fullmatch(r"[A-Za-z0-9.][A-Za-z0-9_.\\/>-]*", n.name) for n in model.graph.node)
+    assert [i.name for i in model.graph.input] == ["in0"]
+    dims = [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim]
+    assert dims == [1, 7, 84]  # 4 box + 3 class rows, 8*8 + 4*4 + 2*2 anchors
+    assert frozen.min_cosine is not None and frozen.min_cosine > 0.9999
+    assert frozen.steps[0] == "static input shapes images=1x3x64x64"
+    assert frozen.steps[1].startswith(f"onnxslim constant folding and simplification: {frozen.nodes_before} -> ")
+    want = _ort(yolo, {"images": x})[0]
+    got = _ort(frozen.path, {"in0": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
+def test_freeze_graph_refuses_a_static_shape_of_the_wrong_rank(yolo: Path, tmp_path: Path) -> None:
+    from edgekit.compress.freeze import freeze_graph
+    from edgekit.errors import ModelFormatError
+
+    with pytest.raises(ModelFormatError, match=r"input 'images': static shape \[1, 64, 64\] has rank 3, not 4"):
+        freeze_graph(yolo, tmp_path / "f.onnx", {"images": (1, 64, 64)})
+
+
+@pytest.mark.slow
+def test_coral_packages_a_dynamic_hw_yolo_style_detector_that_passes_its_gate(
+    yolo: Path, keypair: tuple[Path, Path], open_bundle: Callable[[Path], tuple[Path, Manifest]]
+) -> None:
+    # Without freezing, onnx2tf 1.28.8 fails on this graph in a Shape->Slice chain (FIELD_NOTES).
+    calib = {"images": sample_inputs(40, size=64, seed=8)}
+    with no_network():
+        result = edgekit.package(
+            yolo, targets=["coral"], precision="int8", calib=calib, key=keypair[0], out_dir=yolo.parent
+        )
+    model_dir, manifest = open_bundle(result.bundles["coral"])
+    validation = manifest.validation
+    assert validation.kind == "dense" and validation.passed and validation.cosine is not None
+    assert validation.cosine > 0.98
+    notes = validation.notes
+    assert "frozen: static input shapes images=1x3x64x64" in notes  # from the calibration data's H/W
+    assert any(n.startswith("frozen: onnxslim constant folding and simplification: ") for n in notes)
+    assert manifest.signature.inputs[0].shape == (1, 3, 64, 64)
+    assert manifest.artifact_signature.inputs[0].shape == (1, 64, 64, 3)
+    served = load_model(model_dir, manifest, RuntimeOptions(threads=1))
+    try:
+        x = sample_inputs(1, size=64, seed=31)
+        got = served.infer({"images": x})["output0"]
+    finally:
+        served.close()
+    want = _ort(yolo, {"images": x})[0]
+    assert got.shape == want.shape == (1, 7, 84) and _cosines(got, want)[0] > 0.98
+
+
+@pytest.mark.slow
+def test_coral_16x8_keeps_int16_activations_on_the_cpu_and_says_the_edgetpu_cannot_run_it(
+    classifier: Path,
+    keypair: tuple[Path, Path],
+    open_bundle: Callable[[Path], tuple[Path, Manifest]],
+    tmp_path: Path,
+    packaged: tuple[PackageResult, list[object]],
+) -> None:
+    with no_network():
+        result = edgekit.package(
+            classifier, targets=["coral"], precision="int8", calib={"input": CALIB}, key=keypair[0], out_dir=tmp_path,
+            options={"coral": {"activations": "int16"}},
+        )  # fmt: skip
+    _, manifest = open_bundle(result.bundles["coral"])
+    assert manifest.precision.label == "w8a16" and manifest.precision.activations == "int16"
+    assert "16x8" in manifest.precision.method and manifest.validation.passed
+    (art_in,), (art_out,) = manifest.artifact_signature.inputs, manifest.artifact_signature.outputs
+    assert art_in.dtype == art_out.dtype == "int16" and art_in.quant is not None and art_in.quant.zero_point == 0
+    assert manifest.compatibility.accelerator is None
+    assert any("the Edge TPU runs int8 only" in n for n in manifest.validation.notes)
+    assert manifest.op_placement is not None and "16x8: the Edge TPU runs int8 only" in manifest.op_placement.tool
+    x = sample_inputs(20, seed=11) * 3.0
+    want = _ort(classifier, {"input": x})[0]
+
+    def served(bundle: Path) -> np.ndarray:
+        directory, m = open_bundle(bundle)
+        runner = load_model(directory, m, RuntimeOptions(threads=1))
+        try:
+            return np.concatenate([runner.infer({"input": x[i : i + 1]})["probs"] for i in range(len(x))])
+        finally:
+            runner.close()
+
+    got16, got8 = served(result.bundles["coral"]), served(packaged[0].bundles["coral"])
+    assert np.mean(got16.argmax(1) == want.argmax(1)) == 1.0
+    # int16 activations are closer to FP32 than the int8 build of the same model
+    assert np.mean(_cosines(got16, want)) > max(0.995, float(np.mean(_cosines(got8, want))))
+
+
+def test_coral_refuses_16x8_for_the_edgetpu() -> None:
+    with pytest.raises(ConfigError, match=r"coral\.activations=int16: the Edge TPU runs int8 activations only"):
+        CoralOptions(activations="int16", edgetpu=True)

@@ -1,0 +1,179 @@
+"""Freeze an ONNX graph for converters that need static shapes: fix the input shapes, fold
+constants and simplify the graph (onnxslim), give every node a TensorFlow-valid scope name, and
+check the result numerically against the graph it came from.
+
+Why (FIELD_NOTES "Converting", "Found on a fresh machine"): onnx2tf failed on a YOLOv8 graph
+exported with dynamic H/W (``slice index 3 of dimension 0 out of bounds`` in a Shape->Slice chain)
+and onnx2torch failed on a real classifier until its shapes were fixed and constants folded;
+Ultralytics' own TFLite path fixes shapes and simplifies first. With static inputs, onnxslim folds
+the Shape->Gather->Range chains that compute anchors and reshape targets into constants, so the
+converters see a plain static graph. onnxslim names some nodes ``Softmax@0``, which TensorFlow
+refuses as scope names, hence the renaming after it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgekit.errors import MissingSDKError, ModelFormatError
+
+# The frozen graph computes the same function: anything below this is an onnxslim bug, not rounding.
+MIN_FROZEN_COSINE = 0.9999
+_INVALID_SCOPE_CHARS = re.compile(r"[^A-Za-z0-9_.\\/>-]")
+_SHAPE_OPS = frozenset({"Shape", "Size", "ConstantOfShape", "Range", "NonZero"})
+
+
+@dataclass(frozen=True)
+class FrozenGraph:
+    """A frozen copy of a model and what freezing did (``steps`` go into the manifest provenance)."""
+
+    path: Path
+    static_shapes: dict[str, tuple[int, ...]]
+    nodes_before: int
+    nodes_after: int
+    shape_ops_left: int  # Shape/Range/... nodes still computing shapes at run time after folding
+    renamed_nodes: int  # node names changed to valid TensorFlow scope names
+    min_cosine: float | None  # worst output cosine, frozen vs source graph on the check sample
+
+    @property
+    def steps(self) -> tuple[str, ...]:
+        shapes = ", ".join(f"{n}={'x'.join(map(str, s))}" for n, s in self.static_shapes.items())
+        out = [
+            f"static input shapes {shapes}",
+            f"onnxslim constant folding and simplification: {self.nodes_before} -> {self.nodes_after} nodes"
+            + (f", {self.shape_ops_left} shape op(s) left" if self.shape_ops_left else ""),
+        ]
+        if self.renamed_nodes:
+            out.append(f"{self.renamed_nodes} node name(s) made valid TensorFlow scope names")
+        if self.min_cosine is not None:
+            out.append(f"frozen graph vs source on a calibration sample: worst output cosine {self.min_cosine:.6f}")
+        return tuple(out)
+
+
+def scope_name(name: str, index: int, taken: set[str]) -> str:
+    """A TensorFlow-valid, unique version of an ONNX node name."""
+    clean = _INVALID_SCOPE_CHARS.sub("_", name) or f"node_{index}"
+    if not (clean[0].isalnum() or clean[0] == "."):
+        clean = f"n{clean}"
+    candidate, n = clean, 1
+    while candidate in taken:
+        candidate, n = f"{clean}_{n}", n + 1
+    taken.add(candidate)
+    return candidate
+
+
+def freeze_graph(
+    src: Path,
+    dst: Path,
+    static_shapes: Mapping[str, tuple[int, ...]],
+    *,
+    check: Mapping[str, np.ndarray] | None = None,
+    input_names: Mapping[str, str] | None = None,
+    tf_scope_names: bool = False,
+) -> FrozenGraph:
+    """Write to ``dst`` a copy of ``src`` with inputs fixed to ``static_shapes``, constants folded,
+    node names made valid TensorFlow scope names (``tf_scope_names``) and inputs renamed per
+    ``input_names`` (served -> new name).
+
+    ``check``: one input batch of the static shapes; the frozen graph's outputs on it must match
+    the source graph's (``MIN_FROZEN_COSINE``), else ``ModelFormatError``.
+    """
+    import onnx
+
+    try:
+        import onnxslim
+    except ImportError as exc:
+        raise MissingSDKError("onnxslim", "host", "freezing the graph before conversion") from exc
+    model = onnx.load(str(src))
+    before = len(model.graph.node)
+    _fix_inputs(model, static_shapes)
+    shapes = [f"{name}:{','.join(str(d) for d in shape)}" for name, shape in static_shapes.items()]
+    try:
+        model = onnxslim.slim(model, input_shapes=shapes or None)
+    except Exception as exc:  # onnxslim raises whatever its passes raise; it is a named conversion step
+        raise ModelFormatError(f"onnxslim {onnxslim.__version__} could not simplify the model: {exc}") from exc
+    if model is None:  # onnxslim returns None when it gives up (it logs why)
+        raise ModelFormatError(f"onnxslim {onnxslim.__version__} could not simplify the model (see its log)")
+    graph = model.graph
+    taken: set[str] = set()
+    renamed = 0
+    for i, node in enumerate(graph.node if tf_scope_names else ()):
+        new = scope_name(node.name, i, taken)
+        renamed += new != node.name
+        node.name = new
+    rename = dict(input_names or {})
+    if rename:
+        for vi in graph.input:
+            vi.name = rename.get(vi.name, vi.name)
+        for node in graph.node:
+            node.input[:] = [rename.get(i, i) for i in node.input]
+    model = onnx.shape_inference.infer_shapes(model)
+    onnx.save(model, str(dst))
+    cosine = None
+    if check is not None:
+        cosine = _compare(src, dst, check, rename)
+        if cosine < MIN_FROZEN_COSINE:
+            raise ModelFormatError(
+                f"the frozen graph (static shapes, onnxslim {onnxslim.__version__}) differs from the model "
+                f"(worst output cosine {cosine:.5f} < {MIN_FROZEN_COSINE}); report the model to onnxslim"
+            )
+    return FrozenGraph(
+        path=dst,
+        static_shapes={k: tuple(int(d) for d in v) for k, v in static_shapes.items()},
+        nodes_before=before,
+        nodes_after=len(graph.node),
+        shape_ops_left=sum(1 for n in graph.node if n.op_type in _SHAPE_OPS),
+        renamed_nodes=renamed,
+        min_cosine=cosine,
+    )
+
+
+def _fix_inputs(model: Any, static_shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Inputs get the static dims; every other declared dynamic dim is dropped (re-inferred)."""
+    graph = model.graph
+    for vi in graph.input:
+        shape = static_shapes.get(vi.name)
+        if shape is None:
+            continue
+        dims = vi.type.tensor_type.shape.dim
+        if len(dims) != len(shape):
+            raise ModelFormatError(
+                f"input {vi.name!r}: static shape {list(shape)} has rank {len(shape)}, not {len(dims)}"
+            )
+        for dim, size in zip(dims, shape, strict=True):
+            dim.ClearField("dim_param")
+            dim.dim_value = int(size)
+    for vi in (*graph.output, *graph.value_info):
+        for dim in vi.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param"):
+                dim.ClearField("dim_param")
+    del graph.value_info[:]
+
+
+def _compare(src: Path, dst: Path, feed: Mapping[str, np.ndarray], rename: Mapping[str, str]) -> float:
+    import onnxruntime as ort
+
+    def run(path: Path, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        return list(session.run(None, dict(inputs)))
+
+    want = run(src, feed)
+    got = run(dst, {rename.get(k, k): v for k, v in feed.items()})
+    return min((_cosine(a, b) for a, b in zip(want, got, strict=True)), default=1.0)
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a64, b64 = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    if a64.shape != b64.shape:
+        return 0.0
+    denom = float(np.linalg.norm(a64) * np.linalg.norm(b64))
+    return float(a64 @ b64 / denom) if denom > 0 else float(np.array_equal(a64, b64))
+
+
+__all__ = ["MIN_FROZEN_COSINE", "FrozenGraph", "freeze_graph", "scope_name"]
