@@ -358,7 +358,7 @@ def test_coral_packages_a_dynamic_hw_yolo_style_detector_that_passes_its_gate(
     assert any(n.startswith("frozen: onnxslim constant folding and simplification: ") for n in notes)
     assert manifest.signature.inputs[0].shape == (1, 3, 64, 64)
     assert manifest.artifact_signature.inputs[0].shape == (1, 64, 64, 3)
-    served = load_model(model_dir, manifest, RuntimeOptions(threads=1))
+    served = load_model(model_dir, manifest, LiteRtOptions(threads=1))
     try:
         x = sample_inputs(1, size=64, seed=31)
         got = served.infer({"images": x})["output0"]
@@ -394,7 +394,7 @@ def test_coral_16x8_keeps_int16_activations_on_the_cpu_and_says_the_edgetpu_cann
 
     def served(bundle: Path) -> np.ndarray:
         directory, m = open_bundle(bundle)
-        runner = load_model(directory, m, RuntimeOptions(threads=1))
+        runner = load_model(directory, m, LiteRtOptions(threads=1))
         try:
             return np.concatenate([runner.infer({"input": x[i : i + 1]})["probs"] for i in range(len(x))])
         finally:
