@@ -98,7 +98,8 @@ def test_intel_int8_bundle_runs_in_the_openvino_runtime_like_fp32(
 def agent(
     tmp_path_factory: pytest.TempPathFactory, keypair: tuple[Path, Path], int8_bundle: Path
 ) -> Iterator[RunningAgent]:
-    config = write_config(tmp_path_factory.mktemp("intel-agent"), keypair[1], '[runtimes.openvino]\ndevice = "CPU"\nthreads = 1\n')
+    runtimes = '[runtimes.openvino]\ndevice = "CPU"\nthreads = 1\n'
+    config = write_config(tmp_path_factory.mktemp("intel-agent"), keypair[1], runtimes)
     done = agent_cli("install", str(int8_bundle), "--config", str(config))
     assert done.returncode == 0, done.stdout + done.stderr
     running = start_agent(config)
