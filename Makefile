@@ -36,9 +36,13 @@ $(VENV)/.installed: $(LOCK) pyproject.toml | $(BIN)/python
 
 setup: $(VENV)/.installed
 
+# mosquitto: the OTA tests' broker; lintian: tests/packaging/test_deb.py checks the .deb with it
 system-deps:
-	@if ! command -v mosquitto >/dev/null && [ ! -x /usr/sbin/mosquitto ]; then \
-		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq mosquitto; \
+	@missing=""; \
+	command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || missing="$$missing mosquitto"; \
+	command -v lintian >/dev/null || missing="$$missing lintian"; \
+	if [ -n "$$missing" ]; then \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$missing; \
 	fi
 
 demo: setup

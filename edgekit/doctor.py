@@ -413,6 +413,21 @@ def config_problems(path: Path, runnable: dict[str, Check]) -> tuple[str | None,
             if check is None or not check.ok:
                 why = check.detail if check else "unknown runtime"
                 problems.append(f"model {name} v{ms.active.version} needs runtime {runtime}: {why}")
+    # runtime options that name hardware this machine lacks
+    ort = config.runtimes.onnxruntime
+    if ort.providers and runnable.get("onnxruntime", Check("", False, "")).ok:
+        available = set(_ort_providers())
+        missing = [p for p in ort.providers if p not in available]
+        if missing:
+            problems.append(
+                f"runtimes.onnxruntime.providers names {', '.join(missing)}, not available here "
+                f"(available: {', '.join(sorted(available))})"
+            )
+    device = config.runtimes.openvino.device
+    if device and not device.startswith(("AUTO", "MULTI", "HETERO")) and installed("openvino"):
+        devices = _openvino_devices()
+        if device not in devices:
+            problems.append(f"runtimes.openvino.device is {device!r}; OpenVINO here has {', '.join(devices)}")
     mqtt = None if config.updates is None else _mqtt(config.updates.broker_host, config.updates.broker_port)
     return mqtt, tuple(problems)
 

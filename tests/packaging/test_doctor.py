@@ -182,6 +182,14 @@ def test_doctor_exits_nonzero_only_for_a_config_that_cannot_run_here(
     key = config.parent / "keys" / "trusted.pub"
     assert json.loads(done.stdout)["config_problems"] == [f"trusted key {key} does not exist or is not readable"]
 
+    (config.parent / "keys" / "trusted.pub").write_bytes(keypair[1].read_bytes())
+    npu = write_config(tmp_path / "npu", keypair[1], '[runtimes.openvino]\ndevice = "NPU"\n')
+    done = doctor("--config", str(npu))
+    if "NPU" in done.stdout.split("openvino   ", 1)[1].splitlines()[0] or "openvino   not installed" in done.stdout:
+        pytest.skip("OpenVINO is absent or this machine has an NPU")
+    assert done.returncode == 1
+    assert done.stdout.splitlines()[-1].startswith("  - runtimes.openvino.device is 'NPU'; OpenVINO here has ")
+
     bad = tmp_path / "bad.toml"
     bad.write_text('store = "s"\ntrusted_keys = ["k.pub"]\nlisten = 8500\n')
     done = doctor("--config", str(bad))

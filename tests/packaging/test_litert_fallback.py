@@ -23,14 +23,14 @@ import dataclasses, json, sys
 from pathlib import Path
 import numpy as np
 from device_agents.runtimes import litert
-from device_agents.runtimes.base import RuntimeOptions
+from device_agents.runtimes.options import LiteRtOptions
 from edgekit.bundle.manifest import Manifest
 
 golden, model = Path(sys.argv[1]), Path(sys.argv[2])
 m = Manifest.from_json(golden.read_bytes())
 files = tuple(dataclasses.replace(f, path=model.name) if f.role == "artifact" else f for f in m.files)
 m = dataclasses.replace(m, files=files, compatibility=dataclasses.replace(m.compatibility, accelerator=None))
-runner = litert.LiteRtRunner(model.parent, m, RuntimeOptions(threads=1))
+runner = litert.LiteRtRunner(model.parent, m, LiteRtOptions(threads=1))
 y = runner.run({"x": np.array([[1.0, -2.0, 3.0, 0.5]], np.float32)})["y"]
 print(json.dumps({"package": litert.INTERPRETER_PACKAGE, "describe": runner.describe(), "y": y.tolist()}))
 """
