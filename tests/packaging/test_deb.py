@@ -135,6 +135,11 @@ def installed_deb(deb: Path) -> Iterator[Path]:
             _dpkg("--purge", "edgekit-agent")
 
 
+def as_edgekit_cmd(user: pwd.struct_passwd) -> list[str]:
+    """Run as the user like systemd's User=: setpriv execs (no child process), with the user's groups."""
+    return ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--init-groups", "--"]
+
+
 def _exec_start(unit_text: str) -> tuple[list[str], str]:
     unit = configparser.ConfigParser(strict=False, interpolation=None)
     unit.optionxform = str  # type: ignore[assignment, method-assign]  # systemd keys are case-sensitive
@@ -162,14 +167,14 @@ def test_deb_installs_runs_its_exec_start_as_edgekit_keeps_state_and_purges(
     Path("/etc/edgekit/keys/release.pub").write_bytes(keypair[1].read_bytes())
     config = Path("/etc/edgekit/agent.toml")
     config.write_text(config.read_text().replace('listen = "127.0.0.1:8500"', 'listen = "127.0.0.1:0"'))
+    clean_env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}  # what systemd gives a service
     shared = Path(tempfile.mkdtemp(prefix="edgekit-deb-"))  # readable by the edgekit user
     try:
         shared.chmod(0o755)
         bundle = shared / "tiny-1.ekb"
         shutil.copyfile(bundles.v1, bundle)
         bundle.chmod(0o644)
-        as_edgekit = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--init-groups", "--"]
-        clean_env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+        as_edgekit = as_edgekit_cmd(user)
         install = ["/usr/bin/edgekit-agent", "install", str(bundle), "--config", str(config)]
         done = _run(*as_edgekit, *install, env=clean_env)
         assert done.returncode == 0, done.stdout + done.stderr
@@ -201,6 +206,13 @@ def test_deb_installs_runs_its_exec_start_as_edgekit_keeps_state_and_purges(
     finally:
         shutil.rmtree(shared, ignore_errors=True)
     assert all(p.stat().st_uid == user.pw_uid for p in store.rglob("*"))
+    # the package's `edgekit doctor` runs in the lean environment: it can run this config, build nothing
+    done = _run(*as_edgekit_cmd(user), "/usr/bin/edgekit", "doctor", "--config", str(config), env=clean_env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1] == f"config     {config}: can run here"
+    assert [line.split()[:2] for line in lines if line.startswith("  ok  onnxruntime ")] == [["ok", "onnxruntime"]]
+    assert "  no  cpu     missing onnx, onnxslim" in lines
 
     # reinstall (an upgrade's scripts): the edited config and the store are kept
     assert _dpkg("-i", str(installed_deb)).returncode == 0

@@ -29,7 +29,9 @@ from edgekit.bundle.manifest import Manifest
 golden, model = Path(sys.argv[1]), Path(sys.argv[2])
 m = Manifest.from_json(golden.read_bytes())
 files = tuple(dataclasses.replace(f, path=model.name) if f.role == "artifact" else f for f in m.files)
-m = dataclasses.replace(m, files=files, compatibility=dataclasses.replace(m.compatibility, accelerator=None))
+m = dataclasses.replace(
+    m, files=files, split=None, compatibility=dataclasses.replace(m.compatibility, accelerator=None)
+)
 runner = litert.LiteRtRunner(model.parent, m, LiteRtOptions(threads=1))
 y = runner.run({"x": np.array([[1.0, -2.0, 3.0, 0.5]], np.float32)})["y"]
 print(json.dumps({"package": litert.INTERPRETER_PACKAGE, "describe": runner.describe(), "y": y.tolist()}))

@@ -107,3 +107,29 @@ def test_agent_run_notifies_ready_once_serving_then_watchdog_then_stopping(
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_agent_run_with_no_model_installed_notifies_ready_at_once(
+    tmp_path: Path, keypair: tuple[Path, Path], notify_listener: NotifyListener
+) -> None:
+    config = write_config(tmp_path / "agent", keypair[1])
+    env = {**os.environ, "NOTIFY_SOCKET": str(notify_listener.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "device_agents.cli", "run", "--config", str(config)],
+        env=env,
+        stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        ready = notify_listener.wait_for("READY", "1")
+        url = json.loads((config.parent / "store" / "daemon.json").read_text())["url"]
+        assert ready["STATUS"] == f"serving no models on {url}"
+        with urllib.request.urlopen(url + "/v2/health/ready", timeout=5) as resp:
+            assert resp.status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert not [m for m in notify_listener.messages if "WATCHDOG" in m]  # no WATCHDOG_USEC: no pings
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
