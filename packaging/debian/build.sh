@@ -9,7 +9,9 @@
 # one .deb per architecture and Python minor version, which Depends: on that python3.X.
 #
 # Environment: PYTHON (the interpreter the venv uses, default /usr/bin/python3), UV (default: on
-# PATH, else the one next to this repo's .venv python), DEB_GZIP_LEVEL (default 6; CI passes 1).
+# PATH, else the one next to this repo's .venv python), DEB_GZIP_LEVEL (default 6; CI passes 1),
+# DEB_ARCH (default: this machine's; amd64 or arm64 cross-builds from the other one: uv installs that
+# architecture's wheels; the device needs the same python3.X as PYTHON here).
 set -eu
 
 out=${1:?usage: packaging/debian/build.sh OUTDIR}
@@ -27,7 +29,15 @@ done
 version=$("$PYTHON" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' \
     "$root/pyproject.toml")
 pyname=$("$PYTHON" -c 'import sys; print("python%d.%d" % sys.version_info[:2])')
-arch=$(dpkg --print-architecture)
+arch=${DEB_ARCH:-$(dpkg --print-architecture)}
+platform=""
+if [ "$arch" != "$(dpkg --print-architecture)" ]; then
+    case "$arch" in
+        arm64) platform=aarch64-manylinux_2_28 ;;
+        amd64) platform=x86_64-manylinux_2_28 ;;
+        *) echo "build.sh: cannot cross-build for $arch (amd64 or arm64); build on such a machine" >&2; exit 1 ;;
+    esac
+fi
 
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
@@ -38,7 +48,7 @@ pkg="$stage/edgekit-agent"
 # a copy of the source tree (no build/ or egg-info left in the checkout; a clean build every time)
 mkdir "$stage/src"
 (cd "$root" && tar -cf - pyproject.toml README.md LICENSE edgekit device_agents) | tar -xf - -C "$stage/src"
-"$UV" pip install --quiet --link-mode=copy --python "$pkg/opt/edgekit/bin/python" \
+"$UV" pip install --quiet --link-mode=copy --python "$pkg/opt/edgekit/bin/python" ${platform:+--python-platform "$platform"} \
     --constraint "$root/requirements/lock.txt" "$stage/src[agent]"
 # The interpreter by its minor version (python3 may point elsewhere on the device); no console scripts
 # (uv's relocatable ones are sh/Python polyglots): /usr/bin/edgekit-agent and /usr/bin/edgekit run the

@@ -88,6 +88,26 @@ def test_deb_holds_the_one_unit_its_config_and_a_venv_without_host_sdks(deb: Pat
     assert unit.stdout == UNIT.read_text()  # one unit file: the package ships packaging/systemd's
 
 
+def test_deb_cross_builds_for_the_other_architecture(tmp_path: Path, deb: Path) -> None:
+    host = _run("dpkg", "--print-architecture").stdout.strip()
+    other = {"amd64": "arm64", "arm64": "amd64"}.get(host)
+    if other is None:
+        pytest.skip(f"cross-building is for amd64 <-> arm64; this machine is {host}")
+    env = {**os.environ, "UV": str(_uv()), "DEB_GZIP_LEVEL": "1", "DEB_ARCH": other}
+    done = _run("sh", str(BUILD), str(tmp_path), timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cross = Path(done.stdout.strip().splitlines()[-1])
+    assert _run("dpkg-deb", "--field", str(cross), "Architecture").stdout.strip() == other
+    machine = {"amd64": 0x3E, "arm64": 0xB7}[other]  # ELF e_machine: x86-64, AArch64
+    shared = [f for f in _contents(cross) if f.endswith(".so") and "/site-packages/" in f]
+    assert len(shared) > 10
+    with tempfile.TemporaryDirectory() as unpacked:
+        assert _run("dpkg-deb", "--extract", str(cross), unpacked).returncode == 0
+        for rel in shared:
+            header = (Path(unpacked) / rel).read_bytes()[:20]
+            assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == machine, rel
+
+
 def test_deb_has_no_lintian_errors(deb: Path) -> None:
     if shutil.which("lintian") is None:
         pytest.skip("lintian is not installed (apt-get install -y lintian)")
