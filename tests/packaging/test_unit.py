@@ -53,3 +53,13 @@ def test_unit_exposure_score_is_ok() -> None:
         pytest.skip(f"this systemd-analyze cannot score offline: {done.stderr.strip()[:200]}")
     print(f"\n{m.group(0)}")
     assert float(m.group(1)) < 3.0  # systemd calls < 4.0 "OK"; this unit is at 2.1
+
+
+def test_the_shipped_agent_config_is_the_current_version_and_uses_the_units_paths() -> None:
+    from device_agents.config import CONFIG_VERSION, load_config
+
+    config = load_config(UNIT.parents[1] / "agent.example.toml")
+    assert config.config_version == CONFIG_VERSION
+    assert config.store == Path(_service()["ReadWritePaths"])
+    assert config.trusted_keys == (UNIT.parents[1] / "keys" / "release.pub",)  # /etc/edgekit/keys/ when installed
+    assert config.listen_host == "127.0.0.1"
