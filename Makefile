@@ -19,7 +19,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 TORCH_FIND_LINKS ?= $(wildcard /opt/wheels)
 UV_FLAGS := --python $(BIN)/python $(if $(TORCH_FIND_LINKS),--find-links $(TORCH_FIND_LINKS))
 
-.PHONY: setup system-deps demo test test-fast lint bench lock clean
+.PHONY: setup system-deps demo test test-fast lint bench lock clean deb
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,10 @@ test: setup system-deps lint
 # the edit loop: everything but the conversions marked slow
 test-fast: setup system-deps
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# the device agent's Debian package into dist/ (packaging/debian/README.md; DEB_ARCH=arm64 cross-builds)
+deb: setup
+	UV=$(BIN)/uv sh packaging/debian/build.sh dist
 
 bench: setup
 	$(BIN)/python -m bench
