@@ -69,7 +69,8 @@ bench: setup
 # Refresh the lock after changing pyproject.toml: one universal resolution for CPython 3.10-3.12
 # (uv's --universal writes environment markers where versions differ by Python or platform).
 lock: | $(BIN)/python
-	$(BIN)/python -m pip install -q --disable-pip-version-check 'uv>=0.5'
+	$(BIN)/python -m pip install -q --disable-pip-version-check "$$(grep -E '^uv==' $(LOCK) | cut -d' ' -f1)"
+	cp $(LOCK) $(LOCK).new  # uv keeps the pins it finds in its output file unless they must move
 	$(BIN)/uv pip compile pyproject.toml --extra all --extra dev --universal --python-version 3.10 \
 		$(if $(TORCH_FIND_LINKS),--find-links $(TORCH_FIND_LINKS)) --no-header --quiet -o $(LOCK).new
 	( echo "# The exact versions the suite is tested with. Refresh: make lock (uv pip compile --universal, CPython 3.10-3.12)."; \
