@@ -74,14 +74,17 @@ def _publish_to_serving(ctx: BenchContext, name: str, work: Path, broker: Any, f
                                  out_dir=work / "bundles" / str(version))  # fmt: skip
         bundles.append(result.bundles["cpu"])
     size_mb = bundles[-1].stat().st_size / 2**20
+    from edgekit.bundle import generate_keypair
+
+    notice_key, notice_pub = generate_keypair(work / "fleet-keys", "fleet")
     updates = toml_table(
         "updates",
         {"broker": broker.url(), "fleet": FLEET, "device_id": "bench-agent", "health_window_s": 1.0,
-         "reconnect_max_s": 2.0},
+         "reconnect_max_s": 2.0, "notice_keys": [str(notice_pub)]},
     )  # fmt: skip
     options = PublishOptions(
         BrokerAddress(False, "127.0.0.1", broker.port), FLEET, files.base_url, (ctx.pub,),
-        devices=("bench-agent",), copy_to=files.dir,
+        devices=("bench-agent",), copy_to=files.dir, notice_key=notice_key,
     )  # fmt: skip
     sideload_s, publish_s = [], []
     with RunningAgent(work / "agent", [ctx.pub], extra_config=updates) as agent:
@@ -205,12 +208,16 @@ def _fleet(ctx: BenchContext, name: str, work: Path, broker: Any, files: Any, de
     # 50 clients x one line per reconnect attempt would bury the benchmark's own output
     logging.getLogger("edgekit.agent").setLevel(logging.ERROR)
     clients = []
+    from edgekit.bundle import generate_keypair
+
+    notice_key, notice_pub = generate_keypair(work / "fleet-keys", "fleet")
     for i in range(devices):
         root = work / "devices" / f"sim-{i:02d}"
         config = config_from_data(
             {"store": str(root), "trusted_keys": [str(ctx.pub)],
              "updates": {"broker": broker.url(), "fleet": FLEET, "device_id": f"sim-{i:02d}", "groups": ["sims"],
-                         "health_window_s": 0.5, "reconnect_max_s": RECONNECT_MAX_S}},
+                         "health_window_s": 0.5, "reconnect_max_s": RECONNECT_MAX_S,
+                         "notice_keys": [str(notice_pub)]}},
             base=root,
         )  # fmt: skip
         stand_in = cast("ModelManager", _StandInManager(root, ctx.pub))  # duck-typed: what UpdateClient uses
@@ -234,7 +241,7 @@ def _fleet(ctx: BenchContext, name: str, work: Path, broker: Any, files: Any, de
         wait_for(lambda: all(c.connections for c in clients) and len(baseline_times) >= devices, 60, "all connected")
         ctx.progress(f"{name}: {devices} update clients and {devices} plain paho clients connected")
         options = PublishOptions(BrokerAddress(False, "127.0.0.1", broker.port), FLEET, files.base_url, (ctx.pub,),
-                                 groups=("sims",), copy_to=files.dir)  # fmt: skip
+                                 groups=("sims",), copy_to=files.dir, notice_key=notice_key)  # fmt: skip
         t0 = time.perf_counter()
         publish(small, options)
         done: dict[int, float] = {}

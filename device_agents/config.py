@@ -28,10 +28,16 @@ directory of the config file. A format change bumps ``CONFIG_VERSION`` and adds 
     [selftest]
     timeout_s = 60
 
+    [[trusted]]                    # optional: a bundle key limited to model names
+    key = "keys/detectors.pub"
+    names = ["det-*"]
+
     [updates]                      # optional: pull updates over MQTT
     broker = "mqtts://broker.example:8883"
     fleet = "shop-floor"
     device_id = "cam-07"
+    notice_keys = ["keys/fleet.pub"]   # required: who signs the desired state
+    root_keys = ["keys/root.pub"]      # optional: who may add and revoke keys over MQTT
 
 A version 1 file (no ``config_version``) migrates: ``[runtime]`` spreads over the
 ``[runtimes.*]`` tables it applied to, ``max_request_mb`` moves to ``[server]``, and tables new in
@@ -113,6 +119,18 @@ class UpdatesConfig:
     reconnect_max_s: float = 60.0
     health_window_s: float = DEFAULT_HEALTH_WINDOW_S  # a switched-to version must run this long to count as healthy
     crash_loop_boots: int = DEFAULT_CRASH_LOOP_BOOTS  # starts within the health window before a rollback
+    # Fleet trust (device_agents.updates.trust): keys of the notice role (sign desired states) and of
+    # the root role (sign the keys document that adds and revokes keys; root_threshold of them).
+    notice_keys: tuple[Path, ...] = ()
+    root_keys: tuple[Path, ...] = ()
+    root_threshold: int = 1
+    clock_skew_s: float = 300.0  # a desired state issued further in the future than this is refused
+    # Downloads: given up (and retried later) after download_deadline_s in all, or when fewer than
+    # download_min_bytes_per_s arrive over any download_stall_s.
+    download_deadline_s: float = 1800.0
+    download_min_bytes_per_s: int = 1024
+    download_stall_s: float = 30.0
+    allow_http: bool = True  # plain http:// bundle URLs (the bundle is signed either way); https:// always
 
     def __post_init__(self) -> None:
         parse_broker(self.broker)
@@ -135,9 +153,22 @@ class UpdatesConfig:
             ("reconnect_max_s", self.reconnect_max_s),
             ("health_window_s", self.health_window_s),
             ("crash_loop_boots", self.crash_loop_boots),
+            ("download_deadline_s", self.download_deadline_s),
+            ("download_stall_s", self.download_stall_s),
+            ("root_threshold", self.root_threshold),
         ):
             if number <= 0:
                 raise ValueError(f"{label} must be > 0, got {number}")
+        if self.download_min_bytes_per_s < 0 or self.clock_skew_s < 0:
+            raise ValueError("download_min_bytes_per_s and clock_skew_s must be >= 0")
+        if not self.notice_keys:
+            raise ValueError(
+                "notice_keys is empty: list the public key that signs this fleet's desired state; make one with "
+                '`edgekit keygen --out keys --name fleet`, set notice_keys = ["keys/fleet.pub"] and publish with '
+                "`edgekit publish ... --notice-key keys/fleet.key`"
+            )
+        if self.root_keys and self.root_threshold > len(self.root_keys):
+            raise ValueError(f"root_threshold {self.root_threshold} is more than the {len(self.root_keys)} root_keys")
 
     @property
     def broker_tls(self) -> bool:
@@ -263,9 +294,21 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class TrustedKey:
+    """``[[trusted]]``: a bundle-signing key that may sign only models whose name matches ``names``."""
+
+    key: Path
+    names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.names or not all(self.names):
+            raise ValueError(f'names of {self.key} is empty: list name patterns such as "det-*"')
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     store: Path
-    trusted_keys: tuple[Path, ...]
+    trusted_keys: tuple[Path, ...] = ()  # may sign any model name
     config_version: int = CONFIG_VERSION
     listen: str = "127.0.0.1:8500"
     revoked_key_ids: tuple[str, ...] = ()
@@ -276,9 +319,10 @@ class AgentConfig:
     budgets: BudgetsConfig = field(default_factory=BudgetsConfig)
     selftest: SelfTestConfig = field(default_factory=SelfTestConfig)
     updates: UpdatesConfig | None = None
+    trusted: tuple[TrustedKey, ...] = ()  # keys limited to model name patterns
 
     def __post_init__(self) -> None:
-        if not self.trusted_keys:
+        if not self.trusted_keys and not self.trusted:
             raise ValueError("trusted_keys is empty: list the .pub file(s) whose bundles this device accepts")
         parse_listen(self.listen)
         if self.max_bundle_mb <= 0:

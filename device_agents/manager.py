@@ -40,6 +40,7 @@ from device_agents.runtimes import ServedModel, load_model
 from device_agents.selftest import REPORT_NAME, SelfTestReport, latency_verdict, run_selftest
 from device_agents.serving.metrics import AgentMetrics
 from device_agents.store import ModelState, Slot, Store, atomic_write
+from device_agents.updates.trust import bundle_trust
 from edgekit.bundle import TrustStore
 from edgekit.bundle.errors import ModelNotFoundError, SelfTestError, StoreError
 
@@ -101,7 +102,8 @@ class ModelManager:
     def __init__(self, config: AgentConfig, *, metrics: AgentMetrics | None = None) -> None:
         self.config = config
         self.store = Store(config.store)
-        self.trust = TrustStore.from_files(config.trusted_keys, config.revoked_key_ids)
+        # the config's keys, plus the fleet's keys document where one was accepted (updates.trust)
+        self.trust: TrustStore = bundle_trust(config)
         self.metrics = metrics or AgentMetrics()
         self.health_window_s = config.updates.health_window_s if config.updates else DEFAULT_HEALTH_WINDOW_S
         self.crash_loop_boots = config.updates.crash_loop_boots if config.updates else DEFAULT_CRASH_LOOP_BOOTS

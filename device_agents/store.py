@@ -13,10 +13,11 @@ Every state change is write -> fsync -> rename -> fsync(dir), and the previous s
 
 A model name has three slots: ``active`` (served), ``candidate`` (staged, being tested) and
 ``previous`` (last good, for rollback). ``max_version`` is the anti-rollback counter: the
-highest version ever *staged*, persisted before the candidate is opened by any runtime.
-Versions below it are refused; the counter's own version may be staged again (a candidate
-rejected for a passing reason, e.g. a self-test killed by a power cut, can be retried by a local
-``install``). The update client additionally refuses a version it rolled back.
+highest version ever *committed* (promoted to active), raised in the same state write as the
+promotion. A candidate that fails its self-test never raises it, so a signed but broken build
+with a huge version cannot block later releases. Versions below it are refused; the counter's
+own version may be staged again (after a rollback, a local ``install`` may put it back). The
+update client additionally refuses a version it rolled back.
 """
 
 from __future__ import annotations
@@ -278,12 +279,12 @@ class Store:
         slot = Slot(version=m.version, sha256=sha, path=rel, installed=utc_now())
         self.update_model(
             m.name,
-            lambda s: replace(s, candidate=slot, max_version=max(s.max_version, m.version), status="staged", error=""),
+            lambda s: replace(s, candidate=slot, status="staged", error=""),
         )
         return Staged(m, slot, vm.key_id)
 
     def promote(self, name: str) -> ModelState:
-        """candidate -> active, active -> previous (one atomic state write)."""
+        """candidate -> active, active -> previous, counter raised (one atomic state write)."""
 
         def fn(s: ModelState) -> ModelState:
             if s.candidate is None:
@@ -294,6 +295,7 @@ class Store:
                 active=s.candidate,
                 candidate=None,
                 previous=prev,
+                max_version=max(s.max_version, s.candidate.version),  # the anti-rollback counter rises at commit
                 status="serving",
                 error="",
                 active_healthy=False,

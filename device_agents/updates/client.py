@@ -1,15 +1,21 @@
 """The update client: pulls desired state over MQTT, applies it through the model manager.
 
-Two threads. The network thread keeps an MQTT 5 session with the broker: a persistent session
-(clean start off, client id = device id) and QoS 1 subscriptions to the device's desired topic
-and its groups' topics, re-made on every connect so that the broker re-sends the retained
-notices (a notice received just before a crash is not lost). It reconnects with full-jitter
-exponential backoff up to ``reconnect_max_s``. The worker thread does everything slow, one model
-at a time::
+The network thread keeps an MQTT 5 session with the broker: a persistent session (clean start
+off, client id = device id) and QoS 1 subscriptions to the device's desired topic, its groups'
+topics and (with ``root_keys``) the fleet's keys topic, re-made on every connect so that the
+broker re-sends the retained messages (one received just before a crash is not lost). It
+reconnects with full-jitter exponential backoff up to ``reconnect_max_s``. Every message is
+checked by ``trust.FleetTrust`` first (signature by a notice key, binding, clock skew, replay);
+a refused one is logged in one line and changes nothing. A dispatcher thread hands each model
+of the fresh desired states to a worker thread of its own, so that one slow download never
+holds up another model's update::
 
-    notice -> policy.decide -> download (resumable, capped) -> check the bundle is the one announced
-    -> manager.install (verify, stage, child self-test, switch) -> remember the notice
-    -> health window (failed requests against the previous version) -> report
+    notice -> policy.decide -> download (resumable, capped, deadline, minimum rate) -> check the
+    bundle is the one announced -> manager.install (verify, stage, child self-test, switch; one at
+    a time, under the store lock) -> remember the notice -> health window -> report
+
+A device whose newest valid desired state has expired reports ``frozen`` (and
+``edgekit_updates_frozen 1`` on ``/metrics``), updates nothing, and keeps serving.
 
 Every state change is published retained on ``edgekit/<fleet>/<device>/reported``; the latest
 one is published again on each connect. Offline, the agent keeps serving what it has.
@@ -22,29 +28,30 @@ import logging
 import threading
 import time
 from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from device_agents.platforms import probe
 from device_agents.updates.backoff import Backoff
 from device_agents.updates.connection import BrokerAddress, new_client, session_properties
-from device_agents.updates.download import DownloadError, download
+from device_agents.updates.download import DownloadError, DownloadLimits, download
 from device_agents.updates.health import Traffic, failure_verdict, traffic
 from device_agents.updates.policy import decide
 from device_agents.updates.protocol import (
     REPORTED_SCHEMA_VERSION,
+    DesiredState,
     Notice,
-    NoticeError,
     Reported,
     UpdateState,
     device_desired_topic,
     group_desired_topic,
-    parse_notice,
     reported_topic,
 )
+from device_agents.updates.trust import FleetTrust, RefusedError, expired
 from edgekit.bundle import read_verified_manifest
 from edgekit.bundle.errors import BundleError, ConfigError, EdgekitError, ManifestError, SelfTestError
-from edgekit.bundle.manifest import utc_now
+from edgekit.bundle.manifest import parse_time, utc_now
 
 if TYPE_CHECKING:
     from device_agents.config import AgentConfig
@@ -61,6 +68,24 @@ _REJECTIONS = (BundleError, ManifestError, SelfTestError)
 _STORE_OUTCOMES: dict[str, UpdateState] = {"rolled_back": "rolled_back", "failed": "rejected"}
 
 
+class _TrustMetrics:
+    """The update client's own series on the agent's registry."""
+
+    def __init__(self, registry: Any) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self.frozen = Gauge(
+            "edgekit_updates_frozen",
+            "1 while the newest valid desired state has expired (updates wait; models keep serving)",
+            registry=registry,
+        )
+        self.refused = Counter(
+            "edgekit_notices_refused",
+            "Messages on the fleet channel refused (unsigned, wrong role, replayed, misbound)",
+            registry=registry,
+        )
+
+
 class UpdateClient:
     """``start()`` after ``manager.start()``; ``stop()`` before ``manager.stop()``."""
 
@@ -74,6 +99,12 @@ class UpdateClient:
         self.download_dir = Path(u.download_dir) if u.download_dir else config.store / "downloads"
         self.max_bundle_bytes = min(config.max_bundle_bytes, u.max_bundle_bytes)
         self.topics = (device_desired_topic(u.fleet, u.device_id), *(group_desired_topic(u.fleet, g) for g in u.groups))
+        self.trust = FleetTrust(config)
+        manager.trust = self.trust.bundle_trust()  # with the keys document accepted before a restart
+        self.limits = DownloadLimits(
+            u.download_deadline_s, u.download_min_bytes_per_s, u.download_stall_s, allow_http=u.allow_http
+        )
+        self._metrics = _TrustMetrics(manager.metrics.registry)
         self.reported_topic = reported_topic(u.fleet, u.device_id)
         self.connections = 0  # successful connects since start
         self.last_connected_at: float | None = None  # time.time() of the last successful connect
@@ -90,9 +121,13 @@ class UpdateClient:
         self._connect_backoff = Backoff(1.0, max(1.0, u.reconnect_max_s))
         self._stop = threading.Event()
         self._cond = threading.Condition()
-        self._notices: dict[str, Notice] = {}  # topic -> the retained notice on it
+        self._states: dict[str, DesiredState] = {}  # topic -> the verified desired state on it
+        self._signers: dict[str, frozenset[str]] = {}  # topic -> the notice keys that signed it
         self._dirty = False
         self._due: dict[str, float] = {}  # model name -> monotonic time before which it is left alone
+        self._busy: set[str] = set()  # model names a worker thread is handling now
+        self._handled: dict[str, Notice] = {}  # model name -> the notice its worker handled last
+        self._frozen = ""  # why the device is frozen (reported), "" when its states are fresh
         self._retry: dict[str, Backoff] = {}
         self._switched: dict[str, Traffic] = {}  # model name -> its traffic counters at the last switch
         self._threads: list[threading.Thread] = []
@@ -111,7 +146,7 @@ class UpdateClient:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        for thread in self._threads:
+        for thread in list(self._threads):
             thread.join(timeout_s)
 
     @property
@@ -165,76 +200,174 @@ class UpdateClient:
         self._connect_backoff.reset()
         log.info("updates: connected to %s (session present: %s)", self.address.url, flags.session_present)
         # Subscribing again makes the broker re-send the retained notices, even with a session.
-        client.subscribe([(t, SubscribeOptions(qos=1)) for t in self.topics])
+        keys = (self.trust.keys_topic,) if self.trust.keys_topic else ()
+        client.subscribe([(t, SubscribeOptions(qos=1)) for t in (*keys, *self.topics)])
         self._publish_report()
 
     def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
         self._connected = False
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
-        topic = message.topic
+        topic, payload = message.topic, bytes(message.payload)
+        if topic == self.trust.keys_topic:
+            self._on_keys(topic, payload)
+            return
         if topic not in self.topics:
             return
-        with self._cond:
-            if not message.payload:  # cleared: a group's notice may now be the one that counts
-                if self._notices.pop(topic, None) is not None:
+        if not payload:  # cleared: a group's state may now be the one that counts
+            with self._cond:
+                self._signers.pop(topic, None)
+                if self._states.pop(topic, None) is not None:
                     log.info("updates: desired state on %s cleared", topic)
                     self._dirty = True
                     self._cond.notify_all()
-                return
-            try:
-                notice = parse_notice(bytes(message.payload))
-            except NoticeError as exc:
-                log.error("updates: ignoring the message on %s: %s", topic, exc)
-                self._set_report("rejected", error=f"malformed notice on {topic}: {exc}")
-                return
-            log.info("updates: notice %s on %s: %s v%d", notice.notice_id, topic, notice.name, notice.version)
-            self._notices[topic] = notice
+            return
+        try:
+            verified = self.trust.check_desired(topic, payload)
+        except RefusedError as exc:
+            self._refuse(topic, str(exc))
+            return
+        state = verified.state
+        self.trust.accept(topic, state)
+        names = ", ".join(f"{m.name} v{m.version}" for m in state.models) or "no models"
+        log.info("updates: desired state on %s issued %s, fresh until %s: %s", topic, state.issued, state.expires,
+                 names)  # fmt: skip
+        with self._cond:
+            self._states[topic] = state
+            self._signers[topic] = verified.signers
             self._dirty = True
             self._cond.notify_all()
 
+    def _on_keys(self, topic: str, payload: bytes) -> None:
+        if not payload:
+            return
+        try:
+            doc = self.trust.accept_keys(payload)
+        except RefusedError as exc:
+            self._refuse(topic, str(exc))
+            return
+        if doc is None:
+            return
+        self.manager.trust = self.trust.bundle_trust()
+        log.warning(
+            "updates: keys document v%d accepted: %d notice key(s), %d bundle key(s) added; revoked: %s",
+            doc.version,
+            len(doc.notice_keys),
+            len(doc.bundle_keys),
+            ", ".join(doc.revoked) or "none",
+        )
+        with self._cond:  # states signed by a key revoked now no longer count
+            self._dirty = True
+            self._cond.notify_all()
+
+    def _refuse(self, topic: str, why: str) -> None:
+        """One line per refused message; the states, the high-water marks and the report stay as they were."""
+        log.error("updates: refused the message on %s: %s", topic, why)
+        self._metrics.refused.inc()
+
     # -- worker thread ------------------------------------------------------------------------
     def _work(self) -> None:
+        """The dispatcher: starts a worker per model that is due and not being handled already."""
         while not self._stop.is_set():
             with self._cond:
                 while not self._stop.is_set() and not self._dirty and not self._anything_due():
-                    self._cond.wait(self._seconds_to_next_due())
+                    self._cond.wait(self._seconds_to_next_event())
                 self._dirty = False
                 desired = self._desired()
-            for name in set(self._due) - {n.name for n in desired.values()}:
-                del self._due[name]  # its notice was cleared or replaced by one for another model
-            for notice in desired.values():
+                for name in set(self._due) - set(desired):
+                    del self._due[name]  # its state was cleared or no longer lists it
+                now = time.monotonic()
+                # a model is handled again when its notice changed, or when a retry or deferral is due
+                start = [
+                    n
+                    for name, n in desired.items()
+                    if name not in self._busy
+                    and (self._due[name] <= now if name in self._due else self._handled.get(name) != n)
+                ]
+                for n in start:
+                    self._due.pop(n.name, None)
+                    self._busy.add(n.name)
+            self._update_frozen()
+            for notice in start:
                 if self._stop.is_set():
                     break
-                if self._due.get(notice.name, 0.0) > time.monotonic():
-                    continue
-                self._due.pop(notice.name, None)
-                try:
-                    self._handle(notice)
-                except Exception as exc:  # supervisor of the update thread: report, retry, go on
-                    log.exception("updates: %s v%d failed unexpectedly", notice.name, notice.version)
-                    self._retry_later(notice, f"unexpected {type(exc).__name__}: {exc}")
+                thread = threading.Thread(
+                    target=self._run_one, args=(notice,), name=f"edgekit-update-{notice.name}", daemon=True
+                )
+                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+                thread.start()
+
+    def _run_one(self, notice: Notice) -> None:
+        try:
+            self._handle(notice)
+        except Exception as exc:  # supervisor of an update thread: report, retry, go on
+            log.exception("updates: %s v%d failed unexpectedly", notice.name, notice.version)
+            self._retry_later(notice, f"unexpected {type(exc).__name__}: {exc}")
+        finally:
+            with self._cond:
+                self._handled[notice.name] = notice
+                self._busy.discard(notice.name)
+                self._dirty = True  # its state may have changed meanwhile: look again
+                self._cond.notify_all()
 
     def _anything_due(self) -> bool:
         now = time.monotonic()
-        return any(t <= now for t in self._due.values())
+        return any(t <= now for name, t in self._due.items() if name not in self._busy)
 
-    def _seconds_to_next_due(self) -> float | None:
-        if not self._due:
+    def _seconds_to_next_event(self) -> float | None:
+        """Until the next retry is due or the next fresh state expires (None: nothing to wait for)."""
+        waits = [t - time.monotonic() for name, t in self._due.items() if name not in self._busy]
+        now = datetime.now(timezone.utc)
+        waits += [(parse_time(s.expires) - now).total_seconds() for s in self._states.values() if not expired(s, now)]
+        if not waits:
             return None
-        return max(0.0, min(self._due.values()) - time.monotonic())
+        return max(0.0, min(waits)) + 0.01
+
+    def _fresh_states(self) -> list[tuple[str, DesiredState]]:
+        """(topic, state) of the states that are fresh and still verify (a key may have been revoked since)."""
+        now = datetime.now(timezone.utc)
+        revoked = self.trust.revoked()
+        return [
+            (t, s)
+            for t, s in self._states.items()
+            if not expired(s, now) and not self._signers.get(t, frozenset()) <= revoked
+        ]
 
     def _desired(self) -> dict[str, Notice]:
-        """Model name -> notice to act on: the highest version among groups, overridden by the device topic."""
+        """Model name -> notice to act on, from the fresh states only (they are the allowlist): the
+        highest version among groups, overridden by the device topic."""
+        fresh = dict(self._fresh_states())
         chosen: dict[str, Notice] = {}
         for topic in self.topics[1:]:
-            n = self._notices.get(topic)
-            if n is not None and (n.name not in chosen or n.version > chosen[n.name].version):
-                chosen[n.name] = n
-        own = self._notices.get(self.topics[0])
-        if own is not None:
-            chosen[own.name] = own
+            state = fresh.get(topic)
+            for n in state.models if state is not None else ():
+                if n.name not in chosen or n.version > chosen[n.name].version:
+                    chosen[n.name] = n
+        own = fresh.get(self.topics[0])
+        for n in own.models if own is not None else ():
+            chosen[n.name] = n
         return chosen
+
+    def _update_frozen(self) -> None:
+        """Report ``frozen`` while the newest valid state of a topic has expired; ``idle`` once fresh again."""
+        now = datetime.now(timezone.utc)
+        with self._cond:
+            stale = sorted((t, s.expires) for t, s in self._states.items() if expired(s, now))
+        why = "; ".join(f"the desired state on {t} expired at {e}" for t, e in stale)
+        if why:
+            why += (
+                " (the publisher must refresh it: edgekit fleet refresh, or publish again); "
+                "updates wait, the models keep serving"
+            )
+        if why == self._frozen:
+            return
+        self._frozen = why
+        self._metrics.frozen.set(1 if why else 0)
+        if why:
+            log.warning("updates: frozen: %s", why)
+            self._set_report("frozen", detail=why)
+        elif self._report.state == "frozen":
+            self._set_report("idle", detail="the desired state is fresh again")
 
     def _handle(self, notice: Notice) -> None:
         model = self.manager.store.model_state(notice.name)
@@ -256,7 +389,8 @@ class UpdateClient:
         elif decision.action == "skip":
             self._set_report("skipped", notice, detail=decision.reason)
         elif decision.action == "defer":
-            self._due[notice.name] = time.monotonic() + (decision.retry_in_s or 0.0)
+            with self._cond:
+                self._due[notice.name] = time.monotonic() + (decision.retry_in_s or 0.0)
             self._set_report("deferred", notice, detail=decision.reason)
         elif notice.version == self.manager.models().get(notice.name) and (
             self._report.notice_id != notice.notice_id or self._report.state not in ("checking", "serving")
@@ -265,10 +399,12 @@ class UpdateClient:
 
     def _apply(self, notice: Notice) -> None:
         self._set_report("downloading", notice)
-        self._drop_other_downloads(notice)
+        self._drop_other_downloads()
         start = time.monotonic()
         try:
-            path = download(notice, self.download_dir, max_bytes=self.max_bundle_bytes, ca=self.updates.ca)
+            path = download(
+                notice, self.download_dir, max_bytes=self.max_bundle_bytes, ca=self.updates.ca, limits=self.limits
+            )
         except DownloadError as exc:
             if exc.permanent:
                 self._reject(notice, str(exc))
@@ -373,7 +509,8 @@ class UpdateClient:
         )
         delay = backoff.next_delay()
         log.warning("updates: %s v%d: %s; retrying in %.1f s", notice.name, notice.version, why, delay)
-        self._due[notice.name] = time.monotonic() + delay
+        with self._cond:
+            self._due[notice.name] = time.monotonic() + delay
         self._set_report("failed", notice, error=why)
 
     def _remember(self, notice: Notice) -> None:
@@ -386,12 +523,15 @@ class UpdateClient:
                 notice.name, lambda s: replace(s, last_notice_id=notice.notice_id, last_notice_issued=notice.issued)
             )
 
-    def _drop_other_downloads(self, notice: Notice) -> None:
-        """Partial downloads of other bundles will not be resumed: free their space."""
+    def _drop_other_downloads(self) -> None:
+        """Partial downloads of bundles no fresh state asks for will not be resumed: free their space.
+        (Those of other models in progress are kept: each model downloads in its own thread.)"""
         if not self.download_dir.is_dir():
             return
+        with self._cond:
+            wanted = {n.sha256 for n in self._desired().values()}
         for p in self.download_dir.iterdir():
-            if p.is_file() and p.suffix in (".part", ".ekb") and p.stem != notice.sha256:
+            if p.is_file() and p.suffix in (".part", ".ekb") and p.stem not in wanted:
                 with contextlib.suppress(OSError):
                     p.unlink()
 

@@ -5,6 +5,12 @@ SHA-256 matches the notice: a crash leaves a ``.part`` that the next attempt res
 HTTP ``Range`` request (a server that ignores ranges answers 200 and the download starts over).
 No more than the notice's ``size_bytes`` is ever written, whatever the server sends. A full disk
 removes the partial file and raises: nothing is left behind and the old model keeps serving.
+
+A download cannot stall its model's updates (``DownloadLimits``): it gives up after an overall
+deadline, and when fewer than ``min_bytes_per_s`` arrived over any ``stall_s`` (a server that
+sends one byte every few seconds as much as one that sends nothing); the partial file is kept
+for the next attempt. Only ``https://`` and, where ``allow_http``, ``http://`` are fetched, on
+the first request and on every redirect; a redirect from https to http is refused.
 """
 
 from __future__ import annotations
@@ -14,9 +20,13 @@ import errno
 import os
 import re
 import ssl
+import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 from device_agents.faults import fault_point
 from device_agents.store import fsync_dir
@@ -36,10 +46,98 @@ class DownloadError(EdgekitError):
         self.permanent = permanent
 
 
+@dataclass(frozen=True)
+class DownloadLimits:
+    """Bounds of one download (the ``download_*`` and ``allow_http`` fields of ``[updates]``)."""
+
+    deadline_s: float = 1800.0
+    min_bytes_per_s: int = 1024
+    stall_s: float = 30.0  # also the socket timeout of one read
+    allow_http: bool = True
+
+
+class _Clock:
+    """The deadline of one ``download`` call and the rate watch of the current attempt."""
+
+    def __init__(self, url: str, limits: DownloadLimits) -> None:
+        self.url, self.limits = url, limits
+        self.deadline = time.monotonic() + limits.deadline_s
+        self.mark_t, self.mark_bytes = time.monotonic(), 0
+
+    def read_timeout(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self._over_deadline()
+        return min(self.limits.stall_s, left)
+
+    def start_attempt(self, written: int) -> None:
+        self.mark_t, self.mark_bytes = time.monotonic(), written
+
+    def check(self, written: int) -> None:
+        now = time.monotonic()
+        if now >= self.deadline:
+            raise self._over_deadline()
+        span = now - self.mark_t
+        if span >= self.limits.stall_s:
+            rate = (written - self.mark_bytes) / span
+            if rate < self.limits.min_bytes_per_s:
+                raise DownloadError(
+                    f"download of {self.url} is too slow: {rate:.0f} bytes/s over the last {span:.0f} s, under "
+                    f"download_min_bytes_per_s ({self.limits.min_bytes_per_s}); will resume later"
+                )
+            self.mark_t, self.mark_bytes = now, written
+
+    def _over_deadline(self) -> DownloadError:
+        return DownloadError(
+            f"download of {self.url} did not finish within download_deadline_s ({self.limits.deadline_s:g} s); "
+            "will resume later"
+        )
+
+
+def check_url_scheme(url: str, allow_http: bool, *, previous: str | None = None) -> None:
+    """``DownloadError`` (permanent) unless ``url`` may be fetched; ``previous``: the URL redirecting here."""
+    scheme = urlsplit(url).scheme.lower()
+    if scheme not in ("http", "https"):
+        raise DownloadError(
+            f"{url} is not an http:// or https:// URL"
+            + (f" (a redirect from {previous})" if previous else "")
+            + "; refused",
+            permanent=True,
+        )
+    if previous is not None and scheme == "http" and urlsplit(previous).scheme.lower() == "https":
+        raise DownloadError(f"{previous} redirects to plain http ({url}); a downgrade is refused", permanent=True)
+    if scheme == "http" and not allow_http:
+        raise DownloadError(
+            f"{url} is plain http, and updates.allow_http is false; publish the bundle at an https:// URL",
+            permanent=True,
+        )
+
+
+class _SchemeGuard(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to a URL that ``check_url_scheme`` lets through."""
+
+    def __init__(self, allow_http: bool) -> None:
+        super().__init__()
+        self.allow_http = allow_http
+
+    def redirect_request(
+        self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any, newurl: str
+    ) -> urllib.request.Request | None:
+        check_url_scheme(newurl, self.allow_http, previous=req.full_url)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
 def download(
-    notice: Notice, dest_dir: Path, *, max_bytes: int, ca: Path | None = None, timeout_s: float = 30.0
+    notice: Notice,
+    dest_dir: Path,
+    *,
+    max_bytes: int,
+    ca: Path | None = None,
+    limits: DownloadLimits | None = None,
 ) -> Path:
     """Fetch ``notice.url`` into ``dest_dir`` and return the verified ``<sha256>.ekb`` path."""
+    limits = limits or DownloadLimits()
+    check_url_scheme(notice.url, limits.allow_http)
     if notice.size_bytes > max_bytes:
         raise DownloadError(
             f"{notice.name} v{notice.version} is {notice.size_bytes} bytes, over the {max_bytes}-byte cap",
@@ -52,7 +150,8 @@ def download(
         return final
     part = dest_dir / f"{notice.sha256}.part"
     resumed = part.exists() and part.stat().st_size > 0
-    _fetch(notice, part, ca, timeout_s)
+    clock = _Clock(notice.url, limits)
+    _fetch(notice, part, ca, clock)
     if sha256_file(part) != notice.sha256:
         part.unlink(missing_ok=True)
         if not resumed:
@@ -62,7 +161,7 @@ def download(
                 permanent=True,
             )
         # The resumed prefix may be from another file (or a torn write); one fresh attempt decides.
-        _fetch(notice, part, ca, timeout_s)
+        _fetch(notice, part, ca, clock)
         if sha256_file(part) != notice.sha256:
             part.unlink(missing_ok=True)
             raise DownloadError(f"{notice.url} does not match the notice's sha256; publish it again", permanent=True)
@@ -73,7 +172,7 @@ def download(
     return final
 
 
-def _fetch(notice: Notice, part: Path, ca: Path | None, timeout_s: float) -> None:
+def _fetch(notice: Notice, part: Path, ca: Path | None, clock: _Clock) -> None:
     """Bring ``part`` to ``notice.size_bytes`` bytes, resuming what is there."""
     offset = part.stat().st_size if part.exists() else 0
     if offset > notice.size_bytes:
@@ -84,8 +183,11 @@ def _fetch(notice: Notice, part: Path, ca: Path | None, timeout_s: float) -> Non
     request = urllib.request.Request(notice.url, headers={"User-Agent": "edgekit-agent"})
     if offset:
         request.add_header("Range", f"bytes={offset}-")
+    opener = urllib.request.build_opener(
+        urllib.request.HTTPSHandler(context=_ssl_context(ca)), _SchemeGuard(clock.limits.allow_http)
+    )
     try:
-        response = urllib.request.urlopen(request, timeout=timeout_s, context=_ssl_context(notice.url, ca))
+        response = opener.open(request, timeout=clock.read_timeout())
     except urllib.error.HTTPError as exc:
         if exc.code == 416 and offset:  # our prefix does not fit the file: start over next time
             part.unlink(missing_ok=True)
@@ -102,16 +204,18 @@ def _fetch(notice: Notice, part: Path, ca: Path | None, timeout_s: float) -> Non
         length = response.headers.get("Content-Length")
         if length is not None and length.isdigit():
             _check_total(notice, str(offset + int(length)))
-        _copy(response, part, mode, offset, notice, timeout_s)
+        _copy(response, part, mode, offset, notice, clock)
 
 
-def _copy(response: object, part: Path, mode: str, offset: int, notice: Notice, timeout_s: float) -> None:
+def _copy(response: Any, part: Path, mode: str, offset: int, notice: Notice, clock: _Clock) -> None:
     written = offset
+    clock.start_attempt(written)
     try:
         with open(part, mode) as f:
             while True:
                 try:
-                    block = response.read(_CHUNK)  # type: ignore[attr-defined]  # http.client.HTTPResponse
+                    # read1: returns what has arrived (read() would wait for a whole block from a slow server)
+                    block = response.read1(_CHUNK)
                 except OSError as exc:
                     raise DownloadError(
                         f"download of {notice.url} broke off at {written} bytes ({_reason(exc)}); will resume"
@@ -127,6 +231,7 @@ def _copy(response: object, part: Path, mode: str, offset: int, notice: Notice, 
                 if written == offset + len(block):  # first block of this attempt is on disk
                     f.flush()
                     fault_point("download")
+                clock.check(written)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             with contextlib.suppress(OSError):
@@ -162,9 +267,7 @@ def _check_total(notice: Notice, total: str) -> None:
         )
 
 
-def _ssl_context(url: str, ca: Path | None) -> ssl.SSLContext | None:
-    if not url.startswith("https:"):
-        return None
+def _ssl_context(ca: Path | None) -> ssl.SSLContext:
     context = ssl.create_default_context()
     if ca is not None:  # a private CA for the bundle server, trusted besides the system's
         context.load_verify_locations(cafile=str(ca))

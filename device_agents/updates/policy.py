@@ -6,10 +6,11 @@ order the rules are checked:
 
 - ``ignore``: the notice was handled already (same ``notice_id``), is stale (issued before the
   last one handled), or asks for the version that is running. Nothing is reported as an error.
-- ``reject``: the notice can never succeed here: older than a version installed or tried before
-  (anti-rollback), the version that was rolled back, expired, or larger than ``max_bundle_mb``.
-  The reason is reported and the old model keeps serving. The version of an install that was
-  interrupted (power cut, SIGKILL) is tried again: the store's counter allows an equal version.
+- ``reject``: the notice can never succeed here: older than a version installed before
+  (anti-rollback: the counter rises at commit, so a version that failed its self-test does not
+  block a lower later one), the version that was rolled back, expired, or larger than
+  ``max_bundle_mb``. The reason is reported and the old model keeps serving. The version of an
+  install that was interrupted (power cut, SIGKILL) is tried again.
 - ``skip``: the rollout percentage does not select this device (a later notice may).
 - ``defer``: outside the maintenance window or on battery; ``retry_in_s`` says when to look again.
 - ``apply``: download and install.
@@ -97,7 +98,7 @@ def decide(
     if notice.version < model.max_version:
         return Decision(
             "reject",
-            f"{what} is older than v{model.max_version}, installed or tried before on this device "
+            f"{what} is older than v{model.max_version}, installed before on this device "
             f"(running v{running}); publish a higher version",
         )
     if notice.version == model.max_version and model.status == "rolled_back":

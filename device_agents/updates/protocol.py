@@ -1,31 +1,42 @@
-"""The fleet wire protocol: topic names, the desired-state notice and the reported state.
+"""The fleet wire protocol: topic names, the signed desired state and keys, the reported state.
 
-Both sides use this module: ``edgekit publish`` builds a ``Notice`` and ``edgekit fleet status``
-reads ``Reported``; the agent does the reverse. Payloads are UTF-8 JSON objects, parsed strictly
-(unknown keys are errors), ``schema_version`` first::
+Both sides use this module: ``edgekit publish`` builds and signs a ``DesiredState`` and
+``edgekit fleet status`` reads ``Reported``; the agent does the reverse. Payloads are UTF-8
+JSON objects, parsed strictly (unknown keys are errors), ``schema_version`` first::
 
-    edgekit/<fleet>/<device>/desired            retained, QoS 1: Notice (device topic)
-    edgekit/<fleet>/group/<group>/desired       retained, QoS 1: Notice (group topic)
+    edgekit/<fleet>/<device>/desired            retained, QoS 1: Signed(DesiredState) (device topic)
+    edgekit/<fleet>/group/<group>/desired       retained, QoS 1: Signed(DesiredState) (group topic)
+    edgekit/<fleet>/keys                        retained, QoS 1: Signed(KeysDocument), by root keys
     edgekit/<fleet>/<device>/reported           retained, QoS 1: Reported
 
-A notice is not signed and is trusted for nothing but *where to look*: the bundle it points to
-is verified on the device (signature, hashes, version, expiry, hardware). The notice's own fields
-may only make the device refuse early (wrong size, older version, expired), never accept.
+A desired state is signed by a *notice* key (a role apart from the bundle-signing keys) and
+says, for one device or one group of one fleet, which models it runs (``models``: one
+``Notice`` per model name; the list is also the allowlist: a name it does not list is never
+installed), when it was issued and when it stops being fresh (``expires``). ``Signed.signed``
+holds the document as the exact JSON text that was signed, so no canonical form is needed.
+The bundle a notice points to is verified on the device as well (signature, hashes, version,
+expiry, hardware).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from edgekit.bundle.codec import from_data, to_data
 from edgekit.bundle.errors import EdgekitError
 from edgekit.bundle.manifest import parse_time
+from edgekit.bundle.signing import sign_detached
 
-NOTICE_SCHEMA_VERSION = 1
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+NOTICE_SCHEMA_VERSION = 2  # of the Signed envelope (1 was an unsigned notice)
+KEYS_SCHEMA_VERSION = 1
 REPORTED_SCHEMA_VERSION = 1
 MAX_PAYLOAD_BYTES = 64 * 1024
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -45,6 +56,7 @@ UpdateState = Literal[
     "rejected",  # the notice or bundle was refused (reason in error); the old version serves
     "failed",  # a transient failure (network, disk full); retried with backoff
     "rolled_back",  # the new version failed its health check or crash-looped
+    "frozen",  # the newest valid desired state has expired: nothing is updated; the models keep serving
 ]
 
 
@@ -76,6 +88,10 @@ def reported_wildcard(fleet: str) -> str:
     return f"edgekit/{check_topic_level('fleet', fleet)}/+/reported"
 
 
+def keys_topic(fleet: str) -> str:
+    return f"edgekit/{check_topic_level('fleet', fleet)}/keys"
+
+
 def device_of_reported_topic(topic: str) -> str:
     """``edgekit/f/cam-07/reported`` -> ``cam-07``."""
     parts = topic.split("/")
@@ -86,11 +102,14 @@ def device_of_reported_topic(topic: str) -> str:
 
 @dataclass(frozen=True)
 class Notice:
-    """Desired state for one model: 'run ``name`` ``version``, fetch it from ``url``'."""
+    """One model of a desired state: 'run ``name`` ``version``, fetch it from ``url``'.
 
-    schema_version: int
-    notice_id: str  # unique per publish: the replay guard remembers the last one handled
-    issued: str  # ISO 8601 UTC; a notice issued before the last one handled is stale
+    ``notice_id`` and ``issued`` change only when this entry changes (a new publish of this
+    model), not when the state is re-signed for another model or for freshness.
+    """
+
+    notice_id: str  # unique per publish of this model: the replay guard remembers the last one handled
+    issued: str  # ISO 8601 UTC; an entry issued before the last one handled for this model is stale
     name: str
     version: int
     sha256: str  # of the .ekb file
@@ -102,8 +121,6 @@ class Notice:
     signer_key_id: str = ""
 
     def __post_init__(self) -> None:
-        if self.schema_version != NOTICE_SCHEMA_VERSION:
-            raise ValueError(f"schema_version {self.schema_version} is not {NOTICE_SCHEMA_VERSION}")
         if not self.notice_id or len(self.notice_id) > 128:
             raise ValueError("notice_id must be 1-128 characters")
         _check_time("issued", self.issued)
@@ -121,6 +138,109 @@ class Notice:
             raise ValueError(f"url {self.url!r} must be http:// or https://")
         if not 0 <= self.rollout_percent <= 100:
             raise ValueError(f"rollout_percent must be 0-100, got {self.rollout_percent}")
+
+
+@dataclass(frozen=True)
+class DesiredState:
+    """What one device (``device``) or group (``group``) of ``fleet`` runs; signed by a notice key."""
+
+    type: Literal["desired"]
+    fleet: str
+    issued: str  # ISO 8601 UTC: a state issued before the newest one accepted on its topic is a replay
+    expires: str  # after this the state is stale: the device reports "frozen" and updates nothing
+    device: str = ""
+    group: str = ""
+    models: tuple[Notice, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_time("issued", self.issued)
+        _check_time("expires", self.expires)
+        if parse_time(self.expires) <= parse_time(self.issued):
+            raise ValueError(f"expires {self.expires} is not after issued {self.issued}")
+        if bool(self.device) == bool(self.group):
+            raise ValueError("a desired state names exactly one of device or group")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"models lists a name twice: {sorted(names)}")
+        for m in self.models:
+            if parse_time(m.issued) > parse_time(self.issued):
+                raise ValueError(f"model {m.name} is issued {m.issued}, after the state itself ({self.issued})")
+
+    @property
+    def topic(self) -> str:
+        if self.device:
+            return device_desired_topic(self.fleet, self.device)
+        return group_desired_topic(self.fleet, self.group)
+
+    @property
+    def bound_to(self) -> str:
+        return f"device {self.device}" if self.device else f"group {self.group}"
+
+    def model(self, name: str) -> Notice | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def to_json(self) -> bytes:
+        data = to_data(self)
+        return json.dumps({"type": data.pop("type"), **data}).encode()
+
+
+@dataclass(frozen=True)
+class BundleKey:
+    """A bundle-signing key added by a keys document, optionally limited to model name patterns."""
+
+    key: str  # base64 raw Ed25519 public key
+    names: tuple[str, ...] = ()  # fnmatch patterns; empty = any name
+
+
+@dataclass(frozen=True)
+class KeysDocument:
+    """Keys a fleet's root key(s) add or revoke, on top of those in the device's config.
+
+    ``version`` only goes up: a device keeps the highest it accepted and refuses lower ones.
+    """
+
+    type: Literal["keys"]
+    fleet: str
+    version: int
+    issued: str
+    notice_keys: tuple[str, ...] = ()  # base64 raw Ed25519 public keys that may sign desired states
+    bundle_keys: tuple[BundleKey, ...] = ()
+    revoked: tuple[str, ...] = ()  # key ids no role trusts any more (bundle or notice)
+
+    def __post_init__(self) -> None:
+        _check_time("issued", self.issued)
+        if self.version < 1:
+            raise ValueError(f"version must be >= 1, got {self.version}")
+
+    def to_json(self) -> bytes:
+        data = to_data(self)
+        return json.dumps({"type": data.pop("type"), **data}).encode()
+
+
+@dataclass(frozen=True)
+class Signature:
+    key_id: str
+    signature: str  # base64 Ed25519 signature over the UTF-8 bytes of ``Signed.signed``
+
+
+@dataclass(frozen=True)
+class Signed:
+    """The envelope on the wire: the exact signed JSON text and its signatures."""
+
+    schema_version: int
+    signed: str
+    signatures: tuple[Signature, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.schema_version != NOTICE_SCHEMA_VERSION:
+            raise ValueError(f"schema_version {self.schema_version} is not {NOTICE_SCHEMA_VERSION}")
+
+    @property
+    def payload(self) -> bytes:
+        return self.signed.encode()
+
+    def signature_dicts(self) -> list[dict[str, str]]:
+        return [{"key_id": s.key_id, "signature": s.signature} for s in self.signatures]
 
     def to_json(self) -> bytes:
         data = to_data(self)
@@ -175,9 +295,50 @@ def _parse(cls: type[_T], payload: bytes, what: str, schema_version: int) -> _T:
     return from_data(cls, data, what, NoticeError)
 
 
-def parse_notice(payload: bytes) -> Notice:
-    """A ``Notice`` from an MQTT payload, or ``NoticeError`` naming the bad field."""
-    return _parse(Notice, payload, "notice", NOTICE_SCHEMA_VERSION)
+def sign_document(document: bytes, private_keys: Sequence[Ed25519PrivateKey]) -> Signed:
+    """The envelope of ``document`` (``DesiredState.to_json()`` or ``KeysDocument.to_json()``)."""
+    text = document.decode()
+    sigs = tuple(Signature(**sign_detached(text.encode(), k)) for k in private_keys)
+    return Signed(NOTICE_SCHEMA_VERSION, text, sigs)
+
+
+def parse_signed(payload: bytes) -> Signed:
+    """The envelope of a desired state or keys document, or ``NoticeError`` saying what is wrong.
+
+    An unsigned (schema 1) notice is refused here with a line saying so.
+    """
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise NoticeError(f"{len(payload)} bytes is over the {MAX_PAYLOAD_BYTES}-byte cap")
+    try:
+        data = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise NoticeError(f"not valid JSON ({exc})") from exc
+    if isinstance(data, dict) and "signed" not in data:
+        raise NoticeError(
+            "it is not signed (an unsigned notice, or from an older edgekit); "
+            "publish with `edgekit publish --notice-key KEY`"
+        )
+    return _parse(Signed, payload, "notice", NOTICE_SCHEMA_VERSION)
+
+
+def parse_desired(envelope: Signed) -> DesiredState:
+    """The ``DesiredState`` in a verified envelope (check the signature first)."""
+    return _parse_inner(DesiredState, envelope, "desired")
+
+
+def parse_keys(envelope: Signed) -> KeysDocument:
+    return _parse_inner(KeysDocument, envelope, "keys")
+
+
+def _parse_inner(cls: type[_T], envelope: Signed, kind: str) -> _T:
+    try:
+        data = json.loads(envelope.signed)
+    except json.JSONDecodeError as exc:
+        raise NoticeError(f"signed content is not valid JSON ({exc})") from exc
+    if not isinstance(data, dict) or data.get("type") != kind:
+        got = data.get("type") if isinstance(data, dict) else None
+        raise NoticeError(f"signed content is a {got!r} document, not {kind!r}")
+    return from_data(cls, data, kind, NoticeError)
 
 
 def parse_reported(payload: bytes) -> Reported:

@@ -91,6 +91,7 @@ def read_verified_manifest(
     raw, sig = _read_head(Path(path), max_bundle_bytes)
     kid = trust.verify(raw, sig)
     manifest = Manifest.from_json(raw)
+    trust.check_name(kid, manifest.name)
     if manifest.signer_key_id and manifest.signer_key_id != kid:
         raise ManifestError(f"manifest names signer {manifest.signer_key_id} but was signed by {kid}")
     if manifest.expired():

@@ -1,19 +1,25 @@
-"""Ed25519 signing of manifests, with key ids for rotation and a revocation list.
+"""Ed25519 signing of manifests and fleet documents, with key ids, roles and revocation.
 
 The signature covers the exact manifest bytes stored in the bundle. ``manifest.sig`` is JSON:
 ``{"alg": "ed25519", "key_id": "...", "signature": "<base64>"}``. A key id is the first 16 hex
 digits of the SHA-256 of the raw public key. Private keys are PKCS#8 PEM, optionally encrypted
 with a passphrase (``EDGEKIT_KEY_PASSPHRASE``); public keys are SubjectPublicKeyInfo PEM.
+
+Key roles (TUF-style): a *bundle* key signs manifests (``TrustStore``; optionally limited to model
+name patterns), a *notice* key signs a fleet's desired state, a *root* key signs the keys document
+that adds and revokes bundle and notice keys (``RoleKeys``, with a threshold). A key is trusted
+only for the role it is listed under: a bundle key cannot sign a desired state and vice versa.
 """
 
 from __future__ import annotations
 
 import base64
+import fnmatch
 import hashlib
 import json
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -78,6 +84,87 @@ def load_public_key(path: Path) -> Ed25519PublicKey:
     return key
 
 
+def public_key_text(public_key: Ed25519PublicKey) -> str:
+    """The raw public key in base64: how fleet documents carry keys."""
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return base64.b64encode(raw).decode()
+
+
+def public_key_from_text(text: str) -> Ed25519PublicKey:
+    try:
+        raw = base64.b64decode(text, validate=True)
+        return Ed25519PublicKey.from_public_bytes(raw)
+    except ValueError as exc:
+        raise SignatureError(f"{text[:20]!r}... is not a base64 Ed25519 public key ({exc})") from exc
+
+
+def sign_detached(payload: bytes, private_key: Ed25519PrivateKey) -> dict[str, str]:
+    """``{"key_id": ..., "signature": <base64>}`` over ``payload`` (one entry of a signed document)."""
+    return {
+        "key_id": key_id(private_key.public_key()),
+        "signature": base64.b64encode(private_key.sign(payload)).decode(),
+    }
+
+
+@dataclass(frozen=True)
+class RoleKeys:
+    """The public keys of one role (``notice``, ``root``) and how many of them must sign.
+
+    ``other_roles`` maps key ids trusted for *other* roles to that role's name, only to say so
+    when such a key signs here (``key 1a2b... is a bundle key, not a notice key``).
+    """
+
+    role: str
+    keys: Mapping[str, Ed25519PublicKey]
+    threshold: int = 1
+    revoked: frozenset[str] = frozenset()
+    other_roles: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.threshold < 1:
+            raise ConfigError(f"{self.role} threshold must be >= 1, got {self.threshold}")
+
+    @classmethod
+    def from_files(cls, role: str, paths: Iterable[Path], **kwargs: object) -> RoleKeys:
+        keys = {}
+        for p in paths:
+            k = load_public_key(Path(p))
+            keys[key_id(k)] = k
+        return cls(role, keys, **kwargs)  # type: ignore[arg-type]  # the remaining fields, by name
+
+    def verify(self, payload: bytes, signatures: Sequence[Mapping[str, str]], what: str) -> tuple[str, ...]:
+        """The key ids of this role that signed ``payload`` validly; ``SignatureError`` below the threshold."""
+        good: list[str] = []
+        problems: list[str] = []
+        for entry in signatures:
+            kid, text = str(entry.get("key_id", "")), str(entry.get("signature", ""))
+            if kid in self.revoked:
+                problems.append(f"key {kid} is revoked")
+            elif kid not in self.keys:
+                other = self.other_roles.get(kid)
+                problems.append(
+                    f"key {kid} is a {other} key, not a {self.role} key"
+                    if other
+                    else f"key {kid} is not a {self.role} key"
+                )
+            else:
+                try:
+                    self.keys[kid].verify(base64.b64decode(text, validate=True), payload)
+                except (InvalidSignature, ValueError):
+                    problems.append(f"the signature by key {kid} does not match: the document was altered")
+                    continue
+                if kid not in good:
+                    good.append(kid)
+        if len(good) >= self.threshold:
+            return tuple(good)
+        known = ", ".join(sorted(k for k in self.keys if k not in self.revoked)) or "none"
+        why = "; ".join(problems) or "it carries no signature"
+        raise SignatureError(
+            f"{what} needs {self.threshold} valid {self.role} signature(s), has {len(good)} ({why}); "
+            f"{self.role} keys trusted here: {known}"
+        )
+
+
 def sign(manifest_bytes: bytes, private_key: Ed25519PrivateKey) -> bytes:
     """The ``manifest.sig`` bytes for ``manifest_bytes``."""
     sig = private_key.sign(manifest_bytes)
@@ -91,18 +178,44 @@ def sign(manifest_bytes: bytes, private_key: Ed25519PrivateKey) -> bytes:
 
 @dataclass(frozen=True)
 class TrustStore:
-    """Trusted public keys by key id, minus revoked ids."""
+    """Trusted bundle-signing public keys by key id, minus revoked ids.
+
+    ``names`` limits a key to model name patterns (``fnmatch``: ``det-*``); a key without an
+    entry may sign any model name.
+    """
 
     keys: dict[str, Ed25519PublicKey]
     revoked: frozenset[str] = frozenset()
+    names: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
-    def from_files(cls, paths: Iterable[Path], revoked: Iterable[str] = ()) -> TrustStore:
-        keys = {}
+    def from_files(
+        cls,
+        paths: Iterable[Path],
+        revoked: Iterable[str] = (),
+        limited: Iterable[tuple[Path, Sequence[str]]] = (),
+    ) -> TrustStore:
+        """``paths`` may sign any name; each ``(path, patterns)`` of ``limited`` only matching names."""
+        keys, names = {}, {}
         for p in paths:
             k = load_public_key(Path(p))
             keys[key_id(k)] = k
-        return cls(keys, frozenset(revoked))
+        for p, patterns in limited:
+            k = load_public_key(Path(p))
+            kid = key_id(k)
+            if kid not in keys:  # listed without limits as well: the wider grant stands
+                keys[kid] = k
+                names[kid] = tuple(patterns)
+        return cls(keys, frozenset(revoked), names)
+
+    def check_name(self, kid: str, name: str) -> None:
+        """``SignatureError`` when key ``kid`` may not sign a bundle named ``name``."""
+        patterns = self.names.get(kid)
+        if patterns is not None and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            raise SignatureError(
+                f"bundle {name!r} is signed by key {kid}, which may sign only {', '.join(patterns)}; "
+                "sign it with a key trusted for that name or widen the key's names in [[trusted]]"
+            )
 
     def verify(self, manifest_bytes: bytes, signature_bytes: bytes) -> str:
         """Return the signer's key id, or raise ``SignatureError`` saying why not."""

@@ -1,4 +1,4 @@
-"""The fleet subcommands of ``edgekit``: ``publish`` and ``fleet status``.
+"""The fleet subcommands of ``edgekit``: ``publish``, ``fleet status|refresh|keys|acl|serve``.
 
 ``edgekit.cli`` calls ``register(subparsers)``; each subcommand sets ``func`` (``args -> exit
 code``) and raises ``EdgekitError`` subclasses for the CLI entry point to print.
@@ -68,6 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         metavar="PUB",
         help="public key the bundle must verify with",
     )
+    _notice_arguments(publish)
     publish.set_defaults(func=_publish)
 
     fleet = subparsers.add_parser("fleet", help="look at a fleet of devices", description="Fleet commands.")
@@ -91,6 +92,59 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     fileserver.add_arguments(serve)
     serve.set_defaults(func=fileserver.run)
+
+    refresh = fleet_commands.add_parser(
+        "refresh",
+        help="re-sign the desired state of devices or groups with a new expiry (run it more often than --fresh-for)",
+        description=(
+            "Read each retained desired state, check it is signed by --notice-key, and publish it again with a new "
+            "issued time and expiry; --drop NAME removes a model from the state (and so from its allowlist)."
+        ),
+    )
+    _fleet_arguments(refresh)
+    refresh.add_argument("--device", action="append", default=[], metavar="ID", help="device id (repeatable)")
+    refresh.add_argument("--group", action="append", default=[], metavar="NAME", help="device group (repeatable)")
+    refresh.add_argument("--drop", action="append", default=[], metavar="NAME", help="model name to remove")
+    _notice_arguments(refresh)
+    refresh.set_defaults(func=_refresh)
+
+    from edgekit.fleet import keys as keys_module
+
+    keys = fleet_commands.add_parser(
+        "keys",
+        help="publish the fleet's keys document (add notice and bundle keys, revoke key ids), signed by root keys",
+        description=keys_module.__doc__.splitlines()[0] if keys_module.__doc__ else None,
+    )
+    _fleet_arguments(keys)
+    keys_module.add_arguments(keys)
+    keys.set_defaults(func=keys_module.run)
+
+    from edgekit.fleet import acl as acl_module
+
+    acl = fleet_commands.add_parser(
+        "acl",
+        help="write the Mosquitto ACL of a fleet: each device its own topics, each group's topic its members only",
+        description=acl_module.__doc__.splitlines()[0] if acl_module.__doc__ else None,
+    )
+    acl_module.add_arguments(acl)
+    acl.set_defaults(func=acl_module.run)
+
+
+def _notice_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--notice-key",
+        type=Path,
+        required=True,
+        metavar="KEY",
+        help="private key of the fleet's notice role, which signs the desired state (edgekit keygen --name fleet)",
+    )
+    parser.add_argument(
+        "--fresh-for",
+        default="24h",
+        metavar="DURATION",
+        help="how long the signed desired state stays fresh (24h, 30m, 7d; bare number = hours; default 24h); "
+        "devices report frozen after it until a refresh",
+    )
 
 
 def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,7 +173,7 @@ def _upload(args: argparse.Namespace) -> S3Upload | None:
 
 
 def _publish(args: argparse.Namespace) -> int:
-    from edgekit.fleet.publish import PublishOptions, publish
+    from edgekit.fleet.publish import PublishOptions, parse_duration, publish
 
     options = PublishOptions(
         broker=_address(args),
@@ -132,9 +186,13 @@ def _publish(args: argparse.Namespace) -> int:
         copy_to=args.copy_to,
         timeout_s=args.timeout_s,
         upload=_upload(args),
+        notice_key=args.notice_key,
+        fresh_for_s=parse_duration(args.fresh_for),
     )
     done = publish(args.bundle, options)
     n = done.notice
+    for warning in done.warnings:
+        print(f"warning: {warning}")
     if done.copied_to is not None:
         print(f"copied {args.bundle} to {done.copied_to}")
     if done.stored is not None:
@@ -143,6 +201,8 @@ def _publish(args: argparse.Namespace) -> int:
     for topic in done.topics:
         print(f"published {n.name} v{n.version} (notice {n.notice_id}, rollout {n.rollout_percent}%) on {topic}")
     print(f"devices download {n.url} ({n.size_bytes} bytes, sha256 {n.sha256})")
+    if done.states:
+        print(f"the signed desired state is fresh until {done.states[0].expires} (edgekit fleet refresh renews it)")
     if done.stored is not None and done.stored.url_expires is not None:
         print(
             f"the URL expires at {done.stored.url_expires}: devices that have not downloaded the bundle by then "
@@ -150,6 +210,25 @@ def _publish(args: argparse.Namespace) -> int:
         )
         if done.stored.temporary_credentials:
             print("it was signed with temporary credentials (a session token) and stops working with them if sooner")
+    return 0
+
+
+def _refresh(args: argparse.Namespace) -> int:
+    from edgekit.fleet.publish import bindings, drop_models, keep_models, parse_duration, update_states
+
+    if not args.device and not args.group:
+        raise ConfigError("name the devices or groups to refresh: --device ID or --group NAME")
+    bindings(args.fleet, tuple(args.device), tuple(args.group))  # topic levels checked before connecting
+    change = drop_models(tuple(args.drop)) if args.drop else keep_models
+    states, warnings = update_states(
+        _address(args), args.fleet, tuple(args.device), tuple(args.group), args.notice_key, change,
+        fresh_for_s=parse_duration(args.fresh_for), timeout_s=args.timeout_s,
+    )  # fmt: skip
+    for warning in warnings:
+        print(f"warning: {warning}")
+    for state in states:
+        models = ", ".join(f"{m.name} v{m.version}" for m in state.models) or "no models"
+        print(f"refreshed {state.topic}: {models}; fresh until {state.expires}")
     return 0
 
 

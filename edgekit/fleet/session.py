@@ -118,6 +118,19 @@ class FleetSession:
                 "client write desired topics"
             )
 
+    def read_retained(self, topic: str, wait_s: float = 0.5) -> bytes:
+        """The retained message on one exact ``topic`` (b"" when there is none within ``wait_s``
+        after the broker confirmed the subscription)."""
+        self._subscribed.clear()
+        self._client.subscribe(topic, qos=1)
+        if not self._subscribed.wait(self.timeout_s):
+            raise BrokerError(f"{self.address.url} did not confirm the subscription to {topic}")
+        deadline = time.monotonic() + wait_s
+        while topic not in self._messages and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._client.unsubscribe(topic)
+        return self._messages.pop(topic, b"")
+
     def collect_retained(self, topic_filter: str, window_s: float) -> dict[str, bytes]:
         """Subscribe to ``topic_filter`` and return what arrives within ``window_s`` (topic -> payload)."""
         self._client.subscribe(topic_filter, qos=1)

@@ -20,7 +20,10 @@ from edgekit.bundle.errors import ConfigError
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 BASE = 'store = "store"\ntrusted_keys = ["keys/a.pub"]\n'
-UPDATES = '[updates]\nbroker = "mqtt://127.0.0.1:1883"\nfleet = "lab"\ndevice_id = "dev-1"\n'
+UPDATES = (
+    '[updates]\nbroker = "mqtt://127.0.0.1:1883"\nfleet = "lab"\ndevice_id = "dev-1"\n'
+    'notice_keys = ["keys/fleet.pub"]\n'
+)
 
 
 def _load(tmp_path: Path, text: str) -> AgentConfig:
@@ -79,7 +82,7 @@ def test_config_without_updates_table_has_none(tmp_path: Path) -> None:
         (BASE + "[runtime]\nthreds = 1\n", "agent.runtime: unknown key 'threds'"),
         (BASE + "[selftest]\ntimeout = 3\n", "agent.selftest: unknown key 'timeout'"),
         (BASE + 'max_request_mb = "big"\n', "agent.server.max_request_mb: expected an integer"),  # v1 key, migrated
-        ('store = "s"\n', "agent: missing required key 'trusted_keys'"),
+        ('store = "s"\n', "agent: trusted_keys is empty"),
         ('store = "s"\ntrusted_keys = []\n', "trusted_keys is empty"),
         (BASE + 'listen = "localhost"\n', "listen 'localhost' must be HOST:PORT"),
         (BASE + UPDATES.replace("mqtt://", "http://"), "must be mqtt://HOST:PORT or mqtts://HOST:PORT"),

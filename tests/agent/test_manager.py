@@ -68,7 +68,7 @@ def test_reinstalling_the_active_version_is_a_no_op(manager: ModelManager, bundl
     again = manager.install(bundles.v1)
     assert not again.changed and manager.get("tiny") is served
     with pytest.raises(SelfTestError):
-        manager.install(bundles.v3_bad_golden)  # raises the anti-rollback counter to 3
+        manager.install(bundles.v3_bad_golden)  # fails its self-test: the counter (raised at commit) stays at 1
     assert not manager.install(bundles.v1).changed  # still a no-op, not "older than v3"
 
 

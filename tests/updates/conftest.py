@@ -20,6 +20,15 @@ from tests.updates.services import Agent, AgentSpec, FileServer, Mosquitto
 FLEET = "test-fleet"
 
 
+class _SessionNoticeKey:
+    """The session's notice key, set by the ``keys`` fixture, for ``publish`` calls that name none."""
+
+    path: Path = Path("unset")
+
+
+NOTICE_KEY = _SessionNoticeKey()
+
+
 def require_mosquitto() -> None:
     if not Path(MOSQUITTO).exists():
         pytest.skip("mosquitto is not installed: apt-get install mosquitto (`make test` does)")
@@ -27,15 +36,26 @@ def require_mosquitto() -> None:
 
 @dataclass(frozen=True)
 class Keys:
-    private: Path
+    private: Path  # bundle role (trusted_keys)
     public: Path
-    other_private: Path
+    other_private: Path  # a bundle key no device trusts
     other_public: Path
+    notice_private: Path  # notice role (updates.notice_keys): signs desired states
+    notice_public: Path
+    root_private: Path  # root role (updates.root_keys, where a test sets it): signs keys documents
+    root_public: Path
 
 
 @pytest.fixture(scope="session")
-def keys(keypair: tuple[Path, Path], other_keypair: tuple[Path, Path]) -> Keys:
-    return Keys(keypair[0], keypair[1], other_keypair[0], other_keypair[1])
+def keys(
+    keypair: tuple[Path, Path], other_keypair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Keys:
+    from edgekit.bundle import generate_keypair
+
+    d = tmp_path_factory.mktemp("fleetkeys")
+    notice, root = generate_keypair(d, "fleet"), generate_keypair(d, "root")
+    NOTICE_KEY.path = notice[0]
+    return Keys(keypair[0], keypair[1], other_keypair[0], other_keypair[1], *notice, *root)
 
 
 @pytest.fixture(scope="session")
@@ -102,6 +122,7 @@ def agents(tmp_path: Path, keys: Keys, seeded_stores: dict[int, Path]) -> Iterat
         store = tmp_path / f"store-{device_id}"
         if seed is not None:
             shutil.copytree(seeded_stores[seed], store)
+        fields.setdefault("notice_keys", (keys.notice_public,))
         spec = AgentSpec(
             store=store, trusted_keys=(keys.public,), broker=broker_url, fleet=FLEET, device_id=device_id, **fields
         )
@@ -134,15 +155,20 @@ def publish(
     *targets: str,
     tls: tuple[Path, Path, Path] | None = None,
     rollout: int | None = None,
+    notice_key: Path | None = None,
+    fresh_for: str | None = None,
 ) -> str:
     """``edgekit publish`` with --copy-to the file server; ``targets`` are ``--device X`` / ``--group G``.
 
-    Returns the notice id printed by the CLI.
+    Signed with ``notice_key`` (default: the session's notice key). Returns the notice id printed by the CLI.
     """
     args = [
         "publish", str(bundle_path), "--broker", broker_url, "--fleet", FLEET,
         "--base-url", files.base_url, "--copy-to", str(files.dir), "--trusted-key", str(trusted_pub), *targets,
+        "--notice-key", str(notice_key or NOTICE_KEY.path),
     ]  # fmt: skip
+    if fresh_for is not None:
+        args += ["--fresh-for", fresh_for]
     if rollout is not None:
         args += ["--rollout", str(rollout)]
     if tls is not None:

@@ -101,6 +101,7 @@ class AgentSpec:
     tls: Identity | None = None
     ca: Path | None = None
     extra_updates: dict[str, Any] = field(default_factory=dict)
+    notice_keys: tuple[Path, ...] = ()
 
     def toml(self) -> str:
         updates = {
@@ -115,6 +116,7 @@ class AgentSpec:
             "reconnect_max_s": 2.0,
             "health_window_s": 2.0,
             "crash_loop_boots": 2,
+            "notice_keys": [str(k) for k in self.notice_keys],
             **self.extra_updates,
         }
         head = f'store = {json.dumps(str(self.store))}\nlisten = "127.0.0.1:0"\n'

@@ -30,7 +30,7 @@ def dl(tmp_path: Path) -> Path:
 
 
 def _notice(path: Path, base_url: str, **changes: object) -> Notice:
-    n = Notice(1, "n", "2026-03-04T12:00:00Z", "tiny", 2, sha256_file(path), path.stat().st_size,
+    n = Notice("n", "2026-03-04T12:00:00Z", "tiny", 2, sha256_file(path), path.stat().st_size,
                f"{base_url}/{path.name}")  # fmt: skip
     return dataclasses.replace(n, **changes)  # type: ignore[arg-type]  # field values as given
 

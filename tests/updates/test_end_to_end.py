@@ -27,6 +27,7 @@ def test_publish_updates_a_running_agent_and_fleet_status_shows_it(
                 sys.executable, "-c", "from edgekit.cli import main; raise SystemExit(main())",
                 "publish", str(tiny_bundles[2]), "--broker", broker.url(), "--fleet", FLEET, "--device", "dev-1",
                 "--base-url", files.base_url, "--copy-to", str(files.dir), "--trusted-key", str(keys.public),
+                "--notice-key", str(keys.notice_private),
             ],
             capture_output=True, text=True, check=True, timeout=60,
         ).stdout  # fmt: skip

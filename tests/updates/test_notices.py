@@ -15,14 +15,15 @@ import pytest
 
 from device_agents.updates.connection import BrokerAddress
 from device_agents.updates.policy import rollout_bucket
-from device_agents.updates.protocol import NOTICE_SCHEMA_VERSION, Notice, device_desired_topic, group_desired_topic
+from device_agents.updates.protocol import Notice, device_desired_topic, group_desired_topic
 from edgekit.bundle import TrustStore, read_verified_manifest
-from edgekit.bundle.manifest import sha256_file, utc_now
-from edgekit.fleet.publish import build_notice, bundle_url, copy_bundle
+from edgekit.bundle.manifest import sha256_file
+from edgekit.fleet.publish import build_notice, bundle_url, copy_bundle, now_iso
 from edgekit.fleet.session import FleetSession
 from tests.updates.bundles import bundle, padded_classifier, tamper_member, wrong_hardware
 from tests.updates.conftest import FLEET, AgentFactory, Keys, publish
 from tests.updates.services import FileServer, Mosquitto, Watcher, wait_for
+from tests.updates.states import signed_state
 
 DESIRED = device_desired_topic(FLEET, "dev-1")
 REPORTED = f"edgekit/{FLEET}/dev-1/reported"
@@ -33,13 +34,17 @@ def _send(broker: Mosquitto, topic: str, payload: bytes) -> None:
         session.publish_retained(topic, payload)
 
 
+def _state(keys: Keys, *models: Notice) -> bytes:
+    """dev-1's desired state with ``models``, signed by the notice key: checks on the device only."""
+    return signed_state(keys.notice_private, FLEET, models, device="dev-1")
+
+
 def _raw_notice(bundle_path: Path, files: FileServer, **changes: object) -> Notice:
     """A notice for ``bundle_path`` (copied to the file server) built without host-side checks."""
     copy_bundle(bundle_path, files.dir)
     notice = Notice(
-        schema_version=NOTICE_SCHEMA_VERSION,
         notice_id=uuid.uuid4().hex,
-        issued=utc_now(),
+        issued=now_iso(datetime.now(timezone.utc)),
         name="tiny",
         version=3,
         sha256=sha256_file(bundle_path),
@@ -53,26 +58,28 @@ def _gets(files: FileServer, bundle_path: Path) -> list[str]:
     return [r for r in files.requests() if r.startswith(f"GET /{bundle_path.name} ")]
 
 
-def test_replayed_duplicate_and_stale_notices_are_applied_once(
+def test_replayed_misbound_and_stale_notices_are_applied_once(
     broker: Mosquitto, files: FileServer, agents: AgentFactory, keys: Keys, tiny_bundles: dict[int, Path]
 ) -> None:
     agent = agents(broker.url(), "dev-1", groups=("cams",)).start()
     watcher = Watcher(broker.port, [REPORTED])
     try:
-        first = publish(tiny_bundles[2], broker.url(), files, keys.public, "--device", "dev-1")
+        publish(tiny_bundles[2], broker.url(), files, keys.public, "--device", "dev-1")
         watcher.wait(lambda r: r["state"] == "serving" and r["version"] == 2, 30, "v2 to pass its health window")
     finally:
         watcher.close()
     with FleetSession(BrokerAddress(False, "127.0.0.1", broker.port)) as session:
         payload = session.collect_retained(DESIRED, 0.3)[DESIRED]
 
-    def handled_again(times: int) -> bool:
-        return len(re.findall(rf"ignore: notice {first} .*handled already", agent.log())) >= times
+    def received(times: int) -> bool:
+        return len(re.findall(rf"desired state on {DESIRED} issued .*: tiny v2", agent.log())) >= times
 
-    _send(broker, DESIRED, payload)  # the same notice again on the device topic: a replay
-    wait_for(lambda: handled_again(1), 20, "the replay to be ignored")
-    _send(broker, group_desired_topic(FLEET, "cams"), payload)  # and on the device's group: a duplicate
-    wait_for(lambda: handled_again(2), 20, "the duplicate to be ignored")
+    # the same state again on the device topic (a replay): accepted as the state held, nothing to do
+    _send(broker, DESIRED, payload)
+    wait_for(lambda: received(2), 20, "the replay to arrive")
+    cams = group_desired_topic(FLEET, "cams")
+    _send(broker, cams, payload)  # and on the device's group: bound to dev-1, so refused there
+    wait_for(lambda: f"refused the message on {cams}: it is bound to device dev-1" in agent.log(), 20, "a refusal")
     # a notice for v3 with a new id, but issued before the one handled: stale
     trust = TrustStore.from_files([keys.public])
     stale = build_notice(tiny_bundles[3], read_verified_manifest(tiny_bundles[3], trust), "http://unused/")
@@ -81,7 +88,7 @@ def test_replayed_duplicate_and_stale_notices_are_applied_once(
         url=bundle_url(files.base_url, copy_bundle(tiny_bundles[3], files.dir)),
         issued=(datetime.now(timezone.utc) - timedelta(hours=1)).isoformat(),
     )
-    _send(broker, DESIRED, stale.to_json())
+    _send(broker, DESIRED, _state(keys, stale))
     wait_for(lambda: re.search(rf"ignore: notice {stale.notice_id} .* is stale", agent.log()), 20, "the stale notice")
 
     assert agent.served_version("tiny") == 2
@@ -169,28 +176,30 @@ def test_bad_bundles_are_rejected_with_the_reason_and_the_old_version_keeps_serv
         data = bytearray(served.read_bytes())
         data[len(data) // 2] ^= 0xFF
         served.write_bytes(bytes(data))
-        _send(broker, DESIRED, on_server.to_json())
+        _send(broker, DESIRED, _state(keys, on_server))
         assert "does not match the notice's sha256" in rejected(on_server.notice_id)
-        replaced = dataclasses.replace(on_server, notice_id=uuid.uuid4().hex, issued=utc_now())
+        replaced = dataclasses.replace(
+            on_server, notice_id=uuid.uuid4().hex, issued=now_iso(datetime.now(timezone.utc))
+        )
         served.write_bytes(tiny_bundles[3].read_bytes() + b"appended")
-        _send(broker, DESIRED, replaced.to_json())
+        _send(broker, DESIRED, _state(keys, replaced))
         assert "the file was replaced" in rejected(replaced.notice_id)
         served.unlink()
         # the host refuses to publish an expired bundle; a notice that reaches a device anyway is refused there
         refused = subprocess.run(
             [sys.executable, "-m", "edgekit.cli", "publish", str(bad_bundles["expired"]),
              "--broker", url, "--fleet", FLEET, "--device", "dev-1",
-             "--base-url", files.base_url, "--trusted-key", str(pub)],
+             "--base-url", files.base_url, "--trusted-key", str(pub), "--notice-key", str(keys.notice_private)],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert refused.returncode != 0 and "expired" in refused.stderr
         expired = _raw_notice(bad_bundles["expired"], files)
-        _send(broker, DESIRED, expired.to_json())
+        _send(broker, DESIRED, _state(keys, expired))
         assert "expired" in rejected(expired.notice_id)
         assert "riscv64" in rejected(publish(bad_bundles["wrong_hardware"], url, files, pub, "--device", "dev-1"))
         assert "over this device's" in rejected(publish(bad_bundles["oversize"], url, files, pub, "--device", "dev-1"))
         lying = _raw_notice(tiny_bundles[3], files, size_bytes=1000, notice_id=uuid.uuid4().hex)
-        _send(broker, DESIRED, lying.to_json())
+        _send(broker, DESIRED, _state(keys, lying))
         assert "more than the notice's 1000" in rejected(lying.notice_id)
         assert "self-test" in rejected(publish(bad_bundles["failing_selftest"], url, files, pub, "--device", "dev-1"))
         assert not _gets(files, bad_bundles["oversize"])  # refused from the notice, before downloading

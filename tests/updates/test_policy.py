@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 
@@ -13,10 +14,11 @@ from device_agents.updates.policy import decide, rollout_bucket, rollout_selecte
 from device_agents.updates.protocol import Notice
 
 NOW = datetime(2026, 3, 4, 12, 0, tzinfo=timezone.utc)
-UPDATES = UpdatesConfig(broker="mqtt://127.0.0.1:1883", fleet="f", device_id="dev-1")
+UPDATES = UpdatesConfig(
+    broker="mqtt://127.0.0.1:1883", fleet="f", device_id="dev-1", notice_keys=(Path("keys/fleet.pub"),)
+)
 RUNNING_V1 = ModelState(max_version=1, active=Slot(1, "a" * 64, "models/tiny/1-aaaa"), status="healthy")
 NOTICE = Notice(
-    schema_version=1,
     notice_id="n-2",
     issued="2026-03-04T11:59:00Z",
     name="tiny",

@@ -19,7 +19,7 @@ import pytest
 
 from device_agents.updates.connection import BrokerAddress
 from device_agents.updates.download import download
-from device_agents.updates.protocol import Notice, device_desired_topic, parse_notice
+from device_agents.updates.protocol import Notice, device_desired_topic, parse_desired, parse_signed
 from edgekit.bundle.manifest import sha256_file
 from edgekit.errors import MissingSDKError
 from edgekit.fleet.s3 import MAX_URL_EXPIRES_S, ObjectStoreError, S3Upload, store_bundle
@@ -72,14 +72,16 @@ def bucket(s3_server: MotoServer) -> str:
 def _publish_s3(bundle: Path, broker: Mosquitto, server: MotoServer, bucket: str, keys: Keys, *extra: str) -> str:
     return edgekit(
         "publish", str(bundle), "--broker", broker.url(), "--fleet", FLEET, "--device", "dev-1",
-        "--trusted-key", str(keys.public), "--upload", f"s3://{bucket}/{PREFIX}", "--s3-endpoint", server.url, *extra,
+        "--trusted-key", str(keys.public), "--upload", f"s3://{bucket}/{PREFIX}", "--s3-endpoint", server.url,
+        "--notice-key", str(keys.notice_private), *extra,
     )  # fmt: skip
 
 
 def _retained_notice(broker: Mosquitto) -> Notice:
     topic = device_desired_topic(FLEET, "dev-1")
     with FleetSession(BrokerAddress(False, "127.0.0.1", broker.port)) as session:
-        return parse_notice(session.collect_retained(topic, 0.3)[topic])
+        state = parse_desired(parse_signed(session.collect_retained(topic, 0.3)[topic]))
+    return state.models[0]
 
 
 def _get(url: str) -> bytes:
@@ -154,7 +156,7 @@ def test_downloader_resumes_from_s3_with_its_206_and_content_range(
 ) -> None:
     data = padded_v2.read_bytes()
     stored = store_bundle(padded_v2, sha256_file(padded_v2), S3Upload(bucket, PREFIX, s3_server.url))
-    notice = Notice(1, "n", "2026-03-04T12:00:00Z", "tiny", 2, sha256_file(padded_v2), len(data), stored.url)
+    notice = Notice("n", "2026-03-04T12:00:00Z", "tiny", 2, sha256_file(padded_v2), len(data), stored.url)
     (tmp_path / f"{notice.sha256}.part").write_bytes(data[:300_000])
     got = download(notice, tmp_path, max_bytes=10**8)
     assert got.read_bytes() == data
@@ -225,7 +227,7 @@ def test_publish_refuses_bad_storage_options_before_any_work(
     with contextlib.redirect_stderr(err):
         rc = main(
             ["publish", str(tiny_bundles[2]), "--broker", "mqtt://127.0.0.1:1", "--fleet", FLEET, "--device", "d",
-             "--trusted-key", str(keys.public), *args]
+             "--trusted-key", str(keys.public), "--notice-key", str(keys.notice_private), *args]
         )  # fmt: skip
     assert rc == 2
     assert message in err.getvalue()
