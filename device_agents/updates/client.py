@@ -270,7 +270,8 @@ class UpdateClient:
         """The dispatcher: starts a worker per model that is due and not being handled already."""
         while not self._stop.is_set():
             with self._cond:
-                while not self._stop.is_set() and not self._dirty and not self._anything_due():
+                # one wait, then look again: a state may have expired (frozen) even if nothing else changed
+                if not self._stop.is_set() and not self._dirty and not self._anything_due():
                     self._cond.wait(self._seconds_to_next_event())
                 self._dirty = False
                 desired = self._desired()

@@ -5,6 +5,7 @@ that header (it always sends the whole file), which costs a full re-download aft
 transfer. This server answers a single byte range with 206 and anything else like
 ``http.server``. Production fleets serve the directory with nginx, a CDN or object storage, which
 all support ranges. Every request is logged to stderr as ``GET PATH range=... -> STATUS``.
+``--throttle-bytes-per-s`` sends file bodies no faster than that (a slow link, for demos and tests).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from functools import partial
 from http import HTTPStatus
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -27,6 +29,7 @@ class RangeRequestHandler(SimpleHTTPRequestHandler):
     """``SimpleHTTPRequestHandler`` plus single-range ``GET``/``HEAD`` (206 / 416)."""
 
     _range: tuple[int, int] | None = None
+    throttle_bytes_per_s: int = 0  # 0 = as fast as the network allows
 
     def send_head(self) -> BinaryIO | None:
         self._range = None
@@ -59,16 +62,21 @@ class RangeRequestHandler(SimpleHTTPRequestHandler):
 
     def copyfile(self, source: BinaryIO, outputfile: BinaryIO) -> None:  # type: ignore[override]  # narrower file types
         try:
-            if self._range is None:
+            if self._range is None and not self.throttle_bytes_per_s:
                 shutil.copyfileobj(source, outputfile)
                 return
-            left = self._range[1] - self._range[0] + 1
-            while left > 0:
-                block = source.read(min(256 * 1024, left))
+            left = self._range[1] - self._range[0] + 1 if self._range is not None else None
+            step = min(256 * 1024, self.throttle_bytes_per_s or 256 * 1024)
+            while left is None or left > 0:
+                block = source.read(step if left is None else min(step, left))
                 if not block:
                     break
                 outputfile.write(block)
-                left -= len(block)
+                outputfile.flush()
+                if left is not None:
+                    left -= len(block)
+                if self.throttle_bytes_per_s:
+                    time.sleep(len(block) / self.throttle_bytes_per_s)
         except (BrokenPipeError, ConnectionResetError):  # the client went away (it resumes with a Range later)
             sys.stderr.write(f"{self.command} {self.path}: client disconnected mid-transfer\n")
             self.close_connection = True
@@ -96,9 +104,12 @@ def _parse_range(header: str, size: int) -> tuple[int, int] | None:
     return start, min(end, size - 1)
 
 
-def serve(directory: Path, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
+def serve(
+    directory: Path, host: str = "127.0.0.1", port: int = 0, *, throttle_bytes_per_s: int = 0
+) -> ThreadingHTTPServer:
     """A server for ``directory`` bound to ``host:port`` (0 = a free port); call ``serve_forever``."""
-    handler = partial(RangeRequestHandler, directory=os.fspath(directory))
+    cls = type("ThrottledHandler", (RangeRequestHandler,), {"throttle_bytes_per_s": throttle_bytes_per_s})
+    handler = partial(cls, directory=os.fspath(directory))
     return ThreadingHTTPServer((host, port), handler)
 
 
@@ -112,10 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", type=Path, help="directory to serve (what `edgekit publish --copy-to` fills)")
     parser.add_argument("--bind", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port (0 = any free port; default 8080)")
+    parser.add_argument(
+        "--throttle-bytes-per-s", type=int, default=0, metavar="N", help="send bodies at most this fast (0 = no limit)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    server = serve(args.directory, args.bind, args.port)
+    server = serve(args.directory, args.bind, args.port, throttle_bytes_per_s=args.throttle_bytes_per_s)
     print(f"serving {args.directory} at http://{args.bind}:{server.server_port}/", flush=True)
     try:
         server.serve_forever()

@@ -31,6 +31,8 @@ __all__ = [
     "Mosquitto",
     "MotoServer",
     "Process",
+    "Redirector",
+    "SlowFileServer",
     "Watcher",
     "fleet_broker",
     "free_port",
@@ -39,14 +41,14 @@ __all__ = [
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "packaging" / "mosquitto" / "edgekit.conf"
-ACL = ROOT / "packaging" / "mosquitto" / "edgekit.acl"
 
 
-def fleet_broker(directory: Path, ca: TestCA, server: Identity) -> Mosquitto:
-    """packaging/mosquitto's config and ACL, with test paths, a loopback port and 1 s autosave."""
+def fleet_broker(directory: Path, ca: TestCA, server: Identity, acl: str) -> Mosquitto:
+    """packaging/mosquitto's config with ``acl`` (from ``edgekit fleet acl``), test paths, a loopback
+    port and 1 s autosave."""
     port = free_port()
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "edgekit.acl").write_text(ACL.read_text())
+    (directory / "edgekit.acl").write_text(acl)
     replacements = {
         r"^persistence_location .*$": f"persistence_location {directory}/",
         r"^autosave_interval .*$": "autosave_interval 1",
@@ -63,6 +65,35 @@ def fleet_broker(directory: Path, ca: TestCA, server: Identity) -> Mosquitto:
         if n != 1:
             raise AssertionError(f"{TEMPLATE} has {n} lines matching {pattern!r}; update the tests")
     return Mosquitto(directory, config, port)
+
+
+class SlowFileServer(FileServer):
+    """``edgekit fleet serve --throttle-bytes-per-s N``: a slow link to the bundles."""
+
+    def __init__(self, directory: Path, log_path: Path, bytes_per_s: int) -> None:
+        super().__init__(directory, log_path)
+        self.cmd += ["--throttle-bytes-per-s", str(bytes_per_s)]
+
+
+class Redirector(Process):
+    """``python -m tests.updates.redirector``: answers every GET with 302 to ``location`` (TLS with a cert)."""
+
+    def __init__(self, log_path: Path, location: str, tls: Identity | None = None) -> None:
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "tests.updates.redirector", "--port", str(self.port), "--location", location]
+        if tls is not None:
+            cmd += ["--cert", str(tls.cert), "--key", str(tls.key)]
+        self.scheme = "https" if tls is not None else "http"
+        super().__init__(cmd, log_path)
+
+    def start(self) -> Redirector:
+        self.spawn()
+        self.wait_port(self.port)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.port}/bundle.ekb"
 
 
 class MotoServer(Process):

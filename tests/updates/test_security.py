@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from device_agents.updates.connection import BrokerAddress
+from edgekit.fleet.acl import GroupsFile, render_acl
 from edgekit.fleet.session import BrokerError, FleetSession
 from tests.updates.conftest import FLEET, AgentFactory, Keys, edgekit, publish, require_mosquitto
 from tests.updates.pki import Identity, TestCA
@@ -48,7 +49,8 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
     revoked = ca.issue("dev-r")
     ca.write_crl((revoked,))
     rogue = TestCA(tmp_path / "rogue", "rogue CA")
-    broker = fleet_broker(tmp_path / "broker", ca, server).start()
+    acl = render_acl(FLEET, GroupsFile({"cams": ("dev-a",), "lobby": ("dev-b",)}))
+    broker = fleet_broker(tmp_path / "broker", ca, server, acl).start()
     yield Fleet(
         broker, ca, ca.issue("edgekit-publisher"), ca.issue("dev-a"), ca.issue("dev-b"), revoked,
         rogue.issue("dev-a"), rogue.cert_path,
@@ -134,3 +136,83 @@ def test_update_over_mqtts_with_client_certificates_and_acl(
         return [line.split()[:5] for line in table.strip().splitlines()[1:]]
 
     wait_for(lambda: status_row() == [["dev-a", "tiny", "2", "2", "serving"]], 20, "fleet status to show dev-a on v2")
+
+
+class _Client:
+    """A paho client that records its disconnects and confirms QoS 1 round trips."""
+
+    def __init__(self, fleet: Fleet, who: Identity, client_id: str) -> None:
+        import threading
+
+        from device_agents.updates.connection import new_client
+
+        self.disconnects: list[str] = []
+        self.connected = threading.Event()
+        self.acked = threading.Event()
+        self.client = new_client(fleet.address(who), client_id)
+        self.client.on_connect = lambda c, u, f, rc, p: self.connected.set()
+        self.client.on_disconnect = lambda c, u, f, rc, p: self.disconnects.append(str(rc))
+        self.client.on_publish = lambda c, u, mid, rc, p: self.acked.set()
+        self.client.connect("127.0.0.1", fleet.broker.port, 30)
+        self.client.loop_start()
+        if not self.connected.wait(10):
+            raise TimeoutError(f"{client_id} did not connect")
+
+    def round_trip(self, topic: str) -> bool:
+        """Whether a QoS 1 publish on ``topic`` is acknowledged (a live session), within 5 s."""
+        self.acked.clear()
+        self.client.publish(topic, b"ping", qos=1)
+        return self.acked.wait(5)
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def test_a_certificate_cannot_take_over_another_devices_client_id(fleet: Fleet) -> None:
+    dev_a = _Client(fleet, fleet.dev_a, "dev-a")
+    try:
+        # dev-b's certificate asks for dev-a's client id: the broker names the session after the
+        # certificate (use_username_as_clientid), so dev-a is not kicked off. The takeover, if any,
+        # happens before the CONNACK that _Client waits for.
+        impostor = _Client(fleet, fleet.dev_b, "dev-a")
+        try:
+            assert dev_a.round_trip(_topic("dev-a", "reported")), "dev-a's session was taken over"
+            assert dev_a.disconnects == []
+            assert impostor.round_trip(_topic("dev-b", "reported"))
+        finally:
+            impostor.close()
+        log = fleet.broker.log()
+        assert "as dev-b " in log or "as dev-b\n" in log or "u'dev-b'" in log, log[-2000:]
+    finally:
+        dev_a.close()
+
+
+def test_group_desired_state_is_readable_only_by_the_groups_members(fleet: Fleet) -> None:
+    cams, lobby = f"edgekit/{FLEET}/group/cams/desired", f"edgekit/{FLEET}/group/lobby/desired"
+    with FleetSession(fleet.address(fleet.publisher)) as pub:
+        pub.publish_retained(cams, b"for cams")
+        pub.publish_retained(lobby, b"for lobby, with a presigned URL")
+    # dev-a is in cams only. Retained messages come in the order subscribed: once the cams one
+    # (subscribed last) has arrived, a lobby one would have arrived before it.
+    dev_a = Watcher(fleet.broker.port, [lobby, f"edgekit/{FLEET}/group/+/desired", cams],
+                    tls=(fleet.ca.cert_path, fleet.dev_a))  # fmt: skip
+    dev_b = Watcher(fleet.broker.port, [cams, lobby], tls=(fleet.ca.cert_path, fleet.dev_b))
+    try:
+        wait_for(lambda: any(t == cams for _, t, _ in dev_a.messages), 10, "dev-a to get its group's state")
+        wait_for(lambda: any(t == lobby for _, t, _ in dev_b.messages), 10, "dev-b to get its group's state")
+        assert {t for _, t, _ in dev_a.messages} == {cams}
+        assert {t for _, t, _ in dev_b.messages} == {lobby}
+    finally:
+        dev_a.close()
+        dev_b.close()
+
+
+def test_fleet_acl_command_writes_the_packaged_example(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[2] / "packaging" / "mosquitto"
+    out = edgekit("fleet", "acl", "--fleet", "shop-floor", "--groups", str(example / "groups.example.toml"))
+    assert out == (example / "edgekit.acl").read_text()
+    bad = tmp_path / "groups.toml"
+    bad.write_text('[groups]\ncams = ["cam/07"]\n')
+    with pytest.raises(AssertionError, match="must be letters, digits"):
+        edgekit("fleet", "acl", "--fleet", "f", "--groups", str(bad))
