@@ -52,7 +52,7 @@ class DownloadLimits:
 
     deadline_s: float = 1800.0
     min_bytes_per_s: int = 1024
-    stall_s: float = 30.0  # also the socket timeout of one read
+    stall_s: float = 30.0  # the window of the rate check; a read waits at most twice this
     allow_http: bool = True
 
 
@@ -68,7 +68,9 @@ class _Clock:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise self._over_deadline()
-        return min(self.limits.stall_s, left)
+        # twice the rate window: a trickle is judged by the rate check, a read that returns nothing for
+        # this long has stalled outright (a timeout: "broke off", resumed later)
+        return min(2 * self.limits.stall_s, left)
 
     def start_attempt(self, written: int) -> None:
         self.mark_t, self.mark_bytes = time.monotonic(), written

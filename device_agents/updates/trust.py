@@ -246,6 +246,7 @@ class FleetTrust:
             )
 
     def _save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(self.path, json.dumps(to_data(self._record), indent=1).encode() + b"\n")
 
 

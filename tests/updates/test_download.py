@@ -1,4 +1,5 @@
-"""Resumable, capped download against real HTTP servers (the Range-capable one and http.server)."""
+"""Resumable, capped, bounded download against real HTTP(S) servers: the Range-capable one, http.server,
+a throttled one and a redirector."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from device_agents.updates.download import DownloadError, download
+from device_agents.updates.download import DownloadError, DownloadLimits, download
 from device_agents.updates.protocol import Notice
 from edgekit.bundle.manifest import sha256_file
 from examples.fleet_processes import FileServer, Process, free_port
+from tests.updates.pki import TestCA
+from tests.updates.services import Redirector, SlowFileServer
 
 
 @pytest.fixture
@@ -105,3 +108,61 @@ def test_download_failures_that_may_pass_are_not_permanent(files: FileServer, pa
     with pytest.raises(DownloadError, match="cannot reach") as exc:
         download(_notice(payload, closed), dl, max_bytes=10**7)
     assert not exc.value.permanent
+
+
+def test_download_refuses_redirects_to_other_schemes(tmp_path: Path, payload: Path, dl: Path) -> None:
+    redirector = Redirector(tmp_path / "redirect.log", "ftp://127.0.0.1/bundle.ekb").start()
+    try:
+        with pytest.raises(DownloadError, match=r"ftp://127.0.0.1/bundle.ekb is not an http:// or https:// URL") as e:
+            download(_notice(payload, redirector.url.rsplit("/", 1)[0]), dl, max_bytes=10**7)
+        assert e.value.permanent
+    finally:
+        redirector.kill()
+
+
+def test_download_refuses_a_redirect_from_https_to_http(
+    tmp_path: Path, files: FileServer, payload: Path, dl: Path
+) -> None:
+    ca = TestCA(tmp_path / "ca")
+    redirector = Redirector(tmp_path / "redirect.log", f"{files.base_url}/bundle.ekb",
+                            tls=ca.issue("localhost", server=True)).start()  # fmt: skip
+    try:
+        notice = _notice(payload, redirector.url.rsplit("/", 1)[0])
+        with pytest.raises(DownloadError, match=r"redirects to plain http .*a downgrade is refused") as e:
+            download(notice, dl, max_bytes=10**7, ca=ca.cert_path)
+        assert e.value.permanent and not files.requests()
+    finally:
+        redirector.kill()
+
+
+def test_download_of_plain_http_is_refused_where_allow_http_is_off(files: FileServer, payload: Path, dl: Path) -> None:
+    with pytest.raises(DownloadError, match=r"updates\.allow_http is false") as e:
+        download(_notice(payload, files.base_url), dl, max_bytes=10**7, limits=DownloadLimits(allow_http=False))
+    assert e.value.permanent and not files.requests()
+
+
+@pytest.fixture
+def slow(tmp_path: Path, files: FileServer, payload: Path) -> Iterator[SlowFileServer]:
+    """The payload's directory behind a 20 kB/s link (1 MB takes 50 s)."""
+    server = SlowFileServer(files.dir, tmp_path / "slow.log", bytes_per_s=20_000).start()
+    yield server
+    server.kill()
+
+
+def test_download_gives_up_below_the_minimum_rate_and_keeps_the_part(
+    slow: SlowFileServer, payload: Path, dl: Path
+) -> None:
+    notice = _notice(payload, slow.base_url)
+    limits = DownloadLimits(deadline_s=60, min_bytes_per_s=100_000, stall_s=1.0)
+    with pytest.raises(DownloadError, match=r"too slow: \d+ bytes/s over the last 1 s") as e:
+        download(notice, dl, max_bytes=10**7, limits=limits)
+    assert not e.value.permanent
+    part = dl / f"{notice.sha256}.part"
+    assert 0 < part.stat().st_size < payload.stat().st_size  # resumed by the next attempt
+
+
+def test_download_gives_up_at_its_overall_deadline(slow: SlowFileServer, payload: Path, dl: Path) -> None:
+    limits = DownloadLimits(deadline_s=1.5, min_bytes_per_s=0, stall_s=30.0)
+    with pytest.raises(DownloadError, match=r"did not finish within download_deadline_s \(1.5 s\)") as e:
+        download(_notice(payload, slow.base_url), dl, max_bytes=10**7, limits=limits)
+    assert not e.value.permanent
