@@ -116,7 +116,13 @@ def _register_package(sub: Any) -> None:
     )
     p.add_argument("--force", action="store_true", help="write the bundle even when validation fails")
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME=1x3x224x224")
-    p.add_argument("--expires-days", type=float, metavar="D", help="the bundle expires D days from now")
+    p.add_argument(
+        "--expires-days",
+        type=float,
+        default=None,
+        metavar="D",
+        help="the bundle expires D days from now (default 365; 0 = never: devices accept it forever)",
+    )
     p.add_argument("--option", action="append", default=[], metavar="TARGET.KEY=VALUE", help="a target option")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_package)
@@ -132,8 +138,7 @@ def _package(args: argparse.Namespace) -> int:
 
     targets = parse_targets(args.target)
     shapes = dict(parse_input_shape(s) for s in args.input_shape)
-    if args.expires_days is not None and args.expires_days <= 0:
-        raise ConfigError(f"--expires-days must be > 0, got {args.expires_days}")
+    expires = bundle_expiry(args.expires_days)
     try:
         result = package(
             args.model,
@@ -149,7 +154,7 @@ def _package(args: argparse.Namespace) -> int:
             tolerance=parse_tolerance_args(args.tolerance) or None,
             force=args.force,
             input_shapes=shapes or None,
-            expires=timedelta(days=args.expires_days) if args.expires_days is not None else None,
+            expires=expires,
             progress=None if args.quiet else _progress,
             options=parse_option_args(args.option, targets),
         )
@@ -160,6 +165,17 @@ def _package(args: argparse.Namespace) -> int:
     for target, path in result.bundles.items():
         print(f"{target}: {path}")
     return 0
+
+
+def bundle_expiry(days: float | None) -> timedelta | None:
+    """``--expires-days``: None = the default (365 days), 0 = never, else that many days."""
+    from edgekit.packager import DEFAULT_EXPIRES_DAYS
+
+    if days is None:
+        days = DEFAULT_EXPIRES_DAYS
+    if days < 0:
+        raise ConfigError(f"--expires-days must be >= 0 (0 = never expires), got {days:g}")
+    return timedelta(days=days) if days else None
 
 
 def _progress(message: str) -> None:

@@ -69,6 +69,10 @@ GOLDEN_COUNT = 4
 SDK_LOG = "sdk-output.log"  # in each target's work folder: what the converters printed
 EVAL_BATCH = 16
 
+# Bundles expire by default (TUF: no metadata lives forever); `--expires-days 0` for none.
+DEFAULT_EXPIRES_DAYS = 365
+DEFAULT_EXPIRES = timedelta(days=DEFAULT_EXPIRES_DAYS)
+
 
 @dataclass(frozen=True)
 class Row:
@@ -136,7 +140,7 @@ def package(
     tolerance: Tolerance | Mapping[str, Any] | None = None,
     force: bool = False,
     input_shapes: Mapping[str, Sequence[int]] | None = None,
-    expires: datetime | timedelta | str | None = None,
+    expires: datetime | timedelta | str | None = DEFAULT_EXPIRES,
     progress: Callable[[str], None] | None = None,
     options: Mapping[str, Any] | None = None,
 ) -> PackageResult:
@@ -148,7 +152,8 @@ def package(
     ``Tolerance`` fields. ``precision``: one name for every target, or a mapping target -> name
     (key ``"*"``: the default for targets not named; without it ``int8``), each checked against
     what its target builds. ``options``: target -> that target's ``Options`` (or a mapping of its
-    fields). ``expires``: a time, a time from now, or an ISO 8601 string.
+    fields). ``expires``: a time, a time from now, or an ISO 8601 string; ``DEFAULT_EXPIRES`` (365 days)
+    unless given, ``None`` for a bundle that never expires.
     """
     say = progress or (lambda _msg: None)
     names = parse_targets(targets) if isinstance(targets, str) else parse_targets(",".join(targets))

@@ -216,7 +216,7 @@ def test_cli_package_prints_progress_table_and_bundle_path(capsys, workspace, tm
             "--precision 'int8,fp16': more than one default precision; give one "
             "default and at most one TARGET=PRECISION each",
         ),
-        (["--expires-days", "0"], 2, "--expires-days must be > 0, got 0.0"),
+        (["--expires-days", "-1"], 2, "--expires-days must be >= 0 (0 = never expires), got -1"),
     ],
 )
 def test_cli_package_bad_arguments_one_error_line(

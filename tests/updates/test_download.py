@@ -142,16 +142,14 @@ def test_download_of_plain_http_is_refused_where_allow_http_is_off(files: FileSe
 
 
 @pytest.fixture
-def slow(tmp_path: Path, files: FileServer, payload: Path) -> Iterator[SlowFileServer]:
+def slow(tmp_path: Path, files: FileServer, payload: Path) -> Iterator[FileServer]:
     """The payload's directory behind a 20 kB/s link (1 MB takes 50 s)."""
     server = SlowFileServer(files.dir, tmp_path / "slow.log", bytes_per_s=20_000).start()
     yield server
     server.kill()
 
 
-def test_download_gives_up_below_the_minimum_rate_and_keeps_the_part(
-    slow: SlowFileServer, payload: Path, dl: Path
-) -> None:
+def test_download_gives_up_below_the_minimum_rate_and_keeps_the_part(slow: FileServer, payload: Path, dl: Path) -> None:
     notice = _notice(payload, slow.base_url)
     limits = DownloadLimits(deadline_s=60, min_bytes_per_s=100_000, stall_s=1.0)
     with pytest.raises(DownloadError, match=r"too slow: \d+ bytes/s over the last 1 s") as e:
@@ -161,7 +159,7 @@ def test_download_gives_up_below_the_minimum_rate_and_keeps_the_part(
     assert 0 < part.stat().st_size < payload.stat().st_size  # resumed by the next attempt
 
 
-def test_download_gives_up_at_its_overall_deadline(slow: SlowFileServer, payload: Path, dl: Path) -> None:
+def test_download_gives_up_at_its_overall_deadline(slow: FileServer, payload: Path, dl: Path) -> None:
     limits = DownloadLimits(deadline_s=1.5, min_bytes_per_s=0, stall_s=30.0)
     with pytest.raises(DownloadError, match=r"did not finish within download_deadline_s \(1.5 s\)") as e:
         download(_notice(payload, slow.base_url), dl, max_bytes=10**7, limits=limits)
