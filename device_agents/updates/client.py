@@ -127,6 +127,13 @@ class UpdateClient:
         self._due: dict[str, float] = {}  # model name -> monotonic time before which it is left alone
         self._busy: set[str] = set()  # model names a worker thread is handling now
         self._handled: dict[str, Notice] = {}  # model name -> the notice its worker handled last
+        # One model at a time touches the store (install, remember, rollback); downloads and health
+        # windows of several models run side by side.
+        self._store_turn = threading.Lock()
+        for topic, verified in self.trust.stored_states(self.topics).items():  # acted on even while offline
+            self._states[topic] = verified.state
+            self._signers[topic] = verified.signers
+        self._dirty = bool(self._states)
         self._frozen = ""  # why the device is frozen (reported), "" when its states are fresh
         self._retry: dict[str, Backoff] = {}
         self._switched: dict[str, Traffic] = {}  # model name -> its traffic counters at the last switch
@@ -214,13 +221,10 @@ class UpdateClient:
             return
         if topic not in self.topics:
             return
-        if not payload:  # cleared: a group's state may now be the one that counts
-            with self._cond:
-                self._signers.pop(topic, None)
-                if self._states.pop(topic, None) is not None:
-                    log.info("updates: desired state on %s cleared", topic)
-                    self._dirty = True
-                    self._cond.notify_all()
+        if not payload:  # a cleared topic is signed by nobody: the state held stays
+            if topic in self._states:
+                self._refuse(topic, "an empty message (the topic was cleared) is not a signed state; to remove a "
+                             "model publish a state without it: edgekit fleet refresh --drop NAME")  # fmt: skip
             return
         try:
             verified = self.trust.check_desired(topic, payload)
@@ -228,7 +232,7 @@ class UpdateClient:
             self._refuse(topic, str(exc))
             return
         state = verified.state
-        self.trust.accept(topic, state)
+        self.trust.accept(topic, verified)
         names = ", ".join(f"{m.name} v{m.version}" for m in state.models) or "no models"
         log.info("updates: desired state on %s issued %s, fresh until %s: %s", topic, state.issued, state.expires,
                  names)  # fmt: skip
@@ -276,7 +280,8 @@ class UpdateClient:
                 self._dirty = False
                 desired = self._desired()
                 for name in set(self._due) - set(desired):
-                    del self._due[name]  # its state was cleared or no longer lists it
+                    del self._due[name]  # no fresh state lists it now (dropped, or expired: frozen) ...
+                    self._handled.pop(name, None)  # ... so it is handled afresh if it comes back
                 now = time.monotonic()
                 # a model is handled again when its notice changed, or when a retry or deferral is due
                 start = [
@@ -422,7 +427,8 @@ class UpdateClient:
         before = traffic(self.manager.metrics, notice.name).since(self._switched.get(notice.name, Traffic()))
         start = time.monotonic()
         try:
-            result = self.manager.install(path, origin=f"mqtt notice {notice.notice_id}")
+            with self._store_turn:
+                result = self.manager.install(path, origin=f"mqtt notice {notice.notice_id}")
         except _REJECTIONS as exc:
             self._reject(notice, str(exc), path)
             return
@@ -461,7 +467,8 @@ class UpdateClient:
             return
         if why:
             try:
-                self.manager.rollback(notice.name, why)
+                with self._store_turn:
+                    self.manager.rollback(notice.name, why)
             except EdgekitError as exc:
                 log.error("updates: %s is unhealthy (%s) but cannot be rolled back: %s", what, why, exc)
                 self._set_report("failed", notice, error=f"{why}; rollback failed: {exc}", metrics=metrics)
@@ -519,7 +526,7 @@ class UpdateClient:
         store = self.manager.store
         if store.model_state(notice.name).last_notice_id == notice.notice_id:
             return
-        with store.lock():
+        with self._store_turn, store.lock():
             store.update_model(
                 notice.name, lambda s: replace(s, last_notice_id=notice.notice_id, last_notice_issued=notice.issued)
             )

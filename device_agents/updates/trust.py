@@ -20,6 +20,7 @@ does not forget it.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
@@ -43,6 +44,8 @@ from edgekit.bundle.errors import EdgekitError, SignatureError, StoreError
 from edgekit.bundle.manifest import parse_time
 from edgekit.bundle.signing import RoleKeys, TrustStore, key_id, load_public_key, public_key_from_text
 
+log = logging.getLogger("edgekit.agent.updates")
+
 RECORD_NAME = "fleet-trust.json"
 RECORD_VERSION = 1
 
@@ -58,6 +61,7 @@ class TrustRecord:
     schema_version: int = RECORD_VERSION
     keys: str = ""  # the accepted keys document's envelope, as received
     desired: dict[str, str] = field(default_factory=dict)  # topic -> issued of the newest fresh state
+    states: dict[str, str] = field(default_factory=dict)  # topic -> that state's envelope, as received
 
 
 def load_record(path: Path) -> TrustRecord:
@@ -119,6 +123,7 @@ def bundle_trust(config: AgentConfig, keys: KeysDocument | None = None) -> Trust
 class VerifiedState:
     state: DesiredState
     signers: frozenset[str]  # the notice key ids whose signatures verified
+    payload: str = ""  # the envelope as received (kept on disk once accepted)
 
 
 class FleetTrust:
@@ -189,19 +194,40 @@ class FleetTrust:
             raise RefusedError(
                 f"it was issued {state.issued}, before {newest}, the newest state accepted on this topic: a replay"
             )
-        return VerifiedState(state, frozenset(signers))
+        return VerifiedState(state, frozenset(signers), payload.decode())
 
-    def accept(self, topic: str, state: DesiredState, now: datetime | None = None) -> None:
-        """Move ``topic``'s high-water mark to ``state`` (a fresh, checked state), durably."""
+    def accept(self, topic: str, verified: VerifiedState, now: datetime | None = None) -> None:
+        """Move ``topic``'s high-water mark to ``verified`` (a fresh, checked state) and keep it, durably."""
         now = now or datetime.now(timezone.utc)
+        state = verified.state
         if expired(state, now):
             return
         with self._lock:
             newest = self._record.desired.get(topic)
             if newest and parse_time(newest) >= parse_time(state.issued):
                 return
-            self._record = replace(self._record, desired={**self._record.desired, topic: state.issued})
+            self._record = replace(
+                self._record,
+                desired={**self._record.desired, topic: state.issued},
+                states={**self._record.states, topic: verified.payload},
+            )
             self._save()
+
+    def stored_states(self, topics: tuple[str, ...]) -> dict[str, VerifiedState]:
+        """The states accepted before a restart, for ``topics``, checked again (a key may be revoked since).
+
+        The device acts on them while the broker is away, and an empty (cleared) retained message,
+        which nobody signed, does not take them away.
+        """
+        with self._lock:
+            kept = {t: text for t, text in self._record.states.items() if t in topics}
+        found = {}
+        for topic, text in kept.items():
+            try:
+                found[topic] = self.check_desired(topic, text.encode())
+            except RefusedError as exc:
+                log.warning("updates: the stored desired state of %s no longer verifies (%s); dropped", topic, exc)
+        return found
 
     # -- keys document ------------------------------------------------------------------------
     @property

@@ -121,12 +121,14 @@ def test_desired_state_checks_without_a_broker(tmp_path: Path, keys: Keys) -> No
     skewed = signed_state(keys.notice_private, "f", (), device="dev-1", issued=now + timedelta(seconds=200))
     assert trust.check_desired(topic, skewed)  # within clock_skew_s (300 s)
     newer = trust.check_desired(topic, signed_state(keys.notice_private, "f", (), device="dev-1"))
-    trust.accept(topic, newer.state)
+    trust.accept(topic, newer)
+    restarted = FleetTrust(trust.config)  # the accepted state is kept
+    assert restarted.stored_states((topic,))[topic].state == newer.state
     old = signed_state(keys.notice_private, "f", (), device="dev-1", issued=now - timedelta(minutes=5))
     with pytest.raises(RefusedError, match="a replay"):
         trust.check_desired(topic, old)
     expired = signed_state(keys.notice_private, "f", (), device="dev-1", issued=now + timedelta(seconds=1),
                            fresh_for=timedelta(seconds=1))  # fmt: skip
     record = (tmp_path / "store" / "fleet-trust.json").read_text()
-    trust.accept(topic, trust.check_desired(topic, expired).state, now=now + timedelta(seconds=5))
+    trust.accept(topic, trust.check_desired(topic, expired), now=now + timedelta(seconds=5))
     assert (tmp_path / "store" / "fleet-trust.json").read_text() == record  # an expired state moves nothing

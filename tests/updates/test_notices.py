@@ -21,7 +21,7 @@ from edgekit.bundle.manifest import sha256_file
 from edgekit.fleet.publish import build_notice, bundle_url, copy_bundle, now_iso
 from edgekit.fleet.session import FleetSession
 from tests.updates.bundles import bundle, padded_classifier, tamper_member, wrong_hardware
-from tests.updates.conftest import FLEET, AgentFactory, Keys, publish
+from tests.updates.conftest import FLEET, AgentFactory, Keys, edgekit, publish
 from tests.updates.services import FileServer, Mosquitto, Watcher, wait_for
 from tests.updates.states import signed_state
 
@@ -109,7 +109,11 @@ def test_device_topic_overrides_group_and_rollout_selects_by_a_stable_hash(
         watcher.wait(lambda r: r["state"] == "serving" and r["version"] == 2, 30, "v2 from the device topic")
         assert not _gets(files, tiny_bundles[3])
 
-        _send(broker, DESIRED, b"")  # clear the device topic: the group's notice now counts
+        _send(broker, DESIRED, b"")  # clearing the topic is signed by nobody: refused, nothing changes
+        wait_for(lambda: f"refused the message on {DESIRED}: an empty message" in agent.log(), 20, "a refusal")
+        # the device's own state without tiny (signed): the group's notice now counts
+        edgekit("fleet", "refresh", "--broker", broker.url(), "--fleet", FLEET, "--device", "dev-1",
+                "--drop", "tiny", "--notice-key", str(keys.notice_private))  # fmt: skip
         agent.wait_version("tiny", 3)
 
         bucket = rollout_bucket("dev-1")
