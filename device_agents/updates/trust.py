@@ -145,6 +145,7 @@ class FleetTrust:
             # the root keys changed in the config since it was stored: forget it, the retained one comes again
             self._keys = None
             self._record = replace(self._record, keys="")
+        self._roles()
 
     # -- roles --------------------------------------------------------------------------------
     @property
@@ -154,19 +155,26 @@ class FleetTrust:
     def revoked(self) -> frozenset[str]:
         return frozenset(self.config.revoked_key_ids) | frozenset(self._keys.revoked if self._keys else ())
 
-    def notice_role(self) -> RoleKeys:
+    def _roles(self) -> None:
+        """Work out the notice role and the bundle trust (at start and after each keys document)."""
+        self._bundle_trust = (
+            bundle_trust(self.config, self._keys) if self._keys is not None else bundle_trust(self.config)
+        )
         keys: dict[str, Ed25519PublicKey] = dict(self._notice_config)
         if self._keys is not None:
             for text in self._keys.notice_keys:
                 pub = public_key_from_text(text)
                 keys[key_id(pub)] = pub
-        others = {kid: "bundle" for kid in self.bundle_trust().keys}
+        others = {kid: "bundle" for kid in self._bundle_trust.keys}
         if self._root is not None:
             others.update({kid: "root" for kid in self._root.keys})
-        return RoleKeys("notice", keys, revoked=self.revoked(), other_roles=others)
+        self._notice_role = RoleKeys("notice", keys, revoked=self.revoked(), other_roles=others)
+
+    def notice_role(self) -> RoleKeys:
+        return self._notice_role
 
     def bundle_trust(self) -> TrustStore:
-        return bundle_trust(self.config, self._keys) if self._keys is not None else bundle_trust(self.config)
+        return self._bundle_trust
 
     # -- desired state ------------------------------------------------------------------------
     def check_desired(self, topic: str, payload: bytes, now: datetime | None = None) -> VerifiedState:
@@ -260,6 +268,7 @@ class FleetTrust:
             self._keys = doc
             self._record = replace(self._record, keys=text)
             self._save()
+            self._roles()
         return doc
 
     # -- helpers ------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from edgekit.bundle import (
 )
 from edgekit.bundle.errors import ConfigError, SignatureError
 from edgekit.fleet.keys import build_keys_document
+from tests.updates.bundles import bundle
 from tests.updates.conftest import Keys
 from tests.updates.states import signed_state
 
@@ -100,8 +101,15 @@ def test_keys_document_needs_the_root_threshold_and_only_moves_forward(
     older = build_keys_document("f", None, revoke=("0" * 16,))
     with pytest.raises(RefusedError, match="not above v1, the keys document held: a replay"):
         restarted.accept_keys(sign_document(older.to_json(), signers[:2]).to_json())
+    # a bundle key added for some names only: the untrusted "other" key may now sign det-* models, not tiny
+    limited = build_keys_document("f", doc, add_bundle=((keys.other_public, ("det-*",)),))
+    restarted.accept_keys(sign_document(limited.to_json(), signers[:2]).to_json())
+    other_tiny = bundle(tmp_path / "tiny-other.ekb", keys.other_private, 2)
+    with pytest.raises(SignatureError, match=r"may sign only det-\*"):
+        read_verified_manifest(other_tiny, restarted.bundle_trust())
+    doc = limited
     later = build_keys_document("f", doc, revoke=(key_id(load_public_key(new_notice[1])),))
-    assert later.version == 2 and later.notice_keys == ()  # a revoked key leaves the lists
+    assert later.version == 3 and later.notice_keys == ()  # a revoked key leaves the lists
     restarted.accept_keys(sign_document(later.to_json(), signers[:2]).to_json())
     with pytest.raises(RefusedError, match="is revoked"):
         restarted.check_desired("edgekit/f/dev-1/desired", state)
