@@ -190,18 +190,20 @@ def test_a_certificate_cannot_take_over_another_devices_client_id(fleet: Fleet) 
 
 def test_group_desired_state_is_readable_only_by_the_groups_members(fleet: Fleet) -> None:
     cams, lobby = f"edgekit/{FLEET}/group/cams/desired", f"edgekit/{FLEET}/group/lobby/desired"
+    keys = f"edgekit/{FLEET}/keys"
     with FleetSession(fleet.address(fleet.publisher)) as pub:
+        pub.publish_retained(keys, b"the keys document")
         pub.publish_retained(cams, b"for cams")
         pub.publish_retained(lobby, b"for lobby, with a presigned URL")
     # dev-a is in cams only. Retained messages come in the order subscribed: once the cams one
     # (subscribed last) has arrived, a lobby one would have arrived before it.
-    dev_a = Watcher(fleet.broker.port, [lobby, f"edgekit/{FLEET}/group/+/desired", cams],
+    dev_a = Watcher(fleet.broker.port, [lobby, f"edgekit/{FLEET}/group/+/desired", keys, cams],
                     tls=(fleet.ca.cert_path, fleet.dev_a))  # fmt: skip
     dev_b = Watcher(fleet.broker.port, [cams, lobby], tls=(fleet.ca.cert_path, fleet.dev_b))
     try:
         wait_for(lambda: any(t == cams for _, t, _ in dev_a.messages), 10, "dev-a to get its group's state")
         wait_for(lambda: any(t == lobby for _, t, _ in dev_b.messages), 10, "dev-b to get its group's state")
-        assert {t for _, t, _ in dev_a.messages} == {cams}
+        assert {t for _, t, _ in dev_a.messages} == {cams, keys}  # and every device reads the keys document
         assert {t for _, t, _ in dev_b.messages} == {lobby}
     finally:
         dev_a.close()
