@@ -145,6 +145,14 @@ def _notice_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long the signed desired state stays fresh (24h, 30m, 7d; bare number = hours; default 24h); "
         "devices report frozen after it until a refresh",
     )
+    parser.add_argument(
+        "--previous-notice-key",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PUB",
+        help="after a rotation: a retired notice key whose signed states are carried over (their models kept)",
+    )
 
 
 def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
@@ -188,6 +196,7 @@ def _publish(args: argparse.Namespace) -> int:
         upload=_upload(args),
         notice_key=args.notice_key,
         fresh_for_s=parse_duration(args.fresh_for),
+        previous_notice_keys=tuple(args.previous_notice_key),
     )
     done = publish(args.bundle, options)
     n = done.notice
@@ -223,6 +232,7 @@ def _refresh(args: argparse.Namespace) -> int:
     states, warnings = update_states(
         _address(args), args.fleet, tuple(args.device), tuple(args.group), args.notice_key, change,
         fresh_for_s=parse_duration(args.fresh_for), timeout_s=args.timeout_s,
+        previous_notice_keys=tuple(args.previous_notice_key),
     )  # fmt: skip
     for warning in warnings:
         print(f"warning: {warning}")

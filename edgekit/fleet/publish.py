@@ -41,7 +41,14 @@ from device_agents.updates.protocol import (
     parse_signed,
     sign_document,
 )
-from edgekit.bundle import TrustStore, VerifiedManifest, key_id, load_private_key, read_verified_manifest
+from edgekit.bundle import (
+    TrustStore,
+    VerifiedManifest,
+    key_id,
+    load_private_key,
+    load_public_key,
+    read_verified_manifest,
+)
 from edgekit.bundle.errors import SignatureError
 from edgekit.bundle.manifest import sha256_file
 from edgekit.bundle.signing import RoleKeys
@@ -86,6 +93,7 @@ class PublishOptions:
     timeout_s: float = 10.0
     upload: S3Upload | None = None
     notice_key: Path | None = None  # required: signs the desired state (role "notice")
+    previous_notice_keys: tuple[Path, ...] = ()  # after a rotation: states they signed are carried over
     fresh_for_s: float = DEFAULT_FRESH_FOR_S
 
     def __post_init__(self) -> None:
@@ -209,6 +217,7 @@ def publish(bundle: Path, options: PublishOptions) -> Published:
     states, warnings = update_states(
         options.broker, options.fleet, options.devices, options.groups, options.notice_key, put,
         fresh_for_s=options.fresh_for_s, timeout_s=options.timeout_s, now=now,
+        previous_notice_keys=options.previous_notice_keys,
     )  # fmt: skip
     return Published(notice, topics, copied, stored, states, warnings)
 
@@ -224,15 +233,20 @@ def update_states(
     fresh_for_s: float = DEFAULT_FRESH_FOR_S,
     timeout_s: float = 10.0,
     now: datetime | None = None,
+    previous_notice_keys: tuple[Path, ...] = (),
 ) -> tuple[tuple[DesiredState, ...], tuple[str, ...]]:
     """Read each topic's retained state, apply ``change`` to its models, sign it afresh, publish it.
 
-    A retained message that is not a state signed by ``notice_key`` for that topic is replaced
-    (its models cannot be trusted, so none is carried over) and named in the warnings.
+    A retained message that is not a state signed by ``notice_key`` (or one of
+    ``previous_notice_keys``, public keys retired by a rotation) for that topic is replaced (its
+    models cannot be trusted, so none is carried over) and named in the warnings.
     """
     now = now or datetime.now(timezone.utc)
     key = load_private_key(notice_key)
-    own = RoleKeys("notice", {key_id(key.public_key()): key.public_key()})
+    own = RoleKeys(
+        "notice",
+        {key_id(k): k for k in (key.public_key(), *(load_public_key(p) for p in previous_notice_keys))},
+    )
     issued, expires = now_iso(now), now_iso(now + timedelta(seconds=fresh_for_s))
     states: list[DesiredState] = []
     warnings: list[str] = []

@@ -8,13 +8,16 @@ from pathlib import Path
 import pytest
 
 from device_agents.updates.connection import BrokerAddress
+from device_agents.updates.protocol import parse_desired, parse_signed
 from edgekit.bundle import TrustStore, read_verified_manifest
 from edgekit.bundle.manifest import sha256_file
 from edgekit.errors import ConfigError, SignatureError
 from edgekit.fleet.publish import PublishOptions, build_notice, bundle_url, copy_bundle, publish
+from edgekit.fleet.session import FleetSession
 from edgekit.fleet.status import DeviceStatus, format_json, format_table
 from tests.updates.bundles import bundle
-from tests.updates.conftest import Keys
+from tests.updates.conftest import FLEET, Keys, edgekit
+from tests.updates.services import FileServer, Mosquitto
 
 BROKER = BrokerAddress(False, "127.0.0.1", 1883)
 
@@ -107,3 +110,34 @@ def test_status_table_has_one_aligned_row_per_device() -> None:
         "device": "cam-02", "model": "tiny", "version": 1, "desired_version": 2, "state": "rejected",
         "updated": "2026-03-04T12:00:05Z", "reason": "tiny v2 expired",
     }  # fmt: skip
+
+
+def test_publish_keeps_the_other_models_of_a_state_and_carries_them_over_a_rotation(
+    broker: Mosquitto, files: FileServer, keys: Keys, tiny_bundles: dict[int, Path], tmp_path: Path
+) -> None:
+    from edgekit.bundle import generate_keypair
+    from tests.factories import make_cpu_bundle, tiny_classifier
+    from tests.updates.conftest import publish as cli_publish
+
+    other = make_cpu_bundle(tmp_path / "other-v1.ekb", tiny_classifier(tmp_path / "o.onnx", seed=5), keys.private,
+                            name="other", version=1)  # fmt: skip
+    topic = f"edgekit/{FLEET}/dev-1/desired"
+
+    def models() -> dict[str, int]:
+        with FleetSession(BrokerAddress(False, "127.0.0.1", broker.port)) as session:
+            state = parse_desired(parse_signed(session.read_retained(topic)))
+        return {m.name: m.version for m in state.models}
+
+    cli_publish(tiny_bundles[2], broker.url(), files, keys.public, "--device", "dev-1")
+    cli_publish(other, broker.url(), files, keys.public, "--device", "dev-1")
+    assert models() == {"tiny": 2, "other": 1}  # the allowlist grows with each publish
+    cli_publish(tiny_bundles[3], broker.url(), files, keys.public, "--device", "dev-1")
+    assert models() == {"tiny": 3, "other": 1}
+    new_key, _ = generate_keypair(tmp_path / "k", "fleet-2")
+    args = ["publish", str(tiny_bundles[4]), "--broker", broker.url(), "--fleet", FLEET, "--device", "dev-1",
+            "--base-url", files.base_url, "--copy-to", str(files.dir), "--trusted-key", str(keys.public),
+            "--notice-key", str(new_key)]  # fmt: skip
+    out = edgekit(*args, "--previous-notice-key", str(keys.notice_public))
+    assert "warning" not in out and models() == {"tiny": 4, "other": 1}  # carried over the rotation
+    out = edgekit(*args[:-1], str(keys.notice_private))  # the old key again: it cannot verify the new state
+    assert "is not a state signed by this notice key" in out and models() == {"tiny": 4}
