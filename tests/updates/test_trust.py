@@ -256,3 +256,16 @@ def test_build_failing_selftest_with_a_huge_version_does_not_block_the_next_rele
         agent.wait_version("tiny", 2)
     finally:
         watcher.close()
+
+
+def test_the_accepted_state_is_kept_so_an_offline_restart_still_knows_it_is_frozen(
+    broker: Mosquitto, files: FileServer, agents: AgentFactory, keys: Keys, tiny_bundles: dict[int, Path]
+) -> None:
+    agent = agents(broker.url(), "dev-1").start()
+    publish(tiny_bundles[2], broker.url(), files, keys.public, "--device", "dev-1", fresh_for="8s")
+    agent.wait_version("tiny", 2)
+    agent.stop()
+    broker.kill()  # no broker, so no retained state, after the restart
+    agent.start()
+    wait_for(lambda: agent.metric("edgekit_updates_frozen") == 1, 30, "frozen from the stored state alone")
+    assert "frozen: the desired state on " + DESIRED in agent.log() and agent.served_version("tiny") == 2
