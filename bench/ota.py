@@ -76,7 +76,7 @@ def _publish_to_serving(ctx: BenchContext, name: str, work: Path, broker: Any, f
     size_mb = bundles[-1].stat().st_size / 2**20
     from edgekit.bundle import generate_keypair
 
-    notice_key, notice_pub = generate_keypair(work / "fleet-keys", "fleet")
+    notice_key, notice_pub = generate_keypair(work / "fleet-keys-agent", "fleet")
     updates = toml_table(
         "updates",
         {"broker": broker.url(), "fleet": FLEET, "device_id": "bench-agent", "health_window_s": 1.0,
@@ -210,7 +210,7 @@ def _fleet(ctx: BenchContext, name: str, work: Path, broker: Any, files: Any, de
     clients = []
     from edgekit.bundle import generate_keypair
 
-    notice_key, notice_pub = generate_keypair(work / "fleet-keys", "fleet")
+    notice_key, notice_pub = generate_keypair(work / "fleet-keys-sims", "fleet")
     for i in range(devices):
         root = work / "devices" / f"sim-{i:02d}"
         config = config_from_data(
