@@ -35,6 +35,7 @@ import numpy as np
 from edgekit.bundle.codec import to_data
 from edgekit.bundle.manifest import (
     Compatibility,
+    CompressionStep,
     OpPlacement,
     OpPlacementEntry,
     Precision,
@@ -193,7 +194,41 @@ class AppleTarget:
                 + (", activations rounded to FP16" if fp16_activations else "")
             ),
             static=True,
+            provenance=(
+                *frozen.provenance(),
+                CompressionStep(
+                    kind="convert",
+                    tool=f"{_onnx2torch_version()} -> torch.jit.trace -> coremltools {ct.__version__}",
+                    settings={
+                        "convert_to": "mlprogram",
+                        "compute_precision": "fp32" if ctx.precision == "fp32" else "fp16",
+                        "minimum_deployment_target": opts.minimum_deployment_target,
+                    },
+                ),
+                *(
+                    ()
+                    if compressed is mlmodel
+                    else (
+                        CompressionStep(
+                            kind="palettize" if ctx.precision in _PALETTE_BITS else "quantize",
+                            tool=f"coremltools {ct.__version__}",
+                            settings={"method": precision.method, "weight_threshold": str(opts.weight_threshold)},
+                            metric="worst cosine of a compressed weight to its fp32 weight" if worst else "",
+                            after=worst,
+                        ),
+                    )
+                ),
+            ),
         )
+
+
+def _onnx2torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"onnx2torch {version('onnx2torch')}"
+    except PackageNotFoundError:
+        return "onnx2torch"
 
 
 def _compress(ct: Any, mlmodel: Any, precision: str, opts: AppleOptions) -> tuple[Any, Precision]:
