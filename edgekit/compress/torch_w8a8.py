@@ -28,10 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from edgekit.errors import ValidationFailedError
+from edgekit.errors import UnsupportedOpError, ValidationFailedError
 
 # FP16 keeps 11 significant bits: a scale stored in the package is the torch scale to within 2**-11.
 _SCALE_RTOL = 2.0**-10
+_FP16_SUBNORMAL_STEP = 2.0**-24
 _MIL_SUFFIXES = re.compile(r"(_cast_fp16|_cast_fp32|_to_fp16|_to_fp32)$")
 _MIL_PREFIXES = ("var_", "op_", "_")
 
@@ -69,15 +70,29 @@ def calibrate(module: Any, example: tuple[Any, ...], batches: Iterable[tuple[Any
             weight_observer="min_max",
             activation_observer="min_max",
             milestones=None,  # observers and fake quantization on from the start: calibration only
-        )
+        ),
+        # onnx2torch's own op modules branch on tensor values (e.g. OnnxBinaryMathOperation's integer
+        # Div check), which FX cannot trace: they stay opaque float ops between the quantized ones
+        non_traceable_module_names=opaque_modules(module),
     )
     quantizer = LinearQuantizer(module, config)
-    prepared = quantizer.prepare(example_inputs=example)
+    try:
+        prepared = quantizer.prepare(example_inputs=example)
+    except torch.fx.proxy.TraceError as exc:
+        raise UnsupportedOpError(
+            f"coremltools.optimize.torch cannot trace the torch intermediate for W8A8 ({exc}); "
+            "use --precision int8-weights"
+        ) from exc
     prepared.eval()  # observers still record in eval mode; batch norm keeps its statistics
     with torch.no_grad():
         for batch in batches:
             prepared(*batch)
     return quantizer.finalize()
+
+
+def opaque_modules(module: Any) -> list[str]:
+    """Names of the submodules that are onnx2torch op implementations (not torch.nn layers)."""
+    return [name for name, sub in module.named_modules() if name and type(sub).__module__.startswith("onnx2torch.")]
 
 
 def torch_activation_quant(graph_module: Any) -> list[ActivationQuant]:
@@ -240,7 +255,9 @@ def _torch_key(mil_name: str, modules: dict[str, Any]) -> str | None:
 
 
 def _same(tq: ActivationQuant, pq: ActivationQuant) -> bool:
-    return tq.zero_point == pq.zero_point and abs(tq.scale - pq.scale) <= _SCALE_RTOL * abs(tq.scale)
+    # below 2**-14 FP16 is subnormal: its spacing is 2**-24 whatever the value
+    tolerance = max(_SCALE_RTOL * abs(tq.scale), _FP16_SUBNORMAL_STEP)
+    return tq.zero_point == pq.zero_point and abs(tq.scale - pq.scale) <= tolerance
 
 
 def _attr(graph_module: Any, arg: Any) -> Any:
@@ -277,6 +294,7 @@ __all__ = [
     "align",
     "calibrate",
     "load_package_quantization",
+    "opaque_modules",
     "package_activation_quant",
     "torch_activation_quant",
 ]

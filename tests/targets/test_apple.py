@@ -445,6 +445,30 @@ def test_apple_w8a8_passes_its_gate_on_the_digits_example(keypair, tmp_path: Pat
     assert v.size_ratio is not None and v.size_ratio < 0.35
 
 
+@pytest.mark.slow
+def test_apple_w8a8_converts_a_dynamic_hw_yolo_style_detector_and_passes_its_gate(
+    keypair, tmp_path: Path, open_bundle
+) -> None:
+    # Frozen first (static shapes, onnxslim), then quantized with onnx2torch's own op modules (Div,
+    # Reshape, Split...) left opaque to FX tracing, which their value checks would break.
+    from edgekit.packager import package
+    from tests.factories import tiny_yolo
+
+    model = tiny_yolo(tmp_path / "yolo.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = package(
+            model, ["apple"], "int8", calib={"images": sample_inputs(24, size=64, seed=8)}, key=keypair[0],
+            out_dir=tmp_path,
+        )  # fmt: skip
+    _, manifest = open_bundle(result.bundles["apple"])
+    v = manifest.validation
+    assert manifest.precision.label == "w8a8" and v.kind == "dense" and v.passed and v.cosine > 0.99
+    assert "frozen: static input shapes images=1x3x64x64" in v.notes
+    kinds = [step.kind for step in manifest.provenance if step.kind != "prepare"]
+    assert kinds == ["fix_shapes", "simplify", "quantize", "convert"]
+
+
 # -- check_model -------------------------------------------------------------------------------------
 
 
