@@ -34,6 +34,7 @@ from edgekit.bundle.manifest import (
     MANIFEST_NAME,
     SCHEMA_VERSION,
     SIGNATURE_NAME,
+    CompressionStep,
     FileEntry,
     Golden,
     Manifest,
@@ -431,6 +432,9 @@ def _validate_and_describe(
         measured_on=measured_on,
         notes=(*(f"prepared: {s}" for s in run.steps), *result.notes, *comparison.failures),
     )
+    # provenance starts at the source model: the shared preparation, then the target's own steps
+    prepared = tuple(CompressionStep(kind="prepare", tool="edgekit", notes=step) for step in run.steps)
+    result = dataclasses.replace(result, provenance=(*prepared, *result.provenance))
     manifest = _manifest(name, version, target, result, served, source, files, validation, golden, expires, private_key)
     row = Row(target, precision, result.precision.label, result.precision.method, validation, comparison.failures)
     return manifest, comparison, row
@@ -569,6 +573,7 @@ def _manifest(
         golden=golden,
         op_placement=result.op_placement,
         target_options=dict(result.target_options),
+        provenance=result.provenance,
     )
 
 

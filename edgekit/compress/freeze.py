@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from edgekit.bundle.manifest import CompressionStep
 from edgekit.errors import MissingSDKError, ModelFormatError
 
 # The frozen graph computes the same function: anything below this is an onnxslim bug, not rounding.
@@ -40,6 +41,7 @@ class FrozenGraph:
     shape_ops_left: int  # Shape/Range/... nodes still computing shapes at run time after folding
     renamed_nodes: int  # node names changed to valid TensorFlow scope names
     min_cosine: float | None  # worst output cosine, frozen vs source graph on the check sample
+    tool: str = "onnxslim"  # the simplifier and its version, e.g. "onnxslim 0.1.98"
 
     @property
     def steps(self) -> tuple[str, ...]:
@@ -54,6 +56,35 @@ class FrozenGraph:
         if self.min_cosine is not None:
             out.append(f"frozen graph vs source on a calibration sample: worst output cosine {self.min_cosine:.6f}")
         return tuple(out)
+
+    def provenance(self) -> tuple[CompressionStep, ...]:
+        """The manifest's provenance steps for freezing, in order."""
+        shapes = {n: "x".join(map(str, s)) for n, s in self.static_shapes.items()}
+        steps = [
+            CompressionStep(kind="fix_shapes", tool="edgekit", settings=shapes),
+            CompressionStep(
+                kind="simplify",
+                tool=self.tool,
+                settings={
+                    "constant_folding": "true",
+                    "nodes_before": str(self.nodes_before),
+                    "nodes_after": str(self.nodes_after),
+                    "shape_ops_left": str(self.shape_ops_left),
+                },
+                metric="worst output cosine vs the graph before freezing" if self.min_cosine is not None else "",
+                after=self.min_cosine,
+            ),
+        ]
+        if self.renamed_nodes:
+            steps.append(
+                CompressionStep(
+                    kind="rename_nodes",
+                    tool="edgekit",
+                    settings={"renamed": str(self.renamed_nodes)},
+                    notes="node names made valid TensorFlow scope names",
+                )
+            )
+        return tuple(steps)
 
 
 def scope_name(name: str, index: int, taken: set[str]) -> str:
@@ -131,6 +162,7 @@ def freeze_graph(
         shape_ops_left=sum(1 for n in graph.node if n.op_type in _SHAPE_OPS),
         renamed_nodes=renamed,
         min_cosine=cosine,
+        tool=f"onnxslim {onnxslim.__version__}",
     )
 
 

@@ -35,6 +35,7 @@ import numpy as np
 from edgekit.bundle.codec import to_data
 from edgekit.bundle.manifest import (
     Compatibility,
+    CompressionStep,
     OpPlacement,
     OpPlacementEntry,
     Precision,
@@ -59,7 +60,9 @@ _ML_DTYPES = {"FLOAT32": "float32", "FLOAT16": "float16", "INT32": "int32", "DOU
 class AppleOptions:
     """Settings of the ``apple`` target (``--option apple.KEY=VALUE``)."""
 
-    minimum_deployment_target: Literal["iOS16", "iOS17", "iOS18", "macOS13", "macOS14", "macOS15"] = "iOS16"
+    # None: the lowest the precision needs (iOS16; iOS17 for int8 = W8A8, whose activation quantize ops
+    # are Core ML 7; iOS18 for per_grouped_channel LUTs); the manifest records the one used
+    minimum_deployment_target: Literal["iOS16", "iOS17", "iOS18", "macOS13", "macOS14", "macOS15"] | None = None
     compute_units: Literal["ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY"] = "ALL"
     # coremltools leaves weights with fewer elements than this uncompressed (its default: 2048)
     weight_threshold: int = 2048
@@ -68,13 +71,20 @@ class AppleOptions:
     # weight whose channel count the group size does not divide stays uncompressed)
     palettize_granularity: Literal["per_tensor", "per_grouped_channel"] = "per_tensor"
     palettize_group_size: int = 4
+    calibration_samples: int = 128  # W8A8: at most this many calibration samples set the activation ranges
 
     def __post_init__(self) -> None:
         if self.weight_threshold < 0:
             raise ValueError(f"weight_threshold must be >= 0, got {self.weight_threshold}")
         if self.palettize_group_size < 1:
             raise ConfigError(f"targets.apple.palettize_group_size: must be >= 1, got {self.palettize_group_size}")
-        if self.palettize_granularity == "per_grouped_channel" and self.minimum_deployment_target not in _IOS18:
+        if self.calibration_samples < 1:
+            raise ConfigError(f"targets.apple.calibration_samples: must be >= 1, got {self.calibration_samples}")
+        if (
+            self.palettize_granularity == "per_grouped_channel"
+            and self.minimum_deployment_target is not None
+            and self.minimum_deployment_target not in _IOS18
+        ):
             raise ConfigError(
                 "targets.apple.palettize_granularity: per_grouped_channel LUTs need Core ML 8 "
                 f"(minimum_deployment_target {' or '.join(_IOS18)}), not {self.minimum_deployment_target}; "
@@ -85,7 +95,7 @@ class AppleOptions:
 class AppleTarget:
     name: ClassVar[str] = "apple"
     runtime: ClassVar[str] = "coreml"
-    precisions: ClassVar[tuple[str, ...]] = ("fp16", "int8-weights", "palettize6", "palettize4", "fp32")
+    precisions: ClassVar[tuple[str, ...]] = ("fp16", "int8", "int8-weights", "palettize6", "palettize4", "fp32")
     Options: ClassVar[type] = AppleOptions
     static_shapes: ClassVar[bool] = True
 
@@ -102,39 +112,19 @@ class AppleTarget:
     def build(self, ctx: BuildContext) -> BuildResult:
         ct = _sdk("coremltools", "the apple target")
         torch = _sdk("torch", "the apple target")
-        from edgekit.compress.freeze import freeze_graph
         from edgekit.compress.mlpackage_weights import load_into_torch, load_program, package_weights
-        from edgekit.compress.onnx_to_torch import onnx_to_torch
 
         opts: AppleOptions = ctx.options
+        if ctx.precision == "int8":
+            return build_w8a8(ctx)
+        deployment = deployment_target(opts, ctx.precision)
         if ctx.precision in _PALETTE_BITS and opts.palettize_mode == "kmeans":
             _sdk("sklearn", "k-means palettization")  # coremltools imports it lazily: fail before converting
-        inputs = [_static(spec, ctx.static_shapes) for spec in ctx.served.inputs]
-        ctx.progress("[apple] freeze (onnxslim) -> onnx2torch -> torch.jit.trace")
-        shapes = {s.name: tuple(int(d) for d in s.shape) for s in inputs}
-        frozen = freeze_graph(
-            ctx.model_path,
-            ctx.work_dir / "folded.onnx",
-            shapes,
-            check=_check_batch(ctx.calib, inputs),
-        )
-        module = onnx_to_torch(frozen.path)
-        example = tuple(torch.zeros(s.shape, dtype=_torch_dtype(torch, s.dtype)) for s in inputs)
+        inputs, frozen, module, example = _torch_graph(ctx)
         with torch.no_grad():
             traced = torch.jit.trace(module, example, check_trace=False)
         ctx.progress(f"[apple] coremltools {ct.__version__}: mlprogram, {ctx.precision}")
-        mlmodel = ct.convert(
-            traced,
-            inputs=[ct.TensorType(name=s.name, shape=s.shape, dtype=np.dtype(s.dtype).type) for s in inputs],
-            outputs=[
-                ct.TensorType(name=o.name, dtype=np.float32 if o.dtype.startswith("float") else None)
-                for o in ctx.served.outputs
-            ],
-            convert_to="mlprogram",
-            minimum_deployment_target=getattr(ct.target, opts.minimum_deployment_target),
-            compute_precision=ct.precision.FLOAT32 if ctx.precision == "fp32" else ct.precision.FLOAT16,
-            skip_model_load=True,
-        )
+        mlmodel = _mlprogram(ct, traced, inputs, ctx.served, deployment, fp32=ctx.precision == "fp32")
         compressed, precision = _compress(ct, mlmodel, ctx.precision, opts)
         package = ctx.out_dir / PACKAGE
         compressed.save(str(package))
@@ -178,7 +168,7 @@ class AppleTarget:
                 runtime="coreml",
                 runtime_version=ct.__version__,
                 accelerator="ane" if opts.compute_units == "CPU_AND_NE" else None,
-                hardware={"minimum_deployment_target": opts.minimum_deployment_target},
+                hardware={"minimum_deployment_target": deployment},
             ),
             artifact_signature=artifact_signature,
             mapping=mapping,
@@ -186,14 +176,215 @@ class AppleTarget:
             runnable_here=False,
             op_placement=placement,
             notes=tuple(notes),
-            target_options=to_data(opts) | {"package": PACKAGE, "spec_version": int(spec.specificationVersion)},
+            target_options=to_data(opts)
+            | {
+                "minimum_deployment_target": deployment,
+                "package": PACKAGE,
+                "spec_version": int(spec.specificationVersion),
+            },
             intermediate=torch_runner(intermediate_module, ctx.served, inputs, fp16_activations),
             intermediate_name=(
                 "torch intermediate with the mlpackage's dequantized weights"
                 + (", activations rounded to FP16" if fp16_activations else "")
             ),
             static=True,
+            provenance=(
+                *frozen.provenance(),
+                CompressionStep(
+                    kind="convert",
+                    tool=f"{_onnx2torch_version()} -> torch.jit.trace -> coremltools {ct.__version__}",
+                    settings={
+                        "convert_to": "mlprogram",
+                        "compute_precision": "fp32" if ctx.precision == "fp32" else "fp16",
+                        "minimum_deployment_target": deployment,
+                    },
+                ),
+                *(
+                    ()
+                    if compressed is mlmodel
+                    else (
+                        CompressionStep(
+                            kind="palettize" if ctx.precision in _PALETTE_BITS else "quantize",
+                            tool=f"coremltools {ct.__version__}",
+                            settings={"method": precision.method, "weight_threshold": str(opts.weight_threshold)},
+                            metric="worst cosine of a compressed weight to its fp32 weight" if worst else "",
+                            after=worst,
+                        ),
+                    )
+                ),
+            ),
         )
+
+
+_W8A8_TARGETS = ("iOS17", "iOS18", "macOS14", "macOS15")
+
+
+def deployment_target(opts: AppleOptions, precision: str) -> str:
+    """The Core ML deployment target a build uses: the one set, checked against what ``precision``
+    needs, else the lowest that suffices."""
+    grouped = precision in _PALETTE_BITS and opts.palettize_granularity == "per_grouped_channel"
+    chosen = opts.minimum_deployment_target
+    if chosen is None:
+        return "iOS18" if grouped else "iOS17" if precision == "int8" else "iOS16"
+    if precision == "int8" and chosen not in _W8A8_TARGETS:
+        raise ConfigError(
+            f"targets.apple.minimum_deployment_target={chosen}: --precision int8 (W8A8) needs Core ML 7 activation "
+            f"quantization ({' or '.join(_W8A8_TARGETS)}); set it to iOS17, or use --precision int8-weights"
+        )
+    return chosen
+
+
+def _torch_graph(ctx: BuildContext) -> tuple[list[TensorSpec], Any, Any, tuple[Any, ...]]:
+    """(static input specs, frozen graph, onnx2torch module, example inputs) for ``ctx``'s model."""
+    import torch
+
+    from edgekit.compress.freeze import freeze_graph
+    from edgekit.compress.onnx_to_torch import onnx_to_torch
+
+    inputs = [_static(spec, ctx.static_shapes) for spec in ctx.served.inputs]
+    ctx.progress("[apple] freeze (onnxslim) -> onnx2torch -> torch.jit.trace")
+    shapes = {s.name: tuple(int(d) for d in s.shape) for s in inputs}
+    frozen = freeze_graph(ctx.model_path, ctx.work_dir / "folded.onnx", shapes, check=_check_batch(ctx.calib, inputs))
+    module = onnx_to_torch(frozen.path)
+    example = tuple(torch.zeros(shapes[s.name], dtype=_torch_dtype(torch, s.dtype)) for s in inputs)
+    return inputs, frozen, module, example
+
+
+def _mlprogram(
+    ct: Any, traced: Any, inputs: list[TensorSpec], served: Signature, deployment: str, fp32: bool = False
+) -> Any:
+    return ct.convert(
+        traced,
+        inputs=[ct.TensorType(name=s.name, shape=s.shape, dtype=np.dtype(s.dtype).type) for s in inputs],
+        outputs=[
+            ct.TensorType(name=o.name, dtype=np.float32 if o.dtype.startswith("float") else None)
+            for o in served.outputs
+        ],
+        convert_to="mlprogram",
+        minimum_deployment_target=getattr(ct.target, deployment),
+        compute_precision=ct.precision.FLOAT32 if fp32 else ct.precision.FLOAT16,
+        skip_model_load=True,
+    )
+
+
+def build_w8a8(ctx: BuildContext) -> BuildResult:
+    """W8A8 ``.mlpackage``: the torch intermediate quantized with ``coremltools.optimize.torch``
+    (int8 symmetric per-channel weights, 8-bit per-tensor activations, min/max over up to
+    ``calibration_samples`` calibration samples), converted with its quantize/dequantize ops, and
+    validated through that quantized graph carrying the package's own weights and activation scales
+    (``edgekit.compress.torch_w8a8``). One candidate the optimisation engine can build."""
+    ct = _sdk("coremltools", "the apple target")
+    torch = _sdk("torch", "the apple target")
+    from edgekit.compress.mlpackage_weights import load_program, package_weights
+    from edgekit.compress.torch_w8a8 import calibrate, load_package_quantization
+
+    opts: AppleOptions = ctx.options or AppleOptions()
+    deployment = deployment_target(opts, "int8")
+    inputs, frozen, module, example = _torch_graph(ctx)
+    batch = int(inputs[0].shape[0]) if inputs[0].shape else 1
+    count = min(opts.calibration_samples, min(len(ctx.calib[s.name]) for s in inputs))
+    count -= count % batch
+    if count < 1:
+        raise ConfigError(f"the apple W8A8 build needs at least {batch} calibration samples of the static batch")
+    batches = [
+        tuple(
+            torch.from_numpy(np.ascontiguousarray(ctx.calib[s.name][i : i + batch].astype(np.dtype(s.dtype))))
+            for s in inputs
+        )
+        for i in range(0, count, batch)
+    ]
+    ctx.progress(f"[apple] coremltools.optimize.torch W8A8: calibrating on {count} samples")
+    quantized = calibrate(module, example, batches)
+    with torch.no_grad():
+        traced = torch.jit.trace(quantized, example, check_trace=False)
+    ctx.progress(f"[apple] coremltools {ct.__version__}: mlprogram, W8A8 ({deployment})")
+    mlmodel = _mlprogram(ct, traced, inputs, ctx.served, deployment)
+    package = ctx.out_dir / PACKAGE
+    mlmodel.save(str(package))
+    spec, program = load_program(package)
+    artifact_signature, mapping = _interface(spec, ctx.served, inputs)
+    kinds: dict[str, int] = {}
+    for w in package_weights(program):
+        kinds[w.compression] = kinds.get(w.compression, 0) + 1
+    report = load_package_quantization(quantized, program)
+    if not report.weights or not report.activations:
+        raise ValidationFailedError(
+            f"apple int8: the package holds {len(report.weights)} int8 weights and {report.activations} activation "
+            "quantize ops; W8A8 needs both (the model has no conv/linear layer coremltools.optimize.torch quantizes?)"
+        )
+    method = (
+        f"coremltools.optimize.torch LinearQuantizer: int8 symmetric per-channel weights, 8-bit per-tensor "
+        f"activations, min/max calibration on {count} samples, fp16 compute"
+    )
+    notes = [
+        *(f"frozen: {step}" for step in frozen.steps),
+        "package weights: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
+        f"intermediate: the quantized torch graph with the package's {len(report.weights)} int8 weights and scales "
+        f"and its {report.activations} activation scales (torch vs package scale: within "
+        f"{report.worst_scale_error:.1e} relative)"
+        + (
+            f"; {len(report.dropped_noops)} no-op requantization(s) coremltools removed" if report.dropped_noops else ""
+        ),
+        "Core ML latency: not measured here",
+    ]
+    placement = op_placement(program, package, opts)
+    if placement.tool.endswith("not measured here"):
+        notes.append("Core ML compute-device placement: not measured here (needs macOS 14.4+)")
+    files = {p.relative_to(ctx.out_dir).as_posix(): "artifact" for p in sorted(package.rglob("*")) if p.is_file()}
+    return BuildResult(
+        files=files,
+        compatibility=Compatibility(
+            runtime="coreml",
+            runtime_version=ct.__version__,
+            accelerator="ane" if opts.compute_units == "CPU_AND_NE" else None,
+            hardware={"minimum_deployment_target": deployment},
+        ),
+        artifact_signature=artifact_signature,
+        mapping=mapping,
+        precision=Precision("int8", "int8", method),
+        runnable_here=False,
+        op_placement=placement,
+        notes=tuple(notes),
+        target_options=to_data(opts)
+        | {"minimum_deployment_target": deployment, "package": PACKAGE, "spec_version": int(spec.specificationVersion)},
+        intermediate=torch_runner(quantized, ctx.served, inputs, fp16_activations=True),
+        intermediate_name=(
+            "quantized torch intermediate with the mlpackage's int8 weights and activation scales, "
+            "activations rounded to FP16"
+        ),
+        static=True,
+        provenance=(
+            *frozen.provenance(),
+            CompressionStep(
+                kind="quantize",
+                tool=f"coremltools {ct.__version__} optimize.torch LinearQuantizer",
+                settings={
+                    "weights": "int8 symmetric per-channel",
+                    "activations": "8-bit per-tensor",
+                    "observer": "min_max",
+                    "calibration_samples": str(count),
+                },
+            ),
+            CompressionStep(
+                kind="convert",
+                tool=f"{_onnx2torch_version()} -> torch.jit.trace -> coremltools {ct.__version__}",
+                settings={
+                    "convert_to": "mlprogram",
+                    "compute_precision": "fp16",
+                    "minimum_deployment_target": deployment,
+                },
+            ),
+        ),
+    )
+
+
+def _onnx2torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"onnx2torch {version('onnx2torch')}"
+    except PackageNotFoundError:
+        return "onnx2torch"
 
 
 def _compress(ct: Any, mlmodel: Any, precision: str, opts: AppleOptions) -> tuple[Any, Precision]:
@@ -399,4 +590,12 @@ def _sdk(module: str, what: str) -> Any:
         raise MissingSDKError(_PIP_NAMES.get(module, module), "coreml", what) from exc
 
 
-__all__ = ["AppleOptions", "AppleTarget", "check_compression", "op_placement", "torch_runner"]
+__all__ = [
+    "AppleOptions",
+    "AppleTarget",
+    "build_w8a8",
+    "check_compression",
+    "deployment_target",
+    "op_placement",
+    "torch_runner",
+]

@@ -22,6 +22,7 @@ import numpy as np
 
 from edgekit.bundle.manifest import (
     Compatibility,
+    CompressionStep,
     OpPlacement,
     Precision,
     Signature,
@@ -68,6 +69,8 @@ class BuildResult:
     intermediate_name: str = ""
     # Static input shapes the artifact requires (the agent refuses others with a 4xx).
     static: bool = False
+    # What produced the artifact from the prepared model, in order (manifest ``provenance``).
+    provenance: tuple[CompressionStep, ...] = ()
 
 
 class Target(Protocol):

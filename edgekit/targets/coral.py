@@ -36,6 +36,7 @@ import numpy as np
 
 from edgekit.bundle.manifest import (
     Compatibility,
+    CompressionStep,
     OpPlacement,
     OpPlacementEntry,
     Precision,
@@ -175,6 +176,7 @@ def package_tflite(
         "precision": precision,
         "target_options": asdict(opts),
         "static": True,
+        "provenance": _provenance(converted, samples),
     }
     if converted.activations == "int16" and compiler is not None:
         notes.append("16x8 (int16 activations): the Edge TPU runs int8 only, so it is not compiled for it")
@@ -215,6 +217,34 @@ def package_tflite(
         intermediate=served_runner(converted.quantized, artifact_sig, mapping, ctx.served),
         intermediate_name="uncompiled int8 .tflite on the LiteRT CPU interpreter",
         **common,
+    )
+
+
+def _provenance(converted: TfliteModel, samples: int) -> tuple[CompressionStep, ...]:
+    from importlib.metadata import version
+
+    from edgekit.compress.onnx2tflite import import_tensorflow
+
+    tf_version = str(import_tensorflow().__version__)
+    return (
+        *converted.frozen.provenance(),
+        CompressionStep(
+            kind="convert",
+            tool=f"onnx2tf {version('onnx2tf')}",
+            settings={"layout": "NCHW -> NHWC", "output": "SavedModel -> float32 TFLite"},
+            metric="worst output cosine, float TFLite vs ONNX Runtime",
+            after=converted.float_cosine,
+        ),
+        CompressionStep(
+            kind="quantize",
+            tool=f"tensorflow {tf_version} TFLiteConverter",
+            settings={
+                "weights": "int8 per-channel",
+                "activations": converted.activations,
+                "mode": "16x8" if converted.activations == "int16" else "full-integer",
+                "calibration_samples": str(samples),
+            },
+        ),
     )
 
 

@@ -13,7 +13,7 @@ from edgekit.targets import get_target
 from edgekit.targets.precisions import choose_precisions, parse_precision_arg, resolve_precisions
 from tests.factories import confident_inputs, tiny_classifier
 
-APPLE_BUILDS = "fp16, int8-weights, palettize6, palettize4, fp32"
+APPLE_BUILDS = "fp16, int8, int8-weights, palettize6, palettize4, fp32"
 
 
 @pytest.mark.parametrize(
@@ -84,14 +84,21 @@ def _targets(*names: str) -> dict:
     return {n: get_target(n) for n in names}
 
 
-def test_choose_precisions_default_int8_refused_for_apple_with_the_way_out() -> None:
-    # Nothing is mapped onto something else: apple has no int8, and the error says what to write instead.
+def test_choose_precisions_default_int8_is_w8a8_for_apple_too() -> None:
+    # issue 12: for apple, int8 means W8A8 once the target builds it (it does: activation quantization
+    # on the torch intermediate), so the default precision packages all five targets.
+    chosen = choose_precisions("int8", _targets("cpu", "intel", "coral", "jetson", "apple"))
+    assert set(chosen.values()) == {"int8"}
+
+
+def test_choose_precisions_refuses_what_apple_cannot_build_with_the_way_out() -> None:
+    # Nothing is mapped onto something else: apple has no int4-weights, and the error says what to write instead.
     with pytest.raises(ConfigError) as err:
-        choose_precisions("int8", _targets("cpu", "intel", "coral", "jetson", "apple"))
+        choose_precisions("int4-weights", _targets("cpu", "apple"))
     assert str(err.value) == (
-        f"--precision 'int8' is not available for target 'apple' (it builds {APPLE_BUILDS}); "
-        "nearest: 'int8-weights'; to keep int8 for the other targets, give apple its own: "
-        "--precision int8,apple=int8-weights"
+        f"--precision 'int4-weights' is not available for target 'apple' (it builds {APPLE_BUILDS}); "
+        "nearest: 'int8-weights'; to keep int4-weights for the other targets, give apple its own: "
+        "--precision int4-weights,apple=int8-weights"
     )
 
 

@@ -8,6 +8,7 @@ end to end. Prediction on Core ML is ``requires_macos``. One conversion per prec
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from pathlib import Path
@@ -175,7 +176,7 @@ def test_apple_palettize4_per_grouped_channel_keeps_one_lut_per_channel_group(pr
 
 def test_apple_refuses_grouped_luts_below_ios18() -> None:
     with pytest.raises(ConfigError, match=r"targets\.apple\.palettize_granularity: per_grouped_channel .* not iOS16"):
-        AppleOptions(palettize_granularity="per_grouped_channel")
+        AppleOptions(palettize_granularity="per_grouped_channel", minimum_deployment_target="iOS16")
     with pytest.raises(ConfigError, match=r"targets\.apple\.palettize_group_size: must be >= 1"):
         AppleOptions(palettize_group_size=0)
 
@@ -368,6 +369,104 @@ def test_apple_intermediate_takes_a_compressed_weight_coremltools_fused_a_scale_
     ref = ort_cpu_runner(prepared.path)({"input": x})["probs"]
     got = _served_outputs(result.intermediate, x)
     assert np.mean(got.argmax(1) == ref.argmax(1)) >= 0.9
+
+
+# -- W8A8 (--precision int8) -------------------------------------------------------------------------
+
+
+def test_apple_w8a8_package_holds_activation_quantization_and_the_intermediate_computes_with_its_scales(
+    build, prepared
+) -> None:
+    from edgekit.compress.mlpackage_weights import load_program, main_operations
+    from edgekit.compress.torch_w8a8 import package_activation_quant, torch_activation_quant
+
+    ctx, result = build("int8")
+    _, program = load_program(ctx.out_dir / "model.mlpackage")
+    ops = [op.op_type for op in main_operations(program)]
+    assert ops.count("quantize") >= 3 and ops.count("constexpr_affine_dequantize") == 3  # conv1, conv2, fc
+    assert result.precision.label == "w8a8" and "LinearQuantizer" in result.precision.method
+    assert result.compatibility.hardware == {"minimum_deployment_target": "iOS17"}  # the lowest W8A8 runs on
+    assert result.target_options["minimum_deployment_target"] == "iOS17"
+    assert [step.kind for step in result.provenance] == ["fix_shapes", "simplify", "quantize", "convert"]
+    # the intermediate is the quantized torch graph, holding the package's FP16 activation scales exactly
+    module = inspect.getclosurevars(result.intermediate).nonlocals["module"]  # what torch_runner runs
+    package_scales = [q.scale for q in package_activation_quant(program)]
+    torch_scales = [q.scale for q in torch_activation_quant(module)]
+    assert set(package_scales) <= set(torch_scales)
+    assert all(np.float16(s) == s for s in torch_scales)
+    x = confident_inputs(prepared.path, 24, seed=3)
+    ref = ort_cpu_runner(prepared.path)({"input": x})["probs"]
+    got = _served_outputs(result.intermediate, x)
+    _, fp16 = build("fp16")
+    assert not np.allclose(got, _served_outputs(fp16.intermediate, x), atol=1e-4)  # activations really quantized
+    assert np.mean(got.argmax(1) == ref.argmax(1)) >= 0.9
+
+
+def test_activation_quant_alignment_drops_only_exact_repeats() -> None:
+    from edgekit.compress.torch_w8a8 import ActivationQuant, align
+
+    torch_q = [ActivationQuant("a", 0.1, 128), ActivationQuant("b", 0.05, 0), ActivationQuant("flat", 0.05, 0)]
+    package_q = [ActivationQuant("qa", float(np.float16(0.1)), 128), ActivationQuant("qb", 0.05, 0)]
+    assert align(torch_q, package_q) == [0, 1, None]  # the repeat after a reshape is a no-op coremltools drops
+    with pytest.raises(ValidationFailedError, match=r"activation quantization b \(scale 0\.05, zero point 0\)"):
+        align(torch_q, [package_q[0], ActivationQuant("qb", 0.07, 0)])
+    with pytest.raises(ValidationFailedError, match="has no counterpart in the torch intermediate"):
+        align(torch_q[:1], package_q)
+
+
+def test_apple_refuses_w8a8_below_ios17(prepared, tmp_path: Path) -> None:
+    ctx = _ctx(prepared, tmp_path, "int8", AppleOptions(minimum_deployment_target="iOS16"))
+    with pytest.raises(
+        ConfigError, match=r"minimum_deployment_target=iOS16: --precision int8 \(W8A8\) needs Core ML 7"
+    ):
+        AppleTarget().build(ctx)
+
+
+@pytest.mark.slow
+def test_apple_w8a8_passes_its_gate_on_the_digits_example(keypair, tmp_path: Path, open_bundle) -> None:
+    from edgekit.packager import package
+
+    digits = Path(__file__).resolve().parents[2] / "examples" / "digits"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = package(
+            digits / "model.onnx", ["apple"], "int8", calib=digits / "calib.npz", eval=digits / "eval.npz",
+            labels=digits / "eval_labels.npy", key=keypair[0], out_dir=tmp_path,
+        )  # fmt: skip
+    _, manifest = open_bundle(result.bundles["apple"])
+    v = manifest.validation
+    assert manifest.precision.label == "w8a8" and v.passed and v.samples == 450
+    assert v.top1_agreement >= 0.98 and v.fp32_top1_accuracy - v.top1_accuracy <= 0.01
+    assert v.measured_on.startswith("intermediate (quantized torch intermediate with the mlpackage's int8 weights")
+    assert any(
+        n.startswith("intermediate: the quantized torch graph with the package's 8 int8 weights") for n in v.notes
+    )
+    assert manifest.compatibility.hardware == {"minimum_deployment_target": "iOS17"}
+    assert v.size_ratio is not None and v.size_ratio < 0.35
+
+
+@pytest.mark.slow
+def test_apple_w8a8_converts_a_dynamic_hw_yolo_style_detector_and_passes_its_gate(
+    keypair, tmp_path: Path, open_bundle
+) -> None:
+    # Frozen first (static shapes, onnxslim), then quantized with onnx2torch's own op modules (Div,
+    # Reshape, Split...) left opaque to FX tracing, which their value checks would break.
+    from edgekit.packager import package
+    from tests.factories import tiny_yolo
+
+    model = tiny_yolo(tmp_path / "yolo.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = package(
+            model, ["apple"], "int8", calib={"images": sample_inputs(24, size=64, seed=8)}, key=keypair[0],
+            out_dir=tmp_path,
+        )  # fmt: skip
+    _, manifest = open_bundle(result.bundles["apple"])
+    v = manifest.validation
+    assert manifest.precision.label == "w8a8" and v.kind == "dense" and v.passed and v.cosine > 0.99
+    assert "frozen: static input shapes images=1x3x64x64" in v.notes
+    kinds = [step.kind for step in manifest.provenance if step.kind != "prepare"]
+    assert kinds == ["fix_shapes", "simplify", "quantize", "convert"]
 
 
 # -- check_model -------------------------------------------------------------------------------------

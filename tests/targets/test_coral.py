@@ -358,6 +358,11 @@ def test_coral_packages_a_dynamic_hw_yolo_style_detector_that_passes_its_gate(
     assert any(n.startswith("frozen: onnxslim constant folding and simplification: ") for n in notes)
     assert manifest.signature.inputs[0].shape == (1, 3, 64, 64)
     assert manifest.artifact_signature.inputs[0].shape == (1, 64, 64, 3)
+    steps = [step for step in manifest.provenance if step.kind != "prepare"]
+    assert [step.kind for step in steps] == ["fix_shapes", "simplify", "rename_nodes", "convert", "quantize"]
+    assert steps[0].settings == {"images": "1x3x64x64"} and steps[1].tool.startswith("onnxslim ")
+    assert steps[1].settings["shape_ops_left"] == "0" and steps[1].after is not None and steps[1].after > 0.9999
+    assert steps[3].tool.startswith("onnx2tf ") and steps[4].settings["activations"] == "int8"
     served = load_model(model_dir, manifest, LiteRtOptions(threads=1))
     try:
         x = sample_inputs(1, size=64, seed=31)
