@@ -18,7 +18,7 @@ def check_validation_mark(manifest: Manifest, allow_failed_validation: bool) -> 
     v = manifest.validation
     if v.passed or allow_failed_validation:
         return
-    failures = tuple(getattr(v, "failures", ()))
+    failures = v.failures
     why = f" ({'; '.join(failures)})" if failures else ""
     raise FailedValidationError(
         f"bundle {manifest.name} v{manifest.version} failed validation when it was packaged{why}; package it "

@@ -22,6 +22,7 @@ from typing import Any
 
 from device_agents.command_line import Parser, os_error_message
 from edgekit import __version__
+from edgekit.bundle.codec import to_data
 from edgekit.errors import ConfigError, EdgekitError, InferenceInputError
 
 PROG = "edgekit"
@@ -337,8 +338,13 @@ def describe_manifest(m: Any, signed_by: str) -> list[str]:
         for k in ("top1_agreement", "top1_accuracy", "fp32_top1_accuracy", "cosine", "relative_error", "max_abs_error")
         if getattr(v, k) is not None
     ]
+    spread = (
+        f", p90 {v.latency_p90_ms:.3f} ms, IQR {v.latency_iqr_ms:.3f} ms"
+        if v.latency_p90_ms is not None and v.latency_iqr_ms is not None
+        else ""
+    )
     latency = (
-        f"p50 {v.latency_p50_ms:.3f} ms (fp32 {v.fp32_latency_p50_ms:.3f} ms)"
+        f"p50 {v.latency_p50_ms:.3f} ms{spread} (fp32 p50 {v.fp32_latency_p50_ms:.3f} ms)"
         if v.latency_p50_ms is not None and v.fp32_latency_p50_ms is not None
         else "latency not measured here"
     )
@@ -347,11 +353,17 @@ def describe_manifest(m: Any, signed_by: str) -> list[str]:
         f"validation {'passed' if v.passed else 'FAILED'} ({v.kind}, {v.samples} samples, {v.measured_on}): "
         + ", ".join(measures),
         f"  size {v.size_bytes} bytes{ratio}, {latency}",
+        *(f"  failed: {f}" for f in v.failures),
         *(f"  note: {n}" for n in v.notes),
         f"golden vectors: {m.golden.count} in {m.golden.file} (min cosine {m.golden.min_cosine}, atol {m.golden.atol})",
         "files:",
         *(f"  {f.path}  {f.size_bytes} bytes  {f.role}  sha256 {f.sha256[:16]}..." for f in m.files),
     ]
+    if m.calibration is not None:
+        c = m.calibration
+        lines.append(f"calibration: {c.samples} samples from {c.source or 'arrays'}, sha256 {c.sha256[:16]}...")
+    if m.preprocess:
+        lines.append("pre-processing: " + " -> ".join(_step(s) for s in m.preprocess))
     if m.op_placement is not None:
         op = m.op_placement
         counts = Counter((e.device, e.op) for e in op.entries)
@@ -360,6 +372,16 @@ def describe_manifest(m: Any, signed_by: str) -> list[str]:
     if m.target_options:
         lines.append("target options: " + ", ".join(f"{k}={val}" for k, val in sorted(m.target_options.items())))
     return lines
+
+
+def _step(step: Any) -> str:
+    def value(k: str, v: Any) -> str:
+        if isinstance(v, list):
+            return ("x" if k == "size" else "/").join(f"{x:g}" if isinstance(x, float) else str(x) for x in v)
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    shown = {k: v for k, v in to_data(step).items() if k not in ("op", "tensor") and v not in ([], None)}
+    return " ".join([step.op, *(f"{k}={value(k, v)}" for k, v in shown.items())])
 
 
 def _spec(s: Any) -> str:
@@ -402,9 +424,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def failed_validation_line(m: Any) -> str:
     """What ``verify`` (and the agent) say about a bundle written by ``package --allow-failed``."""
-    failures = tuple(getattr(m.validation, "failures", ())) or tuple(
-        n for n in m.validation.notes if "needs" in n or "dropped" in n
-    )
+    failures = m.validation.failures
     why = f" ({'; '.join(failures)})" if failures else ""
     return (
         f"{m.name} v{m.version} for {m.target} failed validation when it was packaged{why}; edgekit-agent refuses "

@@ -63,6 +63,7 @@ from edgekit.targets.sdk_output import sdk_output_to
 from edgekit.validate.calib import (
     ArraysLike,
     check_arrays,
+    data_manifest_fields,
     fixed_batch,
     load_data,
     load_labels,
@@ -72,7 +73,7 @@ from edgekit.validate.calib import (
     split_holdout,
     take,
 )
-from edgekit.validate.latency import call_with, p50_side_by_side
+from edgekit.validate.latency import LatencyStats, call_with, stats_side_by_side
 from edgekit.validate.metrics import MEASURES, Comparison, Kind, RunFn, compare, output_kind, run_all, tolerance_with
 from edgekit.validate.ort_runner import ort_cpu_runner
 from edgekit.validate.preprocess import Preprocess
@@ -164,6 +165,8 @@ class _Run:
     source_size: int
     steps: tuple[str, ...]
     say: Callable[[str], None]
+    # manifest fields from the data: ``preprocess`` (images read with --preprocess), ``calibration``
+    manifest_extras: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def package(
@@ -268,6 +271,7 @@ def package(
             source_size=model_size_bytes(model),
             steps=prepared.steps,
             say=say,
+            manifest_extras=data_manifest_fields(calib_arrays, calib, prepared.served, preprocess),
         )
         static_shapes = resolve_static_shapes(prepared.served, run.calib, input_shapes)
         for t in names:
@@ -497,7 +501,7 @@ def _validate_and_describe(
     )
     batch = _batch(served, result.static)
     pad = fixed_batch(served) is not None  # a fixed batch takes exactly `batch` samples per call
-    latency: dict[str, float] = {}
+    latency: dict[str, LatencyStats] = {}
     served_model = None
     if result.runnable_here:
         from device_agents.runtimes import load_model
@@ -517,7 +521,7 @@ def _validate_and_describe(
         if served_model is not None:
             one = pad_samples(take(run.eval, 0, batch if pad else 1), batch if pad else 1)
             run.say(f"[{target}] timing the artifact side by side with fp32")
-            latency = p50_side_by_side(
+            latency = stats_side_by_side(
                 {"fp32": call_with(run.fp32, one), "artifact": call_with(served_model.infer, one)}, repeats=20
             )
         artifact = fn if served_model is not None else None
@@ -534,12 +538,16 @@ def _validate_and_describe(
         **{k: getattr(comparison, k) for k in MEASURES},
         size_bytes=size,
         size_ratio=size / run.source_size if run.source_size else None,
-        latency_p50_ms=latency.get("artifact"),
-        fp32_latency_p50_ms=latency.get("fp32"),
+        latency_p50_ms=latency["artifact"].p50_ms if latency else None,
+        fp32_latency_p50_ms=latency["fp32"].p50_ms if latency else None,
+        latency_p90_ms=latency["artifact"].p90_ms if latency else None,
+        latency_iqr_ms=latency["artifact"].iqr_ms if latency else None,
         measured_on=measured_on,
-        notes=(*(f"prepared: {s}" for s in run.steps), *result.notes, *comparison.failures),
+        notes=(*(f"prepared: {s}" for s in run.steps), *result.notes),
+        failures=comparison.failures,
     )
     manifest = _manifest(name, version, target, result, served, source, files, validation, golden, expires, private_key)
+    manifest = dataclasses.replace(manifest, **run.manifest_extras)
     row = Row(target, precision, result.precision.label, result.precision.method, validation, comparison.failures)
     return manifest, comparison, row
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from edgekit.bundle.manifest import Signature, TensorSpec
+from edgekit.bundle.manifest import CalibrationData, Signature, TensorSpec
 from edgekit.errors import CalibrationDataError
 from edgekit.validate.preprocess import Preprocess, image_files
 
@@ -86,6 +86,30 @@ def write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> str:
                 np.lib.format.write_array(f, np.ascontiguousarray(arrays[name]), allow_pickle=False)
     tmp.replace(path)
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def arrays_sha256(arrays: Mapping[str, np.ndarray]) -> str:
+    """sha256 over the arrays in name order: each name, dtype, shape, then the C-order bytes."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}\0{a.dtype.str}\0{list(a.shape)}\0".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def data_manifest_fields(
+    calib: Mapping[str, np.ndarray], source: ArraysLike, served: Signature, preprocess: Preprocess | None
+) -> dict[str, Any]:
+    """Manifest fields that the data decides: ``calibration`` (identity of the arrays calibration
+    used) and, for images read with ``preprocess``, the ``preprocess`` steps a client must apply."""
+    given = "arrays" if isinstance(source, Mapping) else str(source)
+    fields: dict[str, Any] = {
+        "calibration": CalibrationData(sha256=arrays_sha256(calib), samples=sample_count(calib), source=given)
+    }
+    if not isinstance(source, Mapping) and image_files(source) is not None:
+        fields["preprocess"] = (preprocess or Preprocess()).to_steps(served.inputs[0])
+    return fields
 
 
 def folder_labels(files: list[Path], root: Path) -> tuple[np.ndarray, list[str]]:

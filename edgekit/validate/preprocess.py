@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from edgekit.bundle.manifest import TensorSpec
+from edgekit.bundle.manifest import ProcessingStep, TensorSpec
 from edgekit.errors import CalibrationDataError, ConfigError, MissingSDKError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
@@ -88,6 +88,30 @@ class Preprocess:
                 v = f"{v:g}"
             parts.append(f"{f.name}={v}")
         return ",".join(parts)
+
+    def to_steps(self, spec: TensorSpec) -> tuple[ProcessingStep, ...]:
+        """The manifest's pre-processing ops for ``spec``: from a decoded HWC image (RGB, or one
+        channel for GRAY) to the served input, in the order ``apply`` runs them."""
+        channels, size = self._target(spec)
+        mode = self.channels or ("GRAY" if channels == 1 else "RGB")
+        steps: list[ProcessingStep] = []
+        if mode == "BGR":
+            steps.append(ProcessingStep(op="channel_order", tensor=spec.name, order="BGR"))
+        if self.fit == "letterbox":
+            steps.append(ProcessingStep(op="letterbox", tensor=spec.name, size=size, pad_value=float(self.pad)))
+        elif self.fit == "stretch":
+            steps.append(ProcessingStep(op="resize", tensor=spec.name, size=size, interpolation="bilinear"))
+        else:
+            steps.append(ProcessingStep(op="center_crop", tensor=spec.name, size=size, interpolation="bilinear"))
+        steps.append(ProcessingStep(op="scale", tensor=spec.name, value=1.0 / self.scale))
+        if any(m != 0 for m in self.mean) or any(s != 1 for s in self.std):
+            n = max(len(self.mean), len(self.std))
+            mean = self.mean * n if len(self.mean) == 1 else self.mean
+            std = self.std * n if len(self.std) == 1 else self.std
+            steps.append(ProcessingStep(op="normalize", tensor=spec.name, mean=mean, std=std))
+        steps.append(ProcessingStep(op="layout", tensor=spec.name, layout=self.layout))
+        steps.append(ProcessingStep(op="cast", tensor=spec.name, dtype=spec.dtype))
+        return tuple(steps)
 
     def apply(self, paths: Sequence[Path], spec: TensorSpec) -> np.ndarray:
         """Samples for ``spec`` (rank 4, NCHW or NHWC as ``layout``) from ``paths``, stacked on axis 0."""

@@ -359,6 +359,20 @@ def test_cli_package_from_an_image_folder_with_preprocess(capsys, ws, tmp_path: 
     )
     assert (code, err) == (0, "")
     assert out.splitlines()[-1] == f"cpu: {tmp_path}/m-cpu-v1.ekb"
+    from edgekit.bundle.archive import read_unverified_manifest
+
+    m, _ = read_unverified_manifest(tmp_path / "m-cpu-v1.ekb")
+    assert [s.op for s in m.preprocess] == ["channel_order", "center_crop", "scale", "layout", "cast"]
+    assert m.preprocess[1].size == (16, 16) and m.preprocess[2].value == pytest.approx(1 / 255)
+    assert m.calibration is not None and (m.calibration.samples, m.calibration.source) == (
+        10,
+        str(images),
+    )  # 2 of 12 held out
+    code, out, _ = _cli(capsys, "inspect", tmp_path / "m-cpu-v1.ekb")
+    assert (
+        "pre-processing: channel_order order=BGR -> center_crop size=16x16 interpolation=bilinear -> "
+        "scale value=0.00392157 -> layout layout=NCHW -> cast dtype=float32" in out.splitlines()
+    )
     code, _, err = _package(capsys, ws, tmp_path / "b", "--calib", images, "--preprocess", "fit=letterbx", "-q")
     assert (code, err) == (
         2,
@@ -499,7 +513,8 @@ def test_cli_package_json_alone_on_stdout(capsys, ws, tmp_path: Path) -> None:
     assert doc["bundles"] == {"cpu": f"{tmp_path}/m-cpu-v1.ekb"}
     row = doc["rows"][0]
     assert (row["target"], row["precision"], row["label"], row["passed"]) == ("cpu", "fp32", "w32a32", True)
-    assert row["validation"]["top1_agreement"] == 1.0 and row["validation"]["latency_p50_ms"] > 0
+    v = row["validation"]
+    assert v["top1_agreement"] == 1.0 and v["latency_p90_ms"] >= v["latency_p50_ms"] > 0 and v["latency_iqr_ms"] >= 0
     assert set(doc["timings_s"]) == {"prepare", "cpu"}
     assert "preparing tiny.onnx" in err  # progress went to stderr
 
