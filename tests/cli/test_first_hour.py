@@ -591,3 +591,25 @@ def test_package_api_signature_matches_the_packager() -> None:
     assert [(p.name, p.default) for p in ours.parameters.values()] == [
         (p.name, p.default) for p in theirs.parameters.values()
     ]
+
+
+# -- edgekit bench ----------------------------------------------------------------------------
+
+
+def test_cli_bench_times_a_bundle_at_each_batch_size(capsys, ws, tmp_path: Path) -> None:
+    assert _package(capsys, ws, tmp_path, "--calib", ws["calib"], "--precision", "fp32", "-q")[0] == 0
+    bundle = tmp_path / "m-cpu-v1.ekb"
+    args = ("bench", bundle, "--batch", "1,4", "--warmup", "1", "--repeats", "10", "--budget-s", "0.5")
+    code, out, err = _cli(capsys, *args, "--pubkey", ws["pub"])
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0].startswith("m v1 (cpu, onnxruntime ") and lines[0].endswith(", 1 warm-up")
+    assert lines[1].split() == ["batch", "calls", "p50", "p90", "p99", "throughput"]
+    for line, batch in zip(lines[2:], (1, 4), strict=True):
+        assert re.fullmatch(rf" *{batch} +10 +(\d+\.\d{{3}} ms +){{3}}\d+\.\d/s", line)
+    code, out, _ = _cli(capsys, *args, "--json")
+    doc = json.loads(out)
+    assert [t["batch"] for t in doc["timings"]] == [1, 4]
+    assert all(t["p99_ms"] >= t["p90_ms"] >= t["p50_ms"] > 0 and t["samples_per_s"] > 0 for t in doc["timings"])
+    code, _, err = _cli(capsys, "bench", bundle, "--batch", "1,x")
+    assert (code, err) == (2, "edgekit: error: --batch '1,x': expected sizes such as 1,8,32\n")
