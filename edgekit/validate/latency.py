@@ -21,6 +21,8 @@ class LatencyStats:
     p90_ms: float
     iqr_ms: float
     calls: int
+    p25_ms: float = 0.0
+    p75_ms: float = 0.0
 
 
 def p50_side_by_side(
@@ -79,11 +81,9 @@ def stats_side_by_side(
 
 def _stats(values: list[float]) -> LatencyStats:
     ms = sorted(v * 1000.0 for v in values)
+    q1, q3 = _quantile(ms, 0.25), _quantile(ms, 0.75)
     return LatencyStats(
-        p50_ms=_quantile(ms, 0.5),
-        p90_ms=_quantile(ms, 0.9),
-        iqr_ms=_quantile(ms, 0.75) - _quantile(ms, 0.25),
-        calls=len(ms),
+        p50_ms=_quantile(ms, 0.5), p90_ms=_quantile(ms, 0.9), iqr_ms=q3 - q1, calls=len(ms), p25_ms=q1, p75_ms=q3
     )
 
 
