@@ -55,8 +55,9 @@ class Parser(argparse.ArgumentParser):
 
     def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
         argv = list(sys.argv[1:] if argv is None else argv)
-        deepest = _deepest(self, argv)
-        known = [s for a in deepest._actions for s in a.option_strings]
+        chain = _chain(self, argv)
+        deepest = chain[-1]
+        known = [s for p in chain for a in p._actions for s in a.option_strings]
         # Unknown flags first: a misspelt required flag would otherwise be reported as missing.
         for token in argv:
             if token == "--":
@@ -80,16 +81,17 @@ class Parser(argparse.ArgumentParser):
         self.error(f"unrecognized argument {flag}{hint}")
 
 
-def _deepest(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Parser:
-    """The (sub)parser that the command words in ``argv`` select."""
-    current = parser
+def _chain(parser: Parser, argv: Sequence[str]) -> list[Parser]:
+    """The parser and the subparsers that the command words in ``argv`` select, outermost first."""
+    chain = [parser]
     for token in argv:
-        sub = next((a for a in current._actions if isinstance(a, argparse._SubParsersAction)), None)
+        sub = next((a for a in chain[-1]._actions if isinstance(a, argparse._SubParsersAction)), None)
         if sub is None:
             break
-        if token in sub.choices:
-            current = sub.choices[token]
-    return current if isinstance(current, Parser) else Parser()
+        chosen = sub.choices.get(token)
+        if isinstance(chosen, Parser):
+            chain.append(chosen)
+    return chain
 
 
 def os_error_message(exc: OSError) -> str:

@@ -84,6 +84,8 @@ def build_parser() -> Parser:
     from edgekit import doctor  # `edgekit doctor`: this machine's device class, SDKs, buildable targets, runtimes
 
     doctor.register(sub)
+    for command in sub.choices.values():  # also after the subcommand; SUPPRESS keeps one given before it
+        command.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 

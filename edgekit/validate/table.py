@@ -35,7 +35,9 @@ def format_table(rows: Sequence[Any]) -> str:
                 _accuracy(v),
                 _latency(v),
                 _speed(v),
-                ("passed" if v.passed else "FAILED") + ("" if r.bundle is not None else ", no bundle"),
+                ("passed" if v.passed else "FAILED")
+                + (", slower than fp32" if v.slower_than_fp32 else "")
+                + ("" if r.bundle is not None else ", no bundle"),
             )
         )
     widths = [max(len(row[i]) for row in lines) for i in range(len(HEADERS))]

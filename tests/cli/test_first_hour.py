@@ -613,3 +613,52 @@ def test_cli_bench_times_a_bundle_at_each_batch_size(capsys, ws, tmp_path: Path)
     assert all(t["p99_ms"] >= t["p90_ms"] >= t["p50_ms"] > 0 and t["samples_per_s"] > 0 for t in doc["timings"])
     code, _, err = _cli(capsys, "bench", bundle, "--batch", "1,x")
     assert (code, err) == (2, "edgekit: error: --batch '1,x': expected sizes such as 1,8,32\n")
+
+
+def test_table_marks_an_artifact_slower_than_fp32() -> None:
+    # The engine sets validation.slower_than_fp32; the table must not show such a result as a plain "passed".
+    from edgekit.bundle.manifest import Tolerance, Validation
+    from edgekit.packager import Row
+    from edgekit.validate.table import format_table
+
+    v = Validation(
+        passed=True,
+        kind="classifier",
+        samples=8,
+        tolerance=Tolerance(),
+        top1_agreement=1.0,
+        size_bytes=1024,
+        latency_p50_ms=2.0,
+        fp32_latency_p50_ms=1.0,
+        latency_p90_ms=2.5,
+        latency_iqr_ms=0.2,
+        slower_than_fp32=True,
+    )
+    row = format_table([Row("cpu", "int8", "w8a8", "m", v, bundle=Path("b.ekb"))]).splitlines()[2]
+    assert row.endswith("2.000 / 2.500 ms (0.200)  0.50x          passed, slower than fp32")
+
+
+def test_cli_log_level_before_or_after_the_subcommand() -> None:
+    from edgekit.cli import build_parser
+
+    base = ["package", "m.onnx", "--key", "k", "--name", "n", "--version", "1", "-o", "o"]
+    parser = build_parser()
+    assert parser.parse(["--log-level", "debug", *base]).log_level == "debug"
+    assert parser.parse([*base, "--log-level", "info"]).log_level == "info"
+    assert parser.parse(base).log_level == "warning"
+
+
+def test_agent_verbose_anywhere_turns_on_debug_logging() -> None:
+    from device_agents.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse(["-v", "status", "--config", "a.toml"]).verbose is True
+    assert parser.parse(["status", "--config", "a.toml", "-v"]).verbose is True
+    assert parser.parse(["run", "--config", "a.toml"]).verbose is False
+
+
+def test_agent_os_error_is_one_line(capsys, tmp_path: Path) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text('store = "/proc/nope/store"\ntrusted_keys = ["k.pub"]\n')
+    code, out, err = _agent(capsys, "status", "--config", config)
+    assert (code, out, err) == (1, "", "edgekit-agent: error: /proc/nope: no such file or directory; check the path\n")
