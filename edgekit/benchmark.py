@@ -79,10 +79,11 @@ def bench_bundle(
     threads: int | None = None,
 ) -> BenchResult:
     """Time ``bundle`` at each of ``batch_sizes`` (see the module docstring)."""
+    import dataclasses
     import platform
 
     from device_agents.runtimes import load_model
-    from device_agents.runtimes.base import RuntimeOptions
+    from device_agents.runtimes.options import OPTIONS
     from edgekit.bundle import TrustStore, VerifiedManifest, extract, read_verified_manifest
     from edgekit.bundle.archive import read_unverified_manifest
 
@@ -96,7 +97,12 @@ def bench_bundle(
         manifest, kid = read_unverified_manifest(bundle)
         verified = VerifiedManifest(manifest, manifest.to_json(), kid)
     m = verified.manifest
-    options = RuntimeOptions() if threads is None else RuntimeOptions(threads=threads)
+    options = None
+    if threads is not None:
+        options_cls = OPTIONS.get(m.compatibility.runtime)
+        if options_cls is None or "threads" not in {f.name for f in dataclasses.fields(options_cls)}:
+            raise ConfigError(f"--threads: the {m.compatibility.runtime} runtime takes no thread count here")
+        options = options_cls(threads=threads)  # type: ignore[call-arg]  # checked above: this class has `threads`
     timings: list[BatchTiming] = []
     skipped: list[str] = []
     with tempfile.TemporaryDirectory(prefix="edgekit-bench-") as tmp:
