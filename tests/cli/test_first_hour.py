@@ -658,3 +658,16 @@ def test_agent_os_error_is_one_line(capsys, tmp_path: Path) -> None:
     config.write_text('store = "/proc/nope/store"\ntrusted_keys = ["k.pub"]\n')
     code, out, err = _agent(capsys, "status", "--config", config)
     assert (code, out, err) == (1, "", "edgekit-agent: error: /proc/nope: no such file or directory; check the path\n")
+
+
+def test_cli_package_json_on_a_failed_gate_exit_3(capsys, ws, tmp_path: Path) -> None:
+    code, out, err = _package(
+        capsys, ws, tmp_path, "--calib", ws["calib"], "--precision", "fp32", "--tolerance",
+        "min_top1_agreement=1.5", "--json", "-q",
+    )  # fmt: skip
+    assert code == 3
+    doc = json.loads(out)
+    assert (doc["exit_code"], doc["passed"], doc["bundles"]) == (3, False, {})
+    assert doc["rows"][0]["failures"] == doc["rows"][0]["validation"]["failures"] != []
+    assert doc["error"].startswith("cpu fp32 failed validation on 4 held-out samples: top-1 agreement with fp32 1")
+    assert err.startswith("edgekit: error: cpu fp32 failed validation")
