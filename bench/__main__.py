@@ -30,7 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats (noisier numbers)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for latest.json and latest.png")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    parser.add_argument(
+        "--plot-only",
+        action="store_true",
+        help="measure nothing: redraw OUT/latest.png from OUT/latest.json (after a change to the plot)",
+    )
     args = parser.parse_args(argv)
+    if args.plot_only:
+        return _replot(args.out)
     if args.list:
         for e in BENCHMARKS:
             print(f"{e.name:18s} {e.description}")
@@ -73,6 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(rows)} rows ({sum(m.note.startswith(NOT_HERE) for m in rows)} {NOT_HERE}) in {duration:.0f} s")
     print(f"wrote {json_path}" + (f" and {png}" if png else " (no plot: matplotlib is not installed)"))
     return 1 if any(m.note.startswith("failed") for m in rows) else 0
+
+
+def _replot(out: Path) -> int:
+    import json
+
+    doc = json.loads((out / "latest.json").read_text())
+    rows = report.load_rows(out / "latest.json")
+    title = f"python -m bench, {doc['started']}\n{machine.short_line(doc['machine'])}"
+    png = report.write_plot(out / "latest.png", rows, title)
+    print(f"wrote {png}" if png else "no plot: matplotlib is not installed")
+    return 0 if png else 1
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def _bundle_side(
         name="digits",
         version=1,
         out_dir=out,
-        force=True,  # measure it even if it misses the gate; the note says so
+        allow_failed=True,  # measure it even if it misses the gate; the note says so
     )
     manifest = result.manifests[target]
     v = manifest.validation
@@ -142,26 +142,31 @@ def _compare(name: str, a: _Side, b: _Side) -> list[Measurement]:
 
 
 def _latency(ctx: BenchContext, name: str, base: _Side, others: list[_Side], images: np.ndarray) -> list[Measurement]:
-    from edgekit.validate.latency import p50_side_by_side
+    from edgekit.validate.latency import LatencyStats, stats_side_by_side
 
     rows = []
     runnable = [s for s in (base, *others) if s.infer is not None]
     for batch in BATCHES:
         usable = [s for s in runnable if s.batch in (None, batch)]
-        p50: dict[str, float] = {}
+        p50: dict[str, LatencyStats] = {}
         if base in usable and len(usable) > 1:
             x = np.ascontiguousarray(images[:batch])
             ctx.progress(f"{name}: p50 latency at batch {batch}, {', '.join(s.label for s in usable)} interleaved")
-            p50 = p50_side_by_side(
+            p50 = stats_side_by_side(
                 {s.label: _bound(s, x) for s in usable}, repeats=ctx.repeats, budget_s=ctx.budget_s, warmup=3
             )
         for other in others:
             metric = f"p50 latency, batch {batch}"
             case = f"{other.label} vs {base.label}"
             if base.label in p50 and other.label in p50:
-                note = f"median over interleaved blocks (<= {ctx.repeats} rounds)"
+                note = f"median over interleaved blocks (<= {ctx.repeats} rounds); spread p25-p75"
                 a, b = p50[base.label], p50[other.label]
-                rows.append(Measurement(name, case, metric, "ms", base.label, other.label, a, b, note))
+                rows.append(
+                    Measurement(
+                        name, case, metric, "ms", base.label, other.label, a.p50_ms, b.p50_ms, note,
+                        a_spread=(a.p25_ms, a.p75_ms), b_spread=(b.p25_ms, b.p75_ms),
+                    )
+                )  # fmt: skip
             else:
                 fixed = other.label if other.batch not in (None, batch) else base.label
                 only = other.batch or base.batch

@@ -34,6 +34,9 @@ class Measurement:
     a_value: float | None = None
     b_value: float | None = None
     note: str = ""  # how it was measured, or why it was not ("not measured here: ...")
+    # spread of a latency, as (p25, p75) in ``unit``, when the benchmark measured it
+    a_spread: tuple[float, float] | None = None
+    b_spread: tuple[float, float] | None = None
 
     @property
     def ratio(self) -> float | None:

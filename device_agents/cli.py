@@ -27,10 +27,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from device_agents import __version__
+from device_agents.command_line import Parser, os_error_message, os_error_parts
 from device_agents.config import AgentConfig, load_config
 from device_agents.platforms import systemd
 from device_agents.store import Store, atomic_write, flock
-from edgekit.bundle.errors import EdgekitError, StoreError
+from edgekit.bundle.errors import ConfigError, EdgekitError, StoreError
 
 log = logging.getLogger("edgekit.agent")
 
@@ -102,9 +104,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             signal.signal(sig, lambda signum, frame: stop.set())
         manager = ModelManager(config)
         manager.start()
-        server = AgentServer(
-            config.listen_host, config.listen_port, manager, max_request_bytes=config.server.max_request_bytes
-        )
+        try:
+            server = AgentServer(
+                config.listen_host, config.listen_port, manager, max_request_bytes=config.server.max_request_bytes
+            )
+        except OSError as exc:
+            manager.stop()
+            reason, advice = os_error_parts(exc)
+            raise ConfigError(
+                f"listen = {config.listen!r} ({args.config}): cannot listen there ({reason}); {advice}"
+            ) from exc
         updater: Any = None
         notifier: systemd.SystemdNotifier | None = None
         try:
@@ -230,21 +239,28 @@ def cmd_status(args: argparse.Namespace) -> int:
 COMMANDS = {"run": cmd_run, "install": cmd_install, "status": cmd_status}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edgekit-agent", description="Run signed edgekit bundles on this device.")
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="edgekit-agent",
+        description="Run signed edgekit bundles on this device.",
+        epilog="exit codes: 0 done, 1 error (bundle, store, self-test), 2 bad config or arguments",
+    )
+    parser.add_argument("--version", action="version", version=f"edgekit-agent {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="serve the installed models over HTTP (Open Inference Protocol v2)")
     install = sub.add_parser("install", help="verify, self-test and switch to a bundle (hands it to a running agent)")
     install.add_argument("bundle", type=Path, help="the .ekb file")
     status = sub.add_parser("status", help="show the installed models and their slots")
     for p in (run, install, status):
         p.add_argument("--config", type=Path, required=True, help="the agent's TOML config")
+        # also after the subcommand; SUPPRESS keeps a -v given before it
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log debug messages")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse(argv)
     # the daemon logs one line per event; one-shot commands print their result and at most one error line
     level = logging.DEBUG if args.verbose else logging.INFO if args.command == "run" else logging.CRITICAL
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -253,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     except EdgekitError as exc:
         print(f"edgekit-agent: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:
+        print(f"edgekit-agent: error: {os_error_message(exc)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -317,6 +317,8 @@ class AgentConfig:
     runtimes: RuntimesConfig = field(default_factory=RuntimesConfig)
     models: dict[str, ModelConfig] = field(default_factory=dict)
     budgets: BudgetsConfig = field(default_factory=BudgetsConfig)
+    # take bundles marked failed by `edgekit package --allow-failed` (validation.passed = false)
+    allow_failed_validation: bool = False
     selftest: SelfTestConfig = field(default_factory=SelfTestConfig)
     updates: UpdatesConfig | None = None
     trusted: tuple[TrustedKey, ...] = ()  # keys limited to model name patterns

@@ -41,8 +41,10 @@ from device_agents.selftest import REPORT_NAME, SelfTestReport, latency_verdict,
 from device_agents.serving.metrics import AgentMetrics
 from device_agents.store import ModelState, Slot, Store, atomic_write
 from device_agents.updates.trust import bundle_trust
+from device_agents.validation_mark import check_validation_mark
 from edgekit.bundle import TrustStore
 from edgekit.bundle.errors import ModelNotFoundError, SelfTestError, StoreError
+from edgekit.bundle.manifest import Manifest
 
 log = logging.getLogger("edgekit.agent")
 
@@ -200,7 +202,7 @@ class ModelManager:
             fault_point("verify")
             before = self.store.load_state()
             staged = self.store.stage(
-                bundle_path, self.trust, compatible=check_compatible, max_bundle_bytes=self.config.max_bundle_bytes
+                bundle_path, self.trust, compatible=self._admissible, max_bundle_bytes=self.config.max_bundle_bytes
             )
             m, slot = staged.manifest, staged.slot
             old = before.models.get(m.name, ModelState())
@@ -239,6 +241,11 @@ class ModelManager:
             self.store.cleanup()
         self._arm_health_timer(m.name, m.version)
         return InstallResult(m.name, m.version, True, old.active.version if old.active else None, origin, report)
+
+    def _admissible(self, manifest: Manifest) -> None:
+        """Run on the verified manifest before anything is extracted."""
+        check_compatible(manifest)
+        check_validation_mark(manifest, self.config.allow_failed_validation)
 
     def _selftest(self, name: str, slot: Slot, host_p50_ms: float | None) -> SelfTestReport:
         cfg = self.config.selftest

@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgekit.errors import EdgekitError
@@ -12,14 +15,74 @@ from edgekit.errors import EdgekitError
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from edgekit.bundle.manifest import Tolerance
     from edgekit.packager import PackageResult
+    from edgekit.validate.preprocess import Preprocess
 
 
-def package(*args: Any, **kwargs: Any) -> PackageResult:
-    """Package a model; see ``edgekit.packager.package`` for the arguments."""
+def package(
+    model: str | Path,
+    targets: str | Sequence[str] = ("cpu",),
+    precision: str | Mapping[str, str] = "int8",
+    calib: str | Path | Mapping[str, Any] | None = None,
+    eval: str | Path | Mapping[str, Any] | None = None,
+    labels: str | Path | np.ndarray | Sequence[int] | None = None,
+    key: str | Path | None = None,
+    name: str | None = None,
+    version: int = 1,
+    out_dir: str | Path = ".",
+    tolerance: Tolerance | Mapping[str, float | str | None] | None = None,
+    overwrite: bool = False,
+    allow_failed: bool = False,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    expires: datetime | timedelta | str | None = None,
+    progress: Callable[[str], None] | None = None,
+    options: Mapping[str, Any] | None = None,
+    preprocess: Preprocess | str | None = None,
+    log_dir: str | Path | None = None,
+) -> PackageResult:
+    """Convert, quantize and validate ``model`` (ONNX) for each of ``targets`` and write one signed
+    bundle per target into ``out_dir`` (``NAME-TARGET-vVERSION.ekb``).
+
+    ``precision``: one name for every target (``fp32``, ``fp16``, ``int8``, ``int8-weights``,
+    ``int4-weights``, ``palettize6``, ``palettize4``) or a mapping target -> name (``"*"``: the
+    default). ``calib`` / ``eval``: ``.npz``, ``.npy`` (one input), a folder or glob of images
+    (with ``preprocess``, e.g. ``"size=224x224,mean=0.485/0.456/0.406,std=0.229/0.224/0.225"``)
+    or a mapping input name -> array; ``calib`` may be left out when every target builds fp32/fp16.
+    ``key``: the private signing key (``edgekit keygen``). ``tolerance``: gate overrides such as
+    ``{"min_top1_agreement": 0.97}``. ``overwrite``: replace existing bundles; ``allow_failed``:
+    also write bundles that miss the gate (marked failed; ``result.passed`` is false).
+
+    Returns a ``PackageResult``: ``bundles`` (target -> path), ``rows`` (the validation table),
+    ``passed``, ``table()``, ``to_dict()``. Raises ``edgekit.errors.ConfigError`` and friends for
+    bad arguments before any conversion, ``PackageValidationError`` when a target misses its gate.
+    See ``edgekit.packager.package`` for every detail.
+    """
     from edgekit.packager import package as _package
 
-    return _package(*args, **kwargs)
+    return _package(
+        model,
+        targets=targets,
+        precision=precision,
+        calib=calib,
+        eval=eval,
+        labels=labels,
+        key=key,
+        name=name,
+        version=version,
+        out_dir=out_dir,
+        tolerance=tolerance,
+        overwrite=overwrite,
+        allow_failed=allow_failed,
+        input_shapes=input_shapes,
+        expires=expires,
+        progress=progress,
+        options=options,
+        preprocess=preprocess,
+        log_dir=log_dir,
+    )
 
 
 __all__ = ["EdgekitError", "__version__", "package"]

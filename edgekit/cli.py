@@ -1,14 +1,16 @@
-"""The ``edgekit`` command: keygen, package, inspect, verify, run (+ fleet commands).
+"""The ``edgekit`` command: keygen, package, inspect, verify, run, bench, calib make (+ fleet commands).
 
 One exit path: every subcommand returns an exit code or raises an ``EdgekitError``, which
-``main`` prints as ``edgekit: error: <message>`` and turns into ``error.exit_code``. Subcommands
-register themselves on the parser; ``edgekit.fleet.commands.register`` adds ``publish`` and
-``fleet status``.
+``main`` prints as ``edgekit: error: <message>`` and turns into ``error.exit_code``; an
+``OSError`` becomes one line naming the path (exit 1). Subcommands register themselves on the
+parser; ``edgekit.fleet.commands.register`` adds ``publish`` and ``fleet``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 import sys
 import tempfile
@@ -18,32 +20,63 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from device_agents.command_line import Parser, os_error_message
 from edgekit import __version__
+from edgekit.bundle.codec import to_data
 from edgekit.errors import ConfigError, EdgekitError, InferenceInputError
 
 PROG = "edgekit"
+EXIT_CODES = """exit codes:
+  0  done (every target passed its validation gate)
+  1  other errors (file system, bundle signature or hashes, ...)
+  2  bad arguments, config, model or data (nothing was converted)
+  3  a target failed its validation gate (its bundle is written only with --allow-failed)
+  4  an SDK a target needs is not installed (the message names the pip extra)
+  5  the MQTT broker or the object store cannot be reached (publish, fleet)
+"""
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(getattr(args, "log_level", "warning")).upper()),
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     try:
         return int(args.func(args))
     except EdgekitError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:
+        print(f"{PROG}: error: {os_error_message(exc)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG, description="Package models for edge targets and sign them into bundles."
+def build_parser() -> Parser:
+    parser = Parser(
+        prog=PROG,
+        description="Package models for edge targets and sign them into bundles.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="Python logging level (stderr)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for register in (_register_keygen, _register_package, _register_inspect, _register_verify, _register_run):
+    for register in (
+        _register_keygen,
+        _register_package,
+        _register_inspect,
+        _register_verify,
+        _register_run,
+        _register_bench,
+        _register_calib,
+    ):
         register(sub)
     from edgekit.fleet import commands as fleet_commands  # lazy: pulls in the MQTT client only for `edgekit`
 
@@ -51,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     from edgekit import doctor  # `edgekit doctor`: this machine's device class, SDKs, buildable targets, runtimes
 
     doctor.register(sub)
+    for command in sub.choices.values():  # also after the subcommand; SUPPRESS keeps one given before it
+        command.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
@@ -87,9 +122,20 @@ def _register_package(sub: Any) -> None:
         "package",
         help="convert, quantize, validate and sign MODEL for one or more targets",
         description="Write OUTDIR/NAME-TARGET-vVERSION.ekb for each target and print the validation table.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        renamed={
+            "--force": "use --overwrite to replace existing bundles, --allow-failed to write bundles that "
+            "fail validation (marked failed; exit code 3)"
+        },
     )
     p.add_argument("model", type=Path, metavar="MODEL.onnx")
-    p.add_argument("--target", default="cpu", help="comma-separated: cpu, intel, coral, jetson, apple (default cpu)")
+    p.add_argument(
+        "--target",
+        default="cpu",
+        help="comma-separated: cpu, intel, coral, jetson, apple (default cpu); runtime names such as openvino, "
+        "tensorrt, tflite, edgetpu, coreml stand for their target",
+    )
     p.add_argument(
         "--precision",
         default="int8",
@@ -99,11 +145,33 @@ def _register_package(sub: Any) -> None:
         "palettize4",
     )
     p.add_argument(
-        "--calib", type=Path, required=True, metavar="CALIB.npz", help="one array per input, samples on axis 0"
+        "--calib",
+        metavar="DATA",
+        help="calibration data: .npz (one array per input, samples on axis 0), .npy (one-input models), or a "
+        "folder / glob of images read with --preprocess; not needed when every target builds fp32/fp16",
     )
-    p.add_argument("--eval", type=Path, metavar="EVAL.npz", help="held-out data (default: every 5th calib sample)")
+    p.add_argument(
+        "--eval",
+        metavar="DATA",
+        help="held-out data, same kinds as --calib; an .npz may hold a 'labels' array (default: every 5th calib "
+        "sample)",
+    )
     p.add_argument("--labels", type=Path, metavar="LABELS.npy", help="class index per evaluation sample")
-    p.add_argument("--key", type=Path, required=True, metavar="KEY", help="private signing key from `edgekit keygen`")
+    p.add_argument(
+        "--preprocess",
+        metavar="KEY=V,...",
+        help="how images become inputs: size=HxW, fit=stretch|letterbox|center-crop, channels=RGB|BGR|GRAY, "
+        "layout=NCHW|NHWC, scale=255, mean=M[/M/M], std=S[/S/S], pad=0",
+    )
+    p.add_argument(
+        "--signing-key",
+        "--key",
+        dest="signing_key",
+        type=Path,
+        required=True,
+        metavar="KEY",
+        help="private signing key from `edgekit keygen` (--key is the same flag)",
+    )
     p.add_argument("--name", required=True)
     p.add_argument("--version", type=int, required=True, metavar="N", help="model version (anti-rollback counter)")
     p.add_argument("-o", "--out", type=Path, required=True, metavar="OUTDIR")
@@ -112,9 +180,15 @@ def _register_package(sub: Any) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a validation gate, e.g. min_top1_agreement=0.97 or max_relative_error=none",
+        help="override a validation gate: classifiers min_top1_agreement (0.98), max_top1_drop (0.01); dense "
+        "outputs min_cosine (0.96), max_relative_error (0.2); 'none' turns one off",
     )
-    p.add_argument("--force", action="store_true", help="write the bundle even when validation fails")
+    p.add_argument("--overwrite", action="store_true", help="replace bundles of the same name and version")
+    p.add_argument(
+        "--allow-failed",
+        action="store_true",
+        help="also write bundles that fail validation (marked failed in the manifest; exit code 3 all the same)",
+    )
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME=1x3x224x224")
     p.add_argument(
         "--expires-days",
@@ -123,48 +197,97 @@ def _register_package(sub: Any) -> None:
         metavar="D",
         help="the bundle expires D days from now (default 365; 0 = never: devices accept it forever)",
     )
-    p.add_argument("--option", action="append", default=[], metavar="TARGET.KEY=VALUE", help="a target option")
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="TARGET.KEY=VALUE",
+        help="a target option; `edgekit package --list-options` lists every target's",
+    )
+    p.add_argument("--list-options", action=_ListOptions, nargs=0, help="list every target's options and exit")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress stays on stderr)")
+    p.add_argument("--log-dir", type=Path, metavar="DIR", help="keep each target's converter output as DIR/TARGET.log")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_package)
 
 
+class _ListOptions(argparse.Action):
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        from edgekit.targets.options import describe_options
+
+        print("\n".join(describe_options()))
+        parser.exit(0)
+
+
 def _package(args: argparse.Namespace) -> int:
+    try:
+        return _package_or_raise(args)
+    except EdgekitError as exc:
+        if args.json and not getattr(exc, "result", None):
+            print(json.dumps({"passed": False, "exit_code": exc.exit_code, "error": str(exc)}, indent=2))
+        raise
+
+
+def _package_or_raise(args: argparse.Namespace) -> int:
     from edgekit.compress.onnx_prep import parse_input_shape
-    from edgekit.packager import PackageValidationError, package
+    from edgekit.packager import PackageResult, PackageValidationError, package
+    from edgekit.progress import PackageProgress
     from edgekit.targets import parse_targets
     from edgekit.targets.options import parse_option_args
     from edgekit.targets.precisions import parse_precision_arg
     from edgekit.validate.metrics import parse_tolerance_args
 
-    targets = parse_targets(args.target)
+    targets = parse_targets(args.target, note=lambda text: print(f"note: {text}", file=sys.stderr))
     shapes = dict(parse_input_shape(s) for s in args.input_shape)
     expires = bundle_expiry(args.expires_days)
+    progress = None if args.quiet else PackageProgress(targets)
+    error: PackageValidationError | None = None
     try:
-        result = package(
+        result: PackageResult = package(
             args.model,
             targets=targets,
             precision=parse_precision_arg(args.precision),
             calib=args.calib,
             eval=args.eval,
             labels=args.labels,
-            key=args.key,
+            key=args.signing_key,
             name=args.name,
             version=args.version,
             out_dir=args.out,
             tolerance=parse_tolerance_args(args.tolerance) or None,
-            force=args.force,
+            overwrite=args.overwrite,
+            allow_failed=args.allow_failed,
             input_shapes=shapes or None,
             expires=expires,
-            progress=None if args.quiet else _progress,
+            progress=progress,
             options=parse_option_args(args.option, targets),
+            preprocess=args.preprocess,
+            log_dir=args.log_dir,
         )
     except PackageValidationError as exc:
-        print(exc.result.table())
-        raise
-    print(result.table())
-    for target, path in result.bundles.items():
-        print(f"{target}: {path}")
-    return 0
+        error, result = exc, exc.result
+    finally:
+        if progress is not None:
+            progress.close()
+    code = 0 if result.passed else 3
+    if args.json:
+        doc = {**result.to_dict(), "exit_code": code}
+        if error is not None:
+            doc["error"] = str(error)
+        print(json.dumps(doc, indent=2))
+    else:
+        print(result.table())
+        for target, path in result.bundles.items():
+            print(f"{target}: {path}")
+    if error is not None:
+        raise error
+    if code:
+        failed = ", ".join(r.target for r in result.rows if not r.passed)
+        print(
+            f"{PROG}: error: {failed} failed validation; bundles written anyway (--allow-failed), marked failed",
+            file=sys.stderr,
+        )
+    return code
 
 
 def bundle_expiry(days: float | None) -> timedelta | None:
@@ -176,10 +299,6 @@ def bundle_expiry(days: float | None) -> timedelta | None:
     if days < 0:
         raise ConfigError(f"--expires-days must be >= 0 (0 = never expires), got {days:g}")
     return timedelta(days=days) if days else None
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # -- inspect --------------------------------------------------------------------------------
@@ -237,8 +356,13 @@ def describe_manifest(m: Any, signed_by: str) -> list[str]:
         for k in ("top1_agreement", "top1_accuracy", "fp32_top1_accuracy", "cosine", "relative_error", "max_abs_error")
         if getattr(v, k) is not None
     ]
+    spread = (
+        f", p90 {v.latency_p90_ms:.3f} ms, IQR {v.latency_iqr_ms:.3f} ms"
+        if v.latency_p90_ms is not None and v.latency_iqr_ms is not None
+        else ""
+    )
     latency = (
-        f"p50 {v.latency_p50_ms:.3f} ms (fp32 {v.fp32_latency_p50_ms:.3f} ms)"
+        f"p50 {v.latency_p50_ms:.3f} ms{spread} (fp32 p50 {v.fp32_latency_p50_ms:.3f} ms)"
         if v.latency_p50_ms is not None and v.fp32_latency_p50_ms is not None
         else "latency not measured here"
     )
@@ -247,11 +371,17 @@ def describe_manifest(m: Any, signed_by: str) -> list[str]:
         f"validation {'passed' if v.passed else 'FAILED'} ({v.kind}, {v.samples} samples, {v.measured_on}): "
         + ", ".join(measures),
         f"  size {v.size_bytes} bytes{ratio}, {latency}",
+        *(f"  failed: {f}" for f in v.failures),
         *(f"  note: {n}" for n in v.notes),
         f"golden vectors: {m.golden.count} in {m.golden.file} (min cosine {m.golden.min_cosine}, atol {m.golden.atol})",
         "files:",
         *(f"  {f.path}  {f.size_bytes} bytes  {f.role}  sha256 {f.sha256[:16]}..." for f in m.files),
     ]
+    if m.calibration is not None:
+        c = m.calibration
+        lines.append(f"calibration: {c.samples} samples from {c.source or 'arrays'}, sha256 {c.sha256[:16]}...")
+    if m.preprocess:
+        lines.append("pre-processing: " + " -> ".join(_step(s) for s in m.preprocess))
     if m.op_placement is not None:
         op = m.op_placement
         counts = Counter((e.device, e.op) for e in op.entries)
@@ -260,6 +390,16 @@ def describe_manifest(m: Any, signed_by: str) -> list[str]:
     if m.target_options:
         lines.append("target options: " + ", ".join(f"{k}={val}" for k, val in sorted(m.target_options.items())))
     return lines
+
+
+def _step(step: Any) -> str:
+    def value(k: str, v: Any) -> str:
+        if isinstance(v, list):
+            return ("x" if k == "size" else "/").join(f"{x:g}" if isinstance(x, float) else str(x) for x in v)
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    shown = {k: v for k, v in to_data(step).items() if k not in ("op", "tensor") and v not in ([], None)}
+    return " ".join([step.op, *(f"{k}={value(k, v)}" for k, v in shown.items())])
 
 
 def _spec(s: Any) -> str:
@@ -295,7 +435,19 @@ def _verify(args: argparse.Namespace) -> int:
         f"{args.bundle}: valid: {m.name} v{m.version} for {m.target}, signed by key {verified.key_id}, "
         f"{len(m.files)} files checked"
     )
+    if not m.validation.passed:
+        print(f"warning: {failed_validation_line(m)}", file=sys.stderr)
     return 0
+
+
+def failed_validation_line(m: Any) -> str:
+    """What ``verify`` (and the agent) say about a bundle written by ``package --allow-failed``."""
+    failures = m.validation.failures
+    why = f" ({'; '.join(failures)})" if failures else ""
+    return (
+        f"{m.name} v{m.version} for {m.target} failed validation when it was packaged{why}; edgekit-agent refuses "
+        "it unless its agent.toml sets allow_failed_validation = true"
+    )
 
 
 # -- run ------------------------------------------------------------------------------------
@@ -363,6 +515,113 @@ def _run(args: argparse.Namespace) -> int:
         if value.ndim == 2 and value.shape[1] > 1:
             line += f" top-1 {value.argmax(axis=1).tolist()}"
         print(line)
+    return 0
+
+
+# -- bench ----------------------------------------------------------------------------------
+
+
+def _register_bench(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="time a bundle on this machine through the device runtime (p50/p90/p99, throughput)",
+        description="Open BUNDLE with the runtime the agent uses and time its golden inputs at each batch size: "
+        "warm-up calls, then p50/p90/p99 per call and samples per second.",
+    )
+    p.add_argument("bundle", type=Path)
+    p.add_argument("--batch", default="1,8,32", metavar="N[,N...]", help="batch sizes (default 1,8,32)")
+    p.add_argument("--warmup", type=int, default=5, metavar="N", help="untimed calls per batch size (default 5)")
+    p.add_argument("--repeats", type=int, default=200, metavar="N", help="timed calls per batch size at most")
+    p.add_argument("--budget-s", type=float, default=3.0, metavar="S", help="seconds per batch size at most")
+    p.add_argument("--threads", type=int, metavar="N", help="runtime threads (default: the runtime's)")
+    p.add_argument("--pubkey", type=Path, action="append", default=[], metavar="PUB", help="verify with this key")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from edgekit.benchmark import bench_bundle
+
+    try:
+        sizes = [int(b) for b in args.batch.split(",") if b.strip()]
+    except ValueError:
+        raise ConfigError(f"--batch {args.batch!r}: expected sizes such as 1,8,32") from None
+    result = bench_bundle(
+        args.bundle,
+        pubkeys=args.pubkey,
+        batch_sizes=sizes,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        budget_s=args.budget_s,
+        threads=args.threads,
+    )
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
+    return 0
+
+
+# -- calib ----------------------------------------------------------------------------------
+
+
+def _register_calib(sub: Any) -> None:
+    p = sub.add_parser("calib", help="make calibration / evaluation data from real inputs")
+    calib_sub = p.add_subparsers(dest="calib_command", required=True, metavar="COMMAND")
+    make = calib_sub.add_parser(
+        "make",
+        help="write a reproducible .npz from a folder or glob of images",
+        description="Read the images of SOURCE (a folder, recursively, or a glob; sorted by path) as MODEL's input "
+        "with --preprocess and write OUT.npz (the same images give the same bytes); prints its sha256.",
+    )
+    make.add_argument("source", metavar="SOURCE", help="a folder of images or a glob such as 'imgs/*.jpg'")
+    make.add_argument("--model", type=Path, required=True, metavar="MODEL.onnx", help="the model the data feeds")
+    make.add_argument("--preprocess", metavar="KEY=V,...", default="", help="as for `edgekit package`")
+    make.add_argument(
+        "--labels-from-folders",
+        action="store_true",
+        help="add a 'labels' array: each image's class is its folder under SOURCE (sorted names = class indices)",
+    )
+    make.add_argument("--limit", type=int, metavar="N", help="the first N images only")
+    make.add_argument("-o", "--out", type=Path, required=True, metavar="OUT.npz")
+    make.set_defaults(func=_calib_make)
+
+
+def _calib_make(args: argparse.Namespace) -> int:
+    from edgekit.compress.onnx_prep import load_onnx, served_signature
+    from edgekit.errors import CalibrationDataError
+    from edgekit.package_checks import check_model_path, check_out_dir
+    from edgekit.validate.calib import LABELS_KEY, folder_labels, write_npz
+    from edgekit.validate.preprocess import Preprocess, image_files
+
+    preprocess = Preprocess.parse(args.preprocess)
+    files = image_files(args.source)
+    if files is None:
+        raise CalibrationDataError(f"calib make: {args.source} is neither a folder nor a glob of images")
+    if not files:
+        raise CalibrationDataError(f"calib make: no image files in {args.source}")
+    if args.limit is not None:
+        if args.limit < 1:
+            raise ConfigError(f"--limit must be >= 1, got {args.limit}")
+        files = files[: args.limit]
+    check_model_path(args.model)
+    check_out_dir(args.out.parent if str(args.out.parent) else Path("."), "-o")
+    served = served_signature(load_onnx(args.model))
+    if len(served.inputs) != 1:
+        raise CalibrationDataError(
+            f"calib make: {args.model} has {len(served.inputs)} inputs; images feed one-input models"
+        )
+    spec = served.inputs[0]
+    arrays = {spec.name: preprocess.apply(files, spec)}
+    classes: list[str] = []
+    if args.labels_from_folders:
+        if any(c in args.source for c in "*?["):
+            raise ConfigError("--labels-from-folders needs SOURCE to be a folder (ROOT/CLASS/IMAGE), not a glob")
+        arrays[LABELS_KEY], classes = folder_labels(files, Path(args.source))
+    digest = write_npz(args.out, arrays)
+    arr = arrays[spec.name]
+    print(
+        f"wrote {args.out}: {arr.shape[0]} images as {spec.name!r} {arr.dtype} {list(arr.shape)} "
+        f"({preprocess.describe()})" + (f", labels for {len(classes)} classes" if classes else "")
+    )
+    print(f"sha256 {digest}")
     return 0
 
 

@@ -11,17 +11,21 @@ Order of work (bad combinations are rejected before any conversion starts):
    intermediate; time it side by side with FP32; write golden vectors; fill and sign the
    manifest; write ``OUTDIR/<name>-<target>-v<version>.ekb``.
 
-An artifact outside the tolerance produces no bundle (unless ``force``) and raises
-``PackageValidationError`` once every target was tried.
+An artifact outside the tolerance produces no bundle and raises ``PackageValidationError`` once
+every target was tried; with ``allow_failed`` its bundle is written, marked failed in the manifest
+(``validation.passed`` false), and the result says so (``PackageResult.passed``; the CLI exits 3).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import platform
+import shutil
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -45,6 +49,14 @@ from edgekit.bundle.manifest import (
     utc_now,
 )
 from edgekit.errors import CalibrationDataError, ConfigError, EdgekitError, ValidationFailedError
+from edgekit.package_checks import (
+    check_data_sources,
+    check_input_shapes,
+    check_model_path,
+    check_out_dir,
+    check_tolerance_kind,
+    shape_flags,
+)
 from edgekit.targets import BuildContext, BuildResult, get_target, parse_targets
 from edgekit.targets.options import check_option_targets, resolve_options
 from edgekit.targets.precisions import DEFAULT_PRECISION, choose_precisions
@@ -52,17 +64,20 @@ from edgekit.targets.sdk_output import sdk_output_to
 from edgekit.validate.calib import (
     ArraysLike,
     check_arrays,
+    data_manifest_fields,
     fixed_batch,
-    load_arrays,
+    load_data,
     load_labels,
     pad_samples,
+    pop_labels,
     sample_count,
     split_holdout,
     take,
 )
-from edgekit.validate.latency import call_with, p50_side_by_side
+from edgekit.validate.latency import LatencyStats, call_with, stats_side_by_side
 from edgekit.validate.metrics import MEASURES, Comparison, Kind, RunFn, compare, output_kind, run_all, tolerance_with
 from edgekit.validate.ort_runner import ort_cpu_runner
+from edgekit.validate.preprocess import Preprocess
 from edgekit.validate.table import format_table
 
 GOLDEN_FILE = "golden.npz"
@@ -96,10 +111,40 @@ class Row:
 class PackageResult:
     bundles: dict[str, Path]  # target -> written .ekb
     rows: tuple[Row, ...]
-    manifests: dict[str, Manifest]  # target -> signed manifest (also for failed targets under force)
+    manifests: dict[str, Manifest]  # target -> signed manifest (also for failed targets under allow_failed)
+    timings_s: dict[str, float] = dataclasses.field(default_factory=dict)  # "prepare", then one per target
+
+    @property
+    def passed(self) -> bool:
+        """Every target met its validation gate (false when ``allow_failed`` wrote a failed bundle)."""
+        return all(r.passed for r in self.rows)
 
     def table(self) -> str:
         return format_table(self.rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``passed``, ``bundles`` (target -> path), ``rows`` (the validation table, with each
+        target's manifest ``validation`` record) and ``timings_s``."""
+        from edgekit.bundle.codec import to_data
+
+        return {
+            "passed": self.passed,
+            "bundles": {t: str(p) for t, p in self.bundles.items()},
+            "rows": [
+                {
+                    "target": r.target,
+                    "precision": r.precision,
+                    "label": r.label,
+                    "method": r.method,
+                    "passed": r.passed,
+                    "failures": list(r.failures),
+                    "bundle": None if r.bundle is None else str(r.bundle),
+                    "validation": to_data(r.validation),
+                }
+                for r in self.rows
+            ],
+            "timings_s": {k: round(v, 3) for k, v in self.timings_s.items()},
+        }
 
 
 class PackageValidationError(ValidationFailedError):
@@ -125,6 +170,8 @@ class _Run:
     source_size: int
     steps: tuple[str, ...]
     say: Callable[[str], None]
+    # manifest fields from the data: ``preprocess`` (images read with --preprocess), ``calibration``
+    manifest_extras: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def package(
@@ -133,30 +180,45 @@ def package(
     precision: str | Mapping[str, str] = DEFAULT_PRECISION,
     calib: ArraysLike | None = None,
     eval: ArraysLike | None = None,
-    labels: str | Path | Any | None = None,
+    labels: str | Path | np.ndarray | Sequence[int] | None = None,
     key: str | Path | None = None,
     name: str | None = None,
     version: int = 1,
     out_dir: str | Path = ".",
-    tolerance: Tolerance | Mapping[str, Any] | None = None,
-    force: bool = False,
+    tolerance: Tolerance | Mapping[str, float | str | None] | None = None,
+    overwrite: bool = False,
+    allow_failed: bool = False,
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     expires: datetime | timedelta | str | None = DEFAULT_EXPIRES,
     progress: Callable[[str], None] | None = None,
     options: Mapping[str, Any] | None = None,
+    preprocess: Preprocess | str | None = None,
+    log_dir: str | Path | None = None,
 ) -> PackageResult:
     """Package ``model`` (ONNX) for ``targets`` and write one signed bundle per target.
 
-    ``calib``: ``.npz`` path or mapping input name -> array (samples on axis 0). ``eval``: same,
-    held-out data; without it every 5th calibration sample is held out. ``labels``: class
-    indices of the evaluation samples (``.npy`` or array). ``tolerance``: overrides of
-    ``Tolerance`` fields. ``precision``: one name for every target, or a mapping target -> name
-    (key ``"*"``: the default for targets not named; without it ``int8``), each checked against
-    what its target builds. ``options``: target -> that target's ``Options`` (or a mapping of its
-    fields). ``expires``: a time, a time from now, or an ISO 8601 string; ``DEFAULT_EXPIRES`` (365 days)
-    unless given, ``None`` for a bundle that never expires.
+    ``calib``: an ``.npz`` (one array per input name, samples on axis 0), an ``.npy`` (one-input
+    models), a folder or glob of images (read with ``preprocess``), or a mapping input name ->
+    array; optional for fp32/fp16 everywhere (then ``eval`` is the data, or none is used).
+    ``eval``: the same kinds, held-out data; an ``.npz`` may hold a ``labels`` array; without
+    ``eval`` every 5th calibration sample is held out. ``labels``: class indices of the evaluation
+    samples (``.npy`` or array). ``tolerance``: overrides of ``Tolerance`` fields; a key for the
+    other output kind (``min_cosine`` on a classifier) is an error. ``precision``: one name for
+    every target, or a mapping target -> name (key ``"*"``: the default for targets not named;
+    without it ``int8``), each checked against what its target builds. ``options``: target ->
+    that target's ``Options`` (or a mapping of its fields). ``expires``: a time, a time from now,
+    or an ISO 8601 string; ``DEFAULT_EXPIRES`` (365 days) unless given, ``None`` for a bundle that
+    never expires. ``overwrite``: replace existing bundles of the same name and version.
+    ``allow_failed``: write the bundles of targets that miss the gate too (marked failed; check
+    ``PackageResult.passed``); without it such a target raises ``PackageValidationError``.
+    ``log_dir``: keep each target's converter output as ``LOG_DIR/<target>.log``.
+
+    Raises ``ConfigError`` (arguments, exit 2), ``ModelFormatError``, ``CalibrationDataError``,
+    ``MissingSDKError`` (exit 4) before any conversion where it can, ``PackageValidationError``
+    (exit 3) after every target was tried.
     """
     say = progress or (lambda _msg: None)
+    started = time.perf_counter()
     names = parse_targets(targets) if isinstance(targets, str) else parse_targets(",".join(targets))
     chosen = {t: get_target(t) for t in names}
     precisions = choose_precisions(precision, chosen)
@@ -165,21 +227,27 @@ def package(
     target_options = {t: resolve_options(t, chosen[t].Options, options.get(t)) for t in names}
     tol = tolerance_with(tolerance)
     if key is None:
-        raise ConfigError("package: a signing key is required (--key); make one with `edgekit keygen`")
+        raise ConfigError("package: a signing key is required (--signing-key); make one with `edgekit keygen`")
     private_key = load_private_key(Path(key))
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise ConfigError(f"--version must be an integer >= 1, got {version!r}")
-    if calib is None:
-        raise CalibrationDataError("package: calibration data is required (--calib CALIB.npz)")
+    if isinstance(preprocess, str):
+        preprocess = Preprocess.parse(preprocess)
+    calib, eval = check_data_sources(calib, eval, precisions)
     model = Path(model)
+    check_model_path(model)
     name = name or _name_from(model)
     _check_name(name)
     expires_at = _expires(expires)
     out_dir = Path(out_dir)
+    check_out_dir(out_dir, "-o")
+    if log_dir is not None:
+        check_out_dir(Path(log_dir), "--log-dir")
     for t in names:
         dest = out_dir / f"{name}-{t}-v{version}.ekb"
-        if dest.exists() and not force:
-            raise ConfigError(f"{dest} already exists; publish a higher --version, remove it, or pass --force")
+        if dest.exists() and not overwrite:
+            raise ConfigError(f"{dest} already exists; publish a higher --version, remove it, or pass --overwrite")
+    timings: dict[str, float] = {}
 
     from edgekit.compress.onnx_prep import model_size_bytes, prepare_model, resolve_static_shapes
 
@@ -187,12 +255,19 @@ def package(
         work = Path(tmp)
         say(f"preparing {model.name}")
         prepared = prepare_model(model, work / "prepared", say)
-        calib_arrays, eval_arrays, eval_labels = _load_data(prepared.served, calib, eval, labels, input_shapes, say)
+        kind = output_kind(prepared.served)
+        if tolerance is not None and not isinstance(tolerance, Tolerance):
+            check_tolerance_kind(tolerance, kind, prepared.served)
+        if input_shapes:
+            check_input_shapes(prepared.served, input_shapes)
+        calib_arrays, eval_arrays, eval_labels = _load_data(
+            prepared.served, calib, eval, labels, input_shapes, say, preprocess
+        )
         fp32 = ort_cpu_runner(model)  # the FP32 source, as the device runtime would open it
         say(f"fp32 reference on {sample_count(eval_arrays)} evaluation samples")
         run = _Run(
             served=prepared.served,
-            kind=output_kind(prepared.served),
+            kind=kind,
             tolerance=tol,
             calib=calib_arrays,
             eval=eval_arrays,
@@ -202,6 +277,7 @@ def package(
             source_size=model_size_bytes(model),
             steps=prepared.steps,
             say=say,
+            manifest_extras=data_manifest_fields(calib_arrays, calib, prepared.served, preprocess),
         )
         static_shapes = resolve_static_shapes(prepared.served, run.calib, input_shapes)
         for t in names:
@@ -212,12 +288,17 @@ def package(
         manifests: dict[str, Manifest] = {}
         rows: list[Row] = []
         failed: list[tuple[str, Comparison, tuple[str, ...]]] = []
+        timings["prepare"] = time.perf_counter() - started
         for t in names:
+            target_started = time.perf_counter()
             target_dir = work / t
             for folder in ("bundle", "work"):
                 (target_dir / folder).mkdir(parents=True)
             # Converters print to stdout/stderr (C++ included); that goes to a log, our progress does not.
-            with sdk_output_to(target_dir / "work" / SDK_LOG, say) as target_say:
+            with (
+                _kept_log(target_dir / "work" / SDK_LOG, log_dir, t),
+                sdk_output_to(target_dir / "work" / SDK_LOG, say) as target_say,
+            ):
                 ctx = BuildContext(
                     model_path=prepared.path,
                     served=prepared.served,
@@ -249,14 +330,15 @@ def package(
                 )
             if not comparison.passed:
                 failed.append((t, comparison, result.notes))
-            if comparison.passed or force:
+            if comparison.passed or allow_failed:
                 dest = out_dir / f"{name}-{t}-v{version}.ekb"
                 bundles[t] = write_bundle(manifest, ctx.out_dir, private_key, dest)
                 manifests[t] = manifest
-                say(f"[{t}] wrote {dest}")
+                say(f"[{t}] wrote {dest}" + ("" if comparison.passed else " (marked: failed validation)"))
             rows.append(dataclasses.replace(row, bundle=bundles.get(t)))
-    result_all = PackageResult(bundles=bundles, rows=tuple(rows), manifests=manifests)
-    if failed and not force:
+            timings[t] = time.perf_counter() - target_started
+    result_all = PackageResult(bundles=bundles, rows=tuple(rows), manifests=manifests, timings_s=timings)
+    if failed and not allow_failed:
         raise PackageValidationError(_failure_message(failed, precisions), result_all)
     return result_all
 
@@ -302,13 +384,29 @@ def _load_data(
     labels: Any,
     input_shapes: Mapping[str, Sequence[int]] | None,
     say: Callable[[str], None],
+    preprocess: Preprocess | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray | None]:
-    """Checked calibration and evaluation arrays, and the evaluation labels."""
+    """Checked calibration and evaluation arrays, and the evaluation labels (``labels``, else a
+    ``labels`` array inside the evaluation data). ``eval_data is calib``: the same data does both
+    (fp32/fp16 without calibration), nothing is held out."""
     check_against = _with_static_inputs(served, input_shapes) if input_shapes else served
-    calib_arrays = check_arrays(load_arrays(calib, "calibration data"), check_against, "calibration data")
-    if eval_data is not None:
-        eval_arrays = check_arrays(load_arrays(eval_data, "evaluation data"), check_against, "evaluation data")
-        eval_labels = None if labels is None else load_labels(labels, sample_count(eval_arrays))
+    set_by = shape_flags(served, input_shapes)
+    same = eval_data is calib
+    calib_raw = load_data(calib, served, "evaluation data" if same else "calibration data", preprocess)
+    inline = pop_labels(calib_raw, served)
+    if inline is not None and not same:
+        raise CalibrationDataError(
+            "calibration data holds a 'labels' array; labels belong with the evaluation data (--eval)"
+        )
+    calib_arrays = check_arrays(calib_raw, check_against, "calibration data", set_by)
+    if same:
+        eval_arrays = calib_arrays
+        eval_labels = _labels(labels, inline, sample_count(eval_arrays))
+    elif eval_data is not None:
+        eval_raw = load_data(eval_data, served, "evaluation data", preprocess)
+        inline = pop_labels(eval_raw, served)
+        eval_arrays = check_arrays(eval_raw, check_against, "evaluation data", set_by)
+        eval_labels = _labels(labels, inline, sample_count(eval_arrays))
     else:
         all_labels = None if labels is None else load_labels(labels, sample_count(calib_arrays))
         calib_arrays, eval_arrays, eval_labels = split_holdout(calib_arrays, all_labels)
@@ -323,6 +421,25 @@ def _load_data(
                 f"{what}: {sample_count(arrays)} samples is not a multiple of the model's fixed batch {batch}"
             )
     return calib_arrays, eval_arrays, eval_labels
+
+
+def _labels(given: Any, inline: np.ndarray | None, count: int) -> np.ndarray | None:
+    if given is not None and inline is not None:
+        raise CalibrationDataError(
+            "evaluation data holds a 'labels' array and --labels was given too; keep one of them"
+        )
+    source = given if given is not None else inline
+    return None if source is None else load_labels(source, count)
+
+
+@contextlib.contextmanager
+def _kept_log(log: Path, log_dir: str | Path | None, target: str) -> Iterator[None]:
+    """Copy the target's converter log to ``LOG_DIR/<target>.log`` when the target is done (or failed)."""
+    try:
+        yield
+    finally:
+        if log_dir is not None and log.exists():
+            shutil.copyfile(log, Path(log_dir) / f"{target}.log")
 
 
 def _with_static_inputs(served: Signature, shapes: Mapping[str, Sequence[int]] | None) -> Signature:
@@ -390,7 +507,7 @@ def _validate_and_describe(
     )
     batch = _batch(served, result.static)
     pad = fixed_batch(served) is not None  # a fixed batch takes exactly `batch` samples per call
-    latency: dict[str, float] = {}
+    latency: dict[str, LatencyStats] = {}
     served_model = None
     if result.runnable_here:
         from device_agents.runtimes import load_model
@@ -410,7 +527,7 @@ def _validate_and_describe(
         if served_model is not None:
             one = pad_samples(take(run.eval, 0, batch if pad else 1), batch if pad else 1)
             run.say(f"[{target}] timing the artifact side by side with fp32")
-            latency = p50_side_by_side(
+            latency = stats_side_by_side(
                 {"fp32": call_with(run.fp32, one), "artifact": call_with(served_model.infer, one)}, repeats=20
             )
         artifact = fn if served_model is not None else None
@@ -427,15 +544,19 @@ def _validate_and_describe(
         **{k: getattr(comparison, k) for k in MEASURES},
         size_bytes=size,
         size_ratio=size / run.source_size if run.source_size else None,
-        latency_p50_ms=latency.get("artifact"),
-        fp32_latency_p50_ms=latency.get("fp32"),
+        latency_p50_ms=latency["artifact"].p50_ms if latency else None,
+        fp32_latency_p50_ms=latency["fp32"].p50_ms if latency else None,
+        latency_p90_ms=latency["artifact"].p90_ms if latency else None,
+        latency_iqr_ms=latency["artifact"].iqr_ms if latency else None,
         measured_on=measured_on,
-        notes=(*(f"prepared: {s}" for s in run.steps), *result.notes, *comparison.failures),
+        notes=(*(f"prepared: {s}" for s in run.steps), *result.notes),
+        failures=comparison.failures,
     )
     # provenance starts at the source model: the shared preparation, then the target's own steps
     prepared = tuple(CompressionStep(kind="prepare", tool="edgekit", notes=step) for step in run.steps)
     result = dataclasses.replace(result, provenance=(*prepared, *result.provenance))
     manifest = _manifest(name, version, target, result, served, source, files, validation, golden, expires, private_key)
+    manifest = dataclasses.replace(manifest, **run.manifest_extras)
     row = Row(target, precision, result.precision.label, result.precision.method, validation, comparison.failures)
     return manifest, comparison, row
 
@@ -612,11 +733,12 @@ def _failure_message(failed: list[tuple[str, Comparison, tuple[str, ...]]], prec
         why = "; ".join(comp.failures)
         line = f"{target} {precisions[target]} failed validation on {comp.samples} held-out samples: {why}"
         if tried:
-            line += f" ({len(tried)} configurations tried; see `edgekit inspect` of a --force bundle)"
+            line += f" ({len(tried)} configurations tried; see `edgekit inspect` of an --allow-failed bundle)"
         parts.append(line)
     advice = (
         "no bundle was written for it; try more representative --calib data, another precision for that "
         "target alone (such as --precision int8,TARGET=fp16), a --option for the target's calibration, "
-        "relax the gate with --tolerance KEY=VALUE, or pass --force to write the bundle anyway (marked as failed)"
+        "relax the gate with --tolerance KEY=VALUE, or pass --allow-failed to write the bundle anyway (marked "
+        "failed; agents refuse it unless their agent.toml sets allow_failed_validation = true)"
     )
     return "\n".join(parts) + "\n" + advice

@@ -38,11 +38,25 @@ def load_onnx(path: Path) -> Any:
     from google.protobuf.message import DecodeError
 
     path = Path(path)
+    if path.is_dir():
+        found = ", ".join(sorted(str(p) for p in path.rglob("*.onnx"))[:5]) or "no .onnx file"
+        raise ModelFormatError(f"model {path} is a folder, not an ONNX file; it holds {found}")
     if not path.is_file():
         raise ModelFormatError(f"model {path} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head.startswith(b"version https://git-lfs"):
+        raise ModelFormatError(
+            f"{path} is a git-LFS pointer, not the model itself; fetch it with `git lfs pull` (or download the file)"
+        )
     try:
         model = onnx.load(str(path))
     except (DecodeError, ValueError, RuntimeError, OSError) as exc:
+        if _looks_like_protobuf(head):
+            raise ModelFormatError(
+                f"{path} ({path.stat().st_size} bytes) starts like an ONNX model but cannot be read to the end: "
+                "truncated or corrupt; copy or export it again"
+            ) from exc
         raise ModelFormatError(
             f"{path} is not an ONNX model ({type(exc).__name__}: {exc}); export it to ONNX first "
             "(torch.onnx.export, tf2onnx, ...)"
@@ -110,6 +124,12 @@ def _guess_layout(shape: Sequence[Dim]) -> str | None:
     if shape[3] in (1, 3, 4):
         return "NHWC"
     return None
+
+
+def _looks_like_protobuf(head: bytes) -> bool:
+    # An ONNX ModelProto opens with field 1 (ir_version, varint: 0x08) or, from some exporters,
+    # field 7 (graph, length-delimited: 0x3A) or 2/3 (producer strings: 0x12 / 0x1A).
+    return bool(head) and head[0] in (0x08, 0x12, 0x1A, 0x3A)
 
 
 def prepare_model(source_path: Path, work_dir: Path, progress: Callable[[str], None] | None = None) -> PreparedModel:

@@ -13,10 +13,17 @@ from device_agents.updates.connection import BrokerAddress
 from edgekit.errors import ConfigError
 from edgekit.fleet.s3 import S3Upload
 
+# `--key` meant the MQTT client's TLS key here and the signing key on `package`: one spelling per concept.
+_RENAMED = {
+    "--key": "it is --tls-key now (the private key of the --cert client certificate); bundles are signed by "
+    "`edgekit package --signing-key`"
+}
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]  # argparse keeps it generic-less
     publish = subparsers.add_parser(
         "publish",
+        renamed=_RENAMED,
         help="publish a bundle to devices over MQTT (desired state) and HTTP(S) (the file)",
         description=(
             "Verify BUNDLE, copy it where an HTTP(S) server serves --base-url (--copy-to) or upload it to "
@@ -75,6 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     fleet_commands = fleet.add_subparsers(dest="fleet_command", required=True, metavar="COMMAND")
     status = fleet_commands.add_parser(
         "status",
+        renamed=_RENAMED,
         help="every device's reported state as a table",
         description="Read the retained edgekit/<fleet>/+/reported messages and print one row per device.",
     )
@@ -88,7 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     serve = fleet_commands.add_parser(
         "serve",
         help="serve a directory over HTTP with Range support (single box and tests)",
-        description=fileserver.__doc__.splitlines()[0] if fileserver.__doc__ else None,
+        description=fileserver.__doc__.splitlines()[0].replace("``", "") if fileserver.__doc__ else None,
     )
     fileserver.add_arguments(serve)
     serve.set_defaults(func=fileserver.run)
@@ -160,7 +168,7 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleet", required=True, help="fleet name (a topic level)")
     parser.add_argument("--ca", type=Path, help="CA certificate of the broker (mqtts)")
     parser.add_argument("--cert", type=Path, help="client certificate (mqtts)")
-    parser.add_argument("--key", type=Path, help="client private key (mqtts)")
+    parser.add_argument("--tls-key", dest="key", type=Path, help="private key of the --cert client certificate (mqtts)")
     parser.add_argument("--timeout-s", type=float, default=10.0, help="give up on the broker after this long")
 
 

@@ -129,7 +129,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    server = serve(args.directory, args.bind, args.port, throttle_bytes_per_s=args.throttle_bytes_per_s)
+    from device_agents.command_line import os_error_parts
+    from edgekit.errors import ConfigError
+
+    if not Path(args.directory).is_dir():
+        raise ConfigError(f"{args.directory}: not a folder; give the folder to serve (`edgekit publish --copy-to`)")
+    try:
+        server = serve(args.directory, args.bind, args.port, throttle_bytes_per_s=args.throttle_bytes_per_s)
+    except OSError as exc:
+        reason, advice = os_error_parts(exc)
+        raise ConfigError(f"--bind {args.bind} --port {args.port}: cannot listen there ({reason}); {advice}") from exc
     print(f"serving {args.directory} at http://{args.bind}:{server.server_port}/", flush=True)
     try:
         server.serve_forever()

@@ -75,7 +75,7 @@ class FleetSession:
                 properties=session_properties(False),
             )
         except ssl.SSLError as exc:
-            raise BrokerError(f"TLS to {where} failed ({exc.reason or exc}); check --ca, --cert and --key") from exc
+            raise BrokerError(f"TLS to {where} failed ({exc.reason or exc}); check --ca, --cert and --tls-key") from exc
         except OSError as exc:
             raise BrokerError(f"cannot connect to {where}: {exc}; is the broker running?") from exc
         self._client.loop_start()

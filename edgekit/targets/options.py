@@ -89,3 +89,27 @@ def _is_text(hint: Any) -> bool:
 
 def _optional(hint: Any) -> bool:
     return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+
+
+def describe_options() -> list[str]:
+    """``--list-options``: every target's option, type and default, as ``TARGET.KEY: TYPE = DEFAULT``."""
+    from edgekit.targets import TARGETS, get_target
+
+    lines = []
+    for name in TARGETS:
+        options_cls = get_target(name).Options
+        hints = typing.get_type_hints(options_cls)
+        fields = dataclasses.fields(options_cls)
+        if not fields:
+            lines.append(f"{name}: no options")
+        for f in fields:
+            default = f.default if f.default is not dataclasses.MISSING else "(required)"
+            lines.append(f"{name}.{f.name}: {_type_name(hints[f.name])} = {default!r}")
+    return lines
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(hint))
+    text = getattr(hint, "__name__", None)
+    return text if text and typing.get_origin(hint) is None else str(hint).replace("typing.", "")

@@ -91,8 +91,8 @@ def check_precision(target: Target, precision: str, named: bool = False, several
     """
     shown = f"{target.name}={precision}" if named else precision
     if precision not in PRECISIONS:
-        near = difflib.get_close_matches(precision, PRECISIONS, n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
+        typed = _nearest_precision(precision)
+        hint = f"; did you mean {typed!r}?" if typed else ""
         raise ConfigError(f"--precision {shown!r} is not one of {', '.join(PRECISIONS)}{hint}")
     if precision in target.precisions:
         return
@@ -108,3 +108,26 @@ def check_precision(target: Target, precision: str, named: bool = False, several
         f"--precision {shown!r} is not available for target {target.name!r} "
         f"(it builds {', '.join(target.precisions)}){hint}"
     )
+
+
+# the weights/activations labels the table and the manifest show -> the --precision name
+LABELS = {
+    "w32a32": "fp32",
+    "w16a16": "fp16",
+    "w8a8": "int8",
+    "w8a16": "int8-weights",
+    "w8a32": "int8-weights",
+    "w4a16": "int4-weights",
+    "w4a32": "int4-weights",
+}
+
+
+def _nearest_precision(text: str) -> str | None:
+    """A precision name for what was typed: another case (``INT8``), a label (``w8a8``), a typo."""
+    low = text.strip().lower()
+    if low in PRECISIONS:
+        return low
+    if low in LABELS:
+        return LABELS[low]
+    near = difflib.get_close_matches(low, PRECISIONS, n=1)
+    return near[0] if near else None

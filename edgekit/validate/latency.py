@@ -9,7 +9,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Per-call milliseconds of one function in a side-by-side run: median, p90, interquartile range."""
+
+    p50_ms: float
+    p90_ms: float
+    iqr_ms: float
+    calls: int
+    p25_ms: float = 0.0
+    p75_ms: float = 0.0
 
 
 def p50_side_by_side(
@@ -21,7 +34,23 @@ def p50_side_by_side(
     min_repeats: int = 5,
     block: int = 10,
 ) -> dict[str, float]:
-    """Median milliseconds per call of each function, measured interleaved in blocks.
+    """Median milliseconds per call of each function (``stats_side_by_side``'s p50)."""
+    stats = stats_side_by_side(
+        fns, repeats=repeats, warmup=warmup, budget_s=budget_s, min_repeats=min_repeats, block=block
+    )
+    return {n: s.p50_ms for n, s in stats.items()}
+
+
+def stats_side_by_side(
+    fns: Mapping[str, Callable[[], object]],
+    *,
+    repeats: int = 20,
+    warmup: int = 2,
+    budget_s: float = 5.0,
+    min_repeats: int = 5,
+    block: int = 10,
+) -> dict[str, LatencyStats]:
+    """p50, p90 and IQR milliseconds per call of each function, measured interleaved in blocks.
 
     Each round calls every function ``block`` times in a row, starting at a rotating position.
     Blocks rather than single calls: alternating runtimes call by call penalises the one whose
@@ -47,13 +76,23 @@ def p50_side_by_side(
                 out.append(time.perf_counter() - t0)
         if r + 1 >= min_repeats and time.perf_counter() - start > budget_s:
             break
-    return {n: _median(v) * 1000.0 for n, v in times.items()}
+    return {n: _stats(v) for n, v in times.items()}
 
 
-def _median(values: list[float]) -> float:
-    s = sorted(values)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+def _stats(values: list[float]) -> LatencyStats:
+    ms = sorted(v * 1000.0 for v in values)
+    q1, q3 = _quantile(ms, 0.25), _quantile(ms, 0.75)
+    return LatencyStats(
+        p50_ms=_quantile(ms, 0.5), p90_ms=_quantile(ms, 0.9), iqr_ms=q3 - q1, calls=len(ms), p25_ms=q1, p75_ms=q3
+    )
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), on sorted values."""
+    pos = (len(sorted_values) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 def call_with(fn: Callable[[Any], object], feed: Any) -> Callable[[], object]:

@@ -8,7 +8,16 @@ from typing import Any
 from edgekit.bundle.manifest import Validation
 
 NOT_HERE = "not measured here"
-HEADERS = ("target", "precision", "size", "size vs fp32", "accuracy vs fp32", "p50", "speed vs fp32", "result")
+HEADERS = (
+    "target",
+    "precision",
+    "size",
+    "size vs fp32",
+    "accuracy vs fp32",
+    "p50 / p90 (IQR)",
+    "speed vs fp32",
+    "result",
+)
 
 
 def format_table(rows: Sequence[Any]) -> str:
@@ -24,9 +33,11 @@ def format_table(rows: Sequence[Any]) -> str:
                 _size(v.size_bytes),
                 f"{v.size_ratio:.2f}x" if v.size_ratio is not None else "-",
                 _accuracy(v),
-                f"{v.latency_p50_ms:.3f} ms" if v.latency_p50_ms is not None else NOT_HERE,
+                _latency(v),
                 _speed(v),
-                ("passed" if v.passed else "FAILED") + ("" if r.bundle is not None else ", no bundle"),
+                ("passed" if v.passed else "FAILED")
+                + (", slower than fp32" if v.slower_than_fp32 else "")
+                + ("" if r.bundle is not None else ", no bundle"),
             )
         )
     widths = [max(len(row[i]) for row in lines) for i in range(len(HEADERS))]
@@ -51,6 +62,15 @@ def _accuracy(r: Validation) -> str:
     if r.cosine is not None:
         return f"cosine {r.cosine:.4f}"
     return "-"
+
+
+def _latency(v: Validation) -> str:
+    if v.latency_p50_ms is None:
+        return NOT_HERE
+    if v.latency_p90_ms is None:
+        return f"{v.latency_p50_ms:.3f} ms"
+    iqr = f" ({v.latency_iqr_ms:.3f})" if v.latency_iqr_ms is not None else ""
+    return f"{v.latency_p50_ms:.3f} / {v.latency_p90_ms:.3f} ms{iqr}"
 
 
 def _speed(r: Validation) -> str:

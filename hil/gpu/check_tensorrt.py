@@ -85,7 +85,7 @@ def _check(args: argparse.Namespace, work: Path) -> int:
                 key=key,
                 name=f"check-{precision}",
                 out_dir=work / "bundles",
-                force=True,
+                allow_failed=True,
             )
             bundle = result.bundles["jetson"]
             verified = read_verified_manifest(bundle, trust)

@@ -72,3 +72,40 @@ def test_quant_reports_not_measured_here_for_a_target_this_checkout_lacks(
     ctx = registry.BenchContext(tmp_path, tmp_path / "k", tmp_path / "p", repeats=1, budget_s=0.1)
     (row,) = run(ctx, name="quant.nosuch", target="nosuch")
     assert row.note.startswith(registry.NOT_HERE) and row.ratio is None
+
+
+def test_bench_plot_has_one_panel_per_kind_with_values_and_speedup_around_one() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.registry import Measurement
+    from bench.report import plot
+
+    rows = [
+        Measurement("quant.cpu", "int8 vs fp32", "artifact size", "bytes", "fp32", "int8", 2730881, 704788),
+        Measurement("quant.cpu", "int8 vs fp32", "held-out top-1", "%", "fp32", "int8", 98.9, 98.9),
+        Measurement(
+            "quant.cpu", "int8 vs fp32", "p50 latency, batch 1", "ms", "fp32", "int8", 0.68, 0.25,
+            a_spread=(0.6, 0.7), b_spread=(0.24, 0.27),
+        ),
+        Measurement("quant.intel", "int8 vs fp32", "p50 latency, batch 1", "ms", "fp32", "int8", 0.5, 1.0),
+        Measurement("ota.mqtt", "reconnects", "spread (last - first)", "s", "paho", "edgekit", 0.03, 6.9),
+        Measurement("quant.jetson", "int8 vs fp32", "p50 latency, batch 1", "ms", "fp32", "int8", note="not here"),
+    ]  # fmt: skip
+    fig = plot(rows, "title")
+    try:
+        titles = [ax.get_title(loc="left") for ax in fig.axes]
+        assert [t.split(" ")[0] for t in titles] == ["artifact", "held-out", "latency", "speed-up", "fleet"]
+        size, accuracy, latency, speed, fleet = fig.axes
+        texts = [t.get_text().strip() for t in size.texts]
+        assert texts == ["2667 KB fp32", "688 KB int8"]  # absolute values, not only the ratio
+        assert accuracy.get_xlim()[0] > 90  # 98.9% vs 98.9% is not drawn as two long bars from 0
+        assert [t.get_text().strip() for t in speed.texts] == ["2.72x: 2.72x faster", "0.50x: 2.00x slower"]
+        assert {round(p.get_x(), 6) for p in speed.patches} == {1.0}  # bars grow from the 1.0 line
+        assert any(list(line.get_xdata()) == [1.0, 1.0] for line in speed.lines)
+        assert speed.get_xscale() == "log"
+        assert len(latency.collections) + len(latency.lines) > 0 and fleet.texts
+    finally:
+        plt.close(fig)

@@ -5,7 +5,7 @@ batch/height/width written the paddle2onnx way, conv+BN folded, depthwise convs,
 squeeze-excite blocks, a MatMul head) goes through one ``edgekit.package`` call with no network:
 cpu, intel, coral and jetson in INT8, apple in int8-weights, judged on 600 held-out lines (so
 that a 98% gate has a margin of many samples; each margin is printed at the end of the run).
-coral and apple must pass their gate without ``force``. cpu, intel and jetson INT8 sit at the gate
+coral and apple must pass their gate without ``allow_failed``. cpu, intel and jetson INT8 sit at the gate
 on this model (600 lines on the development machine: cpu 0.988, intel 0.982 = a margin of one
 sample, jetson 0.980 = none; elsewhere cpu 0.965 and jetson 0.77 on 100-200 lines, intel a
 2-point drop: int8 kernels differ by CPU) and may instead be refused: then the test asserts the

@@ -80,6 +80,7 @@ def test_config_without_updates_table_has_none(tmp_path: Path) -> None:
         (BASE + "[budgets]\nmemory_mb = 512\n", "agent.budgets: memory_mb is planned, not in this agent version"),
         (BASE + "[runtime]\nextra = { FOO = '1' }\n", "agent.runtime.extra.FOO: config v2 has no free-form runtime"),
         (BASE + "[runtime]\nthreds = 1\n", "agent.runtime: unknown key 'threds'"),
+        (BASE + "allow_failed_validaton = true\n", "(did you mean 'allow_failed_validation'?"),
         (BASE + "[selftest]\ntimeout = 3\n", "agent.selftest: unknown key 'timeout'"),
         (BASE + 'max_request_mb = "big"\n', "agent.server.max_request_mb: expected an integer"),  # v1 key, migrated
         ('store = "s"\n', "agent: trusted_keys is empty"),

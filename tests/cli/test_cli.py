@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -166,12 +167,18 @@ def test_cli_package_prints_progress_table_and_bundle_path(capsys, workspace, tm
     )
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == "target precision size size vs fp32 accuracy vs fp32 p50 speed vs fp32 result".split()
+    assert lines[0].split() == (
+        "target precision size size vs fp32 accuracy vs fp32 p50 / p90 (IQR) speed vs fp32 result".split()
+    )
+    assert re.search(r" \d+\.\d{3} / \d+\.\d{3} ms \(\d+\.\d{3}\) ", lines[2])  # latency with its spread
     assert set(lines[1]) == {"-", " "}
     assert lines[2].startswith("cpu ") and "fp32 (w32a32)" in lines[2] and lines[2].endswith("passed")
     assert lines[3:] == [f"cpu: {tmp_path}/tiny-cpu-v5.ekb"]
-    assert err.splitlines()[0] == "preparing tiny.onnx"
-    assert f"[cpu] wrote {tmp_path}/tiny-cpu-v5.ekb" in err.splitlines()
+    progress = [re.sub(r"^ *\d+\.\ds ", "", line) for line in err.splitlines()]
+    assert all(re.match(r"^ *\d+\.\ds ", line) for line in err.splitlines())  # elapsed time first
+    assert progress[0] == "preparing tiny.onnx"
+    assert f"[1/1 cpu] wrote {tmp_path}/tiny-cpu-v5.ekb" in progress
+    assert "[1/1 cpu] building fp32" in progress
 
 
 @pytest.mark.parametrize(

@@ -174,3 +174,10 @@ def test_placement_comes_from_the_onnxruntime_profile(tiny_model: Path) -> None:
         tiny_model, {"input": sample_inputs(1)}, accelerated_on=("CUDAExecutionProvider",)
     )
     assert none_accelerated.accelerated == 0 and none_accelerated.fallback == len(none_accelerated.entries)
+
+
+def test_latency_stats_give_p50_p90_and_iqr_of_the_calls() -> None:
+    from edgekit.validate.latency import _stats
+
+    stats = _stats([i / 1000.0 for i in range(1, 11)])  # 1..10 ms
+    assert (stats.p50_ms, stats.p90_ms, stats.iqr_ms, stats.calls) == pytest.approx((5.5, 9.1, 4.5, 10))

@@ -172,7 +172,7 @@ def publish(
     if rollout is not None:
         args += ["--rollout", str(rollout)]
     if tls is not None:
-        args += ["--ca", str(tls[0]), "--cert", str(tls[1]), "--key", str(tls[2])]
+        args += ["--ca", str(tls[0]), "--cert", str(tls[1]), "--tls-key", str(tls[2])]
     out = edgekit(*args)
     m = re.search(r"\(notice ([0-9a-f]+),", out)
     assert m, out

@@ -131,7 +131,7 @@ def test_update_over_mqtts_with_client_certificates_and_acl(
     def status_row() -> list[list[str]]:
         table = edgekit(
             "fleet", "status", "--broker", fleet.broker.url(tls=True), "--fleet", FLEET, "--wait-s", "0.3",
-            "--ca", str(ca), "--cert", str(cert), "--key", str(key),
+            "--ca", str(ca), "--cert", str(cert), "--tls-key", str(key),
         )  # fmt: skip
         return [line.split()[:5] for line in table.strip().splitlines()[1:]]
 
