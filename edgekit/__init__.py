@@ -37,7 +37,7 @@ def package(
     overwrite: bool = False,
     allow_failed: bool = False,
     input_shapes: Mapping[str, Sequence[int]] | None = None,
-    expires: datetime | timedelta | str | None = None,
+    expires: datetime | timedelta | str | None = timedelta(days=365),  # = packager.DEFAULT_EXPIRES (tested)
     progress: Callable[[str], None] | None = None,
     options: Mapping[str, Any] | None = None,
     preprocess: Preprocess | str | None = None,
