@@ -30,7 +30,7 @@ import numpy as np
 from bench.registry import BenchContext, BenchError, Measurement
 
 if TYPE_CHECKING:
-    from device_agents.manager import ModelManager
+    from device_agents.lifecycle import Lifecycle
 
 WIDE = 1700  # 1700 x 1700 float32 weights = 11.6 MB, a bundle of about 10 MB
 FLEET = "bench"
@@ -163,10 +163,10 @@ class _Load:
 
 
 class _StandInManager:
-    """What ``UpdateClient`` needs of ``ModelManager``, with a real store but no runtime (bench only)."""
+    """What ``UpdateClient`` needs of ``Lifecycle``, with a real store but no runtime (bench only)."""
 
     def __init__(self, store_dir: Path, pub: Path) -> None:
-        from device_agents.serving.metrics import AgentMetrics
+        from device_agents.metrics import AgentMetrics
         from device_agents.store import Store
         from edgekit.bundle import TrustStore
 
@@ -178,8 +178,14 @@ class _StandInManager:
     def models(self) -> dict[str, int]:
         return dict(self._models)
 
+    def record_notice(self, name: str, notice_id: str, issued: str) -> None:
+        from dataclasses import replace
+
+        with self.store.lock():
+            self.store.update_model(name, lambda s: replace(s, last_notice_id=notice_id, last_notice_issued=issued))
+
     def install(self, bundle_path: Path, *, origin: str) -> Any:
-        from device_agents.manager import InstallResult
+        from device_agents.lifecycle import InstallResult
 
         with self.store.lock():
             staged = self.store.stage(bundle_path, self.trust)
@@ -220,7 +226,7 @@ def _fleet(ctx: BenchContext, name: str, work: Path, broker: Any, files: Any, de
                          "notice_keys": [str(notice_pub)]}},
             base=root,
         )  # fmt: skip
-        stand_in = cast("ModelManager", _StandInManager(root, ctx.pub))  # duck-typed: what UpdateClient uses
+        stand_in = cast("Lifecycle", _StandInManager(root, ctx.pub))  # duck-typed: what UpdateClient uses
         clients.append(UpdateClient(config, stand_in))
     baseline_times: list[float] = []
 

@@ -1,13 +1,16 @@
 """``edgekit-agent``: run the daemon, install a bundle, show the store's state.
 
-    edgekit-agent run --config agent.toml
+    edgekit-agent run --config agent.toml [-v] [--log-format json]
     edgekit-agent install BUNDLE.ekb --config agent.toml
     edgekit-agent status --config agent.toml
+    edgekit-agent stats --config agent.toml [--interval 2] [--count N]
 
 A running daemon holds ``<store>/daemon.lock`` and writes its address to ``<store>/daemon.json``.
 ``install`` hands the bundle to that daemon over loopback (``POST /edgekit/v1/install``), so
 the running agent switches to it; with no daemon it installs into the store itself, holding the
-same lock so that no daemon starts halfway. Errors print ``edgekit-agent: error: <message>``
+same lock so that no daemon starts halfway. ``stats`` scrapes the daemon's ``/metrics`` and
+prints a live table. SIGTERM drains: new requests get 503, running ones finish (up to
+``server.drain_timeout_s``), then the daemon stops. Errors print ``edgekit-agent: error: <message>``
 and exit with the error's ``exit_code``.
 """
 
@@ -18,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -90,10 +94,11 @@ def daemon_url(store: Path) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from device_agents.manager import ModelManager
+    from device_agents.service import AgentService
     from device_agents.serving.http import AgentServer
 
     config = load_config(args.config)
+    raise_nofile_limit()
     # wait while a one-shot `install` holds the lock; refuse at once when another daemon does
     wait_s = 0.0 if _daemon_pid(config.store) is not None else _DAEMON_WAIT_S
     with daemon_lock(config.store, wait_s=wait_s) as held:
@@ -102,14 +107,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: stop.set())
-        manager = ModelManager(config)
-        manager.start()
+        service = AgentService(config)
+        service.start()
         try:
-            server = AgentServer(
-                config.listen_host, config.listen_port, manager, max_request_bytes=config.server.max_request_bytes
-            )
+            server = AgentServer(config.listen_host, config.listen_port, service)
         except OSError as exc:
-            manager.stop()
+            service.stop()
             reason, advice = os_error_parts(exc)
             raise ConfigError(
                 f"listen = {config.listen!r} ({args.config}): cannot listen there ({reason}); {advice}"
@@ -119,11 +122,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             atomic_write(config.store / DAEMON_INFO, json.dumps({"pid": os.getpid(), "url": server.url}).encode())
             threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-            served = ", ".join(f"{n} v{v}" for n, v in manager.models().items()) or "no models"
-            log.info("listening on %s; serving %s", server.url, served)
-            notifier = systemd.announce_serving(server.url, f"serving {served} on {server.url}")  # READY=1, watchdog
+            notifier = on_ready(server.url, service.models())
             if config.updates is not None:
-                updater = _update_client(config, manager)
+                updater = _update_client(config, service.lifecycle)
                 updater.start()
                 log.info(
                     "updates: %s, fleet %s, device %s",
@@ -133,7 +134,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                 )
             while not stop.wait(1.0):
                 pass
-            log.info("stopping")
+            log.info("stopping: draining in-flight requests (up to %g s)", config.server.drain_timeout_s)
+            notifier.stopping()  # STOPPING=1 while the drain runs
+            notifier = None
+            if not service.drain():
+                log.warning("some requests were still running after server.drain_timeout_s; stopping anyway")
         finally:
             if notifier is not None:
                 notifier.stopping()
@@ -141,11 +146,30 @@ def cmd_run(args: argparse.Namespace) -> int:
                 updater.stop()
             server.shutdown()
             server.server_close()
-            manager.stop()
+            service.stop()
             with contextlib.suppress(OSError):
                 (config.store / DAEMON_INFO).unlink()
     log.info("stopped")
     return 0
+
+
+def on_ready(url: str, models: dict[str, int]) -> systemd.SystemdNotifier:
+    """The one place where the API is listening and the installed models are loaded: logs it and
+    tells the supervisor (systemd's sd_notify READY=1, then the watchdog pings)."""
+    served = ", ".join(f"{n} v{v}" for n, v in models.items()) or "no models"
+    log.info("listening on %s; serving %s", url, served)
+    return systemd.announce_serving(url, f"serving {served} on {url}")
+
+
+def raise_nofile_limit() -> None:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit: every connection is a file descriptor."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
 
 
 def _update_client(config: AgentConfig, manager: Any) -> Any:
@@ -181,15 +205,15 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 
 def _install_here(config: AgentConfig, bundle: Path) -> dict[str, Any]:
-    from device_agents.manager import ModelManager
+    from device_agents.lifecycle import Lifecycle
     from edgekit.bundle.codec import to_data
 
-    manager = ModelManager(config)
+    lifecycle = Lifecycle(config)
     try:
-        installed: dict[str, Any] = to_data(manager.install(bundle, origin="cli"))
+        installed: dict[str, Any] = to_data(lifecycle.install(bundle, origin="cli"))
         return installed
     finally:
-        manager.stop()
+        lifecycle.stop()
 
 
 def _install_via_daemon(url: str, bundle: Path) -> dict[str, Any]:
@@ -236,7 +260,55 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "install": cmd_install, "status": cmd_status}
+def cmd_stats(args: argparse.Namespace) -> int:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from device_agents.stats import snapshot, summarize, table
+
+    config = load_config(args.config)
+    with daemon_lock(config.store) as free:
+        if free:
+            raise StoreError(f"no edgekit-agent daemon runs on {config.store}; start it with `edgekit-agent run`")
+    url = daemon_url(config.store)
+
+    def scrape() -> Any:
+        try:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+                return snapshot(text_string_to_metric_families(resp.read().decode()))
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"cannot read {url}/metrics: {exc}") from exc
+
+    previous, at = scrape(), time.monotonic()
+    if args.count == 1:
+        print(table(summarize(previous)))  # since the daemon started
+        return 0
+    shown = 0
+    while args.count == 0 or shown < args.count - 1:
+        time.sleep(args.interval)
+        current, now = scrape(), time.monotonic()
+        print(time.strftime("%H:%M:%S"), f"last {now - at:.1f} s")
+        print(table(summarize(current.minus(previous), now - at)), flush=True)
+        previous, at = current, now
+        shown += 1
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "install": cmd_install, "status": cmd_status, "stats": cmd_stats}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message (and the exception, if any)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
 
 
 def build_parser() -> Parser:
@@ -247,23 +319,36 @@ def build_parser() -> Parser:
     )
     parser.add_argument("--version", action="version", version=f"edgekit-agent {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines as text or JSON")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="serve the installed models over HTTP (Open Inference Protocol v2)")
     install = sub.add_parser("install", help="verify, self-test and switch to a bundle (hands it to a running agent)")
     install.add_argument("bundle", type=Path, help="the .ekb file")
     status = sub.add_parser("status", help="show the installed models and their slots")
-    for p in (run, install, status):
+    stats = sub.add_parser("stats", help="print a live table of the running daemon's serving numbers")
+    stats.add_argument("--interval", type=float, default=2.0, help="seconds between rows (default 2)")
+    stats.add_argument("--count", type=int, default=0, help="tables to print (0 = until interrupted; 1 = since start)")
+    for p in (run, install, status, stats):
         p.add_argument("--config", type=Path, required=True, help="the agent's TOML config")
         # also after the subcommand; SUPPRESS keeps a -v given before it
         p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log debug messages")
+        p.add_argument(
+            "--log-format", choices=("text", "json"), default=argparse.SUPPRESS, help="log lines as text or JSON"
+        )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse(argv)
+    verbose = args.verbose
     # the daemon logs one line per event; one-shot commands print their result and at most one error line
-    level = logging.DEBUG if args.verbose else logging.INFO if args.command == "run" else logging.CRITICAL
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    level = logging.DEBUG if verbose else logging.INFO if args.command == "run" else logging.CRITICAL
+    handler = logging.StreamHandler(sys.stderr)
+    if args.log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
     try:
         return COMMANDS[args.command](args)
     except EdgekitError as exc:

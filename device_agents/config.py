@@ -67,6 +67,7 @@ else:  # Python 3.10: the same parser from PyPI (the `agent` extra installs it)
 from device_agents.runtimes.options import COMPUTE_UNITS, OPTIONS, RuntimeOptions, RuntimesConfig
 from edgekit.bundle.codec import from_data, upgrade
 from edgekit.bundle.errors import ConfigError
+from edgekit.bundle.manifest import Manifest
 
 CONFIG_VERSION = 2
 
@@ -109,7 +110,7 @@ class UpdatesConfig:
     ca: Path | None = None
     cert: Path | None = None
     key: Path | None = None
-    # None in the file = <store>/downloads after loading. Not <store>/tmp: the manager empties that at
+    # None in the file = <store>/downloads after loading. Not <store>/tmp: the lifecycle empties that at
     # start, and a partial download must survive a restart to be resumed.
     download_dir: Path | None = None
     max_bundle_mb: int = 512
@@ -252,6 +253,18 @@ class ModelConfig:
             if getattr(self, key) is not None:
                 raise ValueError(_planned(key))
 
+    def check(self, name: str, manifest: Manifest) -> None:
+        """``ConfigError`` when this table cannot serve ``manifest`` (batching a static batch axis)."""
+        if self.batching is None:
+            return
+        for spec in manifest.signature.inputs:
+            if not spec.shape or isinstance(spec.shape[0], int):
+                raise ConfigError(
+                    f"agent.models.{name}.batching: model {manifest.name} v{manifest.version} has a static batch "
+                    f"(input {spec.name!r} shape {spec.v2_shape}); dynamic batching needs axis 0 dynamic (-1). "
+                    f"Remove [models.{name}.batching] or package the model with a dynamic batch axis"
+                )
+
 
 @dataclass(frozen=True)
 class BudgetsConfig:
@@ -274,7 +287,8 @@ class ServerConfig:
     max_request_mb: int = 64  # a body (after gzip/deflate inflation) over this is a 413
     max_connections: int = 512  # at the cap, the oldest idle connection is closed for a new one
     idle_timeout_s: float = 30.0  # a connection with no complete request for this long is closed
-    max_concurrent_decodes: int = 4  # request bodies read and parsed at once; more wait (bounded) or get 503
+    max_buffered_mb: int = 64  # request body bytes held at once, as received and inflated; more wait, then 503
+    max_concurrent_decodes: int = 4  # request bodies parsed at once; more wait (1 s), then 503
     workers: int = 2  # inference threads per model (batches run one per worker)
     queue_size: int = 64  # requests waiting per model before a 429
     request_timeout_s: float = 30.0  # a request's deadline unless it asks for less (parameters.timeout_ms)
@@ -291,6 +305,10 @@ class ServerConfig:
     @property
     def max_request_bytes(self) -> int:
         return self.max_request_mb * _MB
+
+    @property
+    def max_buffered_bytes(self) -> int:
+        return max(self.max_buffered_mb, self.max_request_mb) * _MB
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import signal
 
 FAULT_ENV = "EDGEKIT_FAULT"
 
-# Where each point sits: see ModelManager.install (stage..cleanup), the self-test child
+# Where each point sits: see Lifecycle.install (stage..cleanup), the self-test child
 # (selftest_child) and the update client (download).
 FAULT_POINTS = ("verify", "stage", "selftest", "selftest_child", "switch", "commit", "cleanup", "download")
 

@@ -30,7 +30,7 @@ from edgekit.bundle.codec import from_data, to_data
 from edgekit.bundle.errors import SelfTestError
 from edgekit.bundle.manifest import Golden, Manifest
 
-REPORT_NAME = "selftest.json"  # written next to the model's files by the manager
+REPORT_NAME = "selftest.json"  # written next to the model's files by the lifecycle
 _POLL_S = 0.02
 _LATENCY_RUNS = 50
 _LATENCY_BUDGET_S = 1.0

@@ -68,6 +68,11 @@ class ServedModel:
         }
         # Some runtimes (LiteRT interpreters) are not re-entrant; one lock per model keeps all safe.
         self._lock = threading.Lock() if getattr(runner, "serialize", False) else None
+        # Whether an exception of the runtime says "this input is wrong" (a 400, not a model failure).
+        self._rejects_input = getattr(runner, "rejects_input", None)
+
+    def rejects_input(self, exc: Exception) -> bool:
+        return bool(self._rejects_input is not None and self._rejects_input(exc))
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:

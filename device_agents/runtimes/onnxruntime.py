@@ -14,12 +14,23 @@ from edgekit.bundle.manifest import Manifest
 
 try:
     import onnxruntime as ort
+    from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 except ImportError as exc:  # pragma: no cover - exercised only without the SDK
     raise MissingSDKError("onnxruntime", "agent", "the onnxruntime runtime") from exc
 
 
 class OnnxRuntimeRunner:
     name: ClassVar[str] = "onnxruntime"
+
+    @staticmethod
+    def rejects_input(exc: Exception) -> bool:
+        """True when ONNX Runtime refused the input's *shape* (INVALID_ARGUMENT naming a shape, rank
+        or dimension: a spatial size a Conv cannot take, a wrong rank): the request's fault, a 400.
+        Other INVALID_ARGUMENTs (a Gather index out of range on field data) and FAIL /
+        RUNTIME_EXCEPTION are the model failing on an input its signature accepts: 500s, which
+        count against its health."""
+        text = str(exc).lower()
+        return isinstance(exc, InvalidArgument) and any(w in text for w in ("shape", "rank", "dimension"))
 
     def __init__(self, model_dir: Path, manifest: Manifest, options: OnnxRuntimeOptions) -> None:
         onnx_files = [f for f in manifest.artifact_files() if f.path.endswith(".onnx")]

@@ -1,5 +1,10 @@
 """Open Inference Protocol v2 request/response bodies, JSON and the binary tensor data extension.
 
+Limits: every declared shape's element count is checked (against the request cap and the bytes
+given) before any tensor is allocated; NaN and Infinity, which are not JSON, are refused in
+requests and written as ``null`` in JSON responses (binary tensors carry them as they are). The
+request parameter ``timeout`` (microseconds, as Triton's clients send it) sets the deadline.
+
 Binary extension (as ``tritonclient.http`` sends it by default): the body is a JSON header of
 ``Inference-Header-Content-Length`` bytes followed by the raw little-endian tensors of every
 input whose ``parameters.binary_data_size`` is set, in input order. Outputs come back the same
@@ -47,12 +52,21 @@ MANIFEST_TO_V2 = {
 }
 
 
+_MAX_DIMS = 16
+_MAX_DIM = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class InferRequest:
     id: str | None
     inputs: dict[str, np.ndarray]
     outputs: tuple[tuple[str, bool], ...] | None  # (name, binary) per requested output; None = all
     binary_output: bool  # default for outputs not asked for by name
+    timeout_s: float | None = None  # from parameters.timeout (microseconds)
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON; send non-finite values in a binary tensor")
 
 
 def tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
@@ -60,16 +74,23 @@ def tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
 
 
 def decode_request(
-    body: bytes, header_length: int | None, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]
+    body: bytes | bytearray,
+    header_length: int | None,
+    inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+    *,
+    max_bytes: int = 1 << 62,
 ) -> InferRequest:
-    """Parse and check a request body against the served signature; raise ``InferenceInputError``."""
+    """Parse and check a request body against the served signature; raise ``InferenceInputError``.
+
+    ``max_bytes`` bounds every tensor's declared size before it is allocated."""
     json_end = len(body) if header_length is None else header_length
     if not 0 <= json_end <= len(body):
         raise InferenceInputError(
             f"Inference-Header-Content-Length {header_length} is outside the {len(body)}-byte body"
         )
     try:
-        doc = json.loads(body[:json_end])
+        doc = json.loads(body[:json_end] if json_end < len(body) else body, parse_constant=_refuse_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise InferenceInputError(f"request header is not valid JSON ({exc})") from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list):
@@ -78,7 +99,7 @@ def decode_request(
     offset = json_end
     tensors: dict[str, np.ndarray] = {}
     for item in doc["inputs"]:
-        name, arr, used = _decode_input(item, specs, body, offset)
+        name, arr, used = _decode_input(item, specs, body, offset, max_bytes)
         if name in tensors:
             raise InferenceInputError(f"input {name!r} is given twice")
         tensors[name] = arr
@@ -95,7 +116,17 @@ def decode_request(
         inputs=tensors,
         outputs=_requested_outputs(doc, {s.name for s in outputs}, params),
         binary_output=bool(params.get("binary_data_output", False)),
+        timeout_s=_timeout_s(params),
     )
+
+
+def _timeout_s(params: Mapping[str, Any]) -> float | None:
+    timeout = params.get("timeout")
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0:
+        raise InferenceInputError(f"parameters.timeout must be a positive integer of microseconds, got {timeout!r}")
+    return timeout / 1e6
 
 
 def _requested_outputs(
@@ -117,7 +148,9 @@ def _requested_outputs(
     return tuple(requested)
 
 
-def _decode_input(item: Any, specs: Mapping[str, TensorSpec], body: bytes, offset: int) -> tuple[str, np.ndarray, int]:
+def _decode_input(
+    item: Any, specs: Mapping[str, TensorSpec], body: bytes | bytearray, offset: int, max_bytes: int
+) -> tuple[str, np.ndarray, int]:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise InferenceInputError('every input needs a "name"')
     name = item["name"]
@@ -128,10 +161,24 @@ def _decode_input(item: Any, specs: Mapping[str, TensorSpec], body: bytes, offse
     want = MANIFEST_TO_V2[spec.dtype]
     if datatype != want:
         raise InferenceInputError(f"input {name!r}: datatype {datatype!r} given, the model takes {want}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise InferenceInputError(f"input {name!r}: shape must be a list of non-negative integers, got {shape!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > _MAX_DIMS
+        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _MAX_DIM for d in shape)
+    ):
+        raise InferenceInputError(
+            f"input {name!r}: shape must be a list of non-negative integers (at most {_MAX_DIMS}, each <= {_MAX_DIM}), "
+            f"got {shape!r}"
+        )
     dtype = V2_TO_NUMPY[datatype]
     count = math.prod(shape)
+    if count == 0:
+        raise InferenceInputError(f"input {name!r}: shape {shape} has no elements")
+    if count * dtype.itemsize > max_bytes:
+        raise InferenceInputError(
+            f"input {name!r}: shape {shape} of {datatype} is {count * dtype.itemsize} bytes, over the request cap "
+            f"({max_bytes} bytes)"
+        )
     size = _parameters(item, f"input {name!r}").get("binary_data_size")
     if size is not None:
         if not isinstance(size, int) or size != count * dtype.itemsize:
@@ -147,6 +194,11 @@ def _decode_input(item: Any, specs: Mapping[str, TensorSpec], body: bytes, offse
         return name, arr.reshape(shape).astype(dtype.newbyteorder("="), copy=False), size
     if "data" not in item:
         raise InferenceInputError(f'input {name!r}: give "data" or parameters.binary_data_size')
+    if not isinstance(item["data"], list):
+        raise InferenceInputError(f'input {name!r}: "data" must be a list of {datatype} values')
+    given = _flat_count(item["data"])
+    if given != count:  # before numpy builds an array of them
+        raise InferenceInputError(f"input {name!r}: {given} values given for shape {shape} ({count} values)")
     try:
         arr = np.asarray(item["data"], dtype=dtype.newbyteorder("="))
     except (ValueError, TypeError, OverflowError) as exc:
@@ -154,6 +206,18 @@ def _decode_input(item: Any, specs: Mapping[str, TensorSpec], body: bytes, offse
     if arr.size != count:
         raise InferenceInputError(f"input {name!r}: {arr.size} values given for shape {shape} ({count} values)")
     return name, arr.reshape(shape), 0
+
+
+def _flat_count(data: list[Any]) -> int:
+    """How many scalars the (possibly nested, already parsed) list holds."""
+    count, stack = 0, [data]
+    while stack:
+        for v in stack.pop():
+            if isinstance(v, list):
+                stack.append(v)
+            else:
+                count += 1
+    return count
 
 
 def _parameters(item: Mapping[str, Any], what: str) -> dict[str, Any]:
@@ -183,13 +247,17 @@ def encode_response(
             item["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         else:
-            item["data"] = arr.ravel().tolist()
+            flat = arr.ravel()
+            values = flat.tolist()
+            if flat.dtype.kind == "f" and not np.isfinite(flat).all():
+                values = [v if math.isfinite(v) else None for v in values]  # NaN/Infinity are not JSON
+            item["data"] = values
         items.append(item)
     doc: dict[str, Any] = {"model_name": model_name, "model_version": str(version)}
     if request.id is not None:
         doc["id"] = request.id
     doc["outputs"] = items
-    header = json.dumps(doc, separators=(",", ":")).encode()
+    header = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
     if not blobs:
         return header, None
     return header + b"".join(blobs), len(header)

@@ -1,13 +1,20 @@
-"""The agent's HTTP API: Open Inference Protocol v2 (KServe / Triton REST), ``/metrics``, and
+"""The agent's HTTP front-end: Open Inference Protocol v2 (KServe / Triton REST), ``/metrics``, and
 the loopback-only ``POST /edgekit/v1/install`` that ``edgekit-agent install`` hands bundles to.
 
+Decode and encode only: every request goes to ``AgentService``; errors map to one status each.
 Stdlib ``ThreadingHTTPServer`` with HTTP/1.1 keep-alive and TCP_NODELAY (without it, Nagle plus
 delayed ACKs add 40+ ms per request). Each response is written with one ``send``.
 
+Limits (``[server]``): a connection idle for ``idle_timeout_s`` is closed; at
+``max_connections`` the oldest idle connection is closed to make room (if none is idle, the new
+one gets a 503 and is closed: sockets never pile up unanswered); bodies over ``max_request_mb``
+(before or after gzip) are 413; every body byte held is reserved from ``max_buffered_mb``.
+
 v2 routes: ``GET /v2``, ``/v2/health/live``, ``/v2/health/ready``, ``/v2/models/{name}[/versions/{v}]``,
 ``/v2/models/{name}[/versions/{v}]/ready``, ``POST /v2/models/{name}[/versions/{v}]/infer``.
-Errors are ``{"error": "..."}`` with 400 (bad input), 404 (unknown model), 413 (body over
-``max_request_mb``, refused before it is read) or 500 (the runtime failed; the server goes on).
+Errors are ``{"error": "..."}`` with 400 (bad input, including one the runtime rejects), 404
+(unknown model), 413 (too large), 429 (queue full) / 503 (draining, decode slots busy) with
+``Retry-After``, 504 (deadline passed) or 500 (the runtime failed or hung; the server goes on).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import logging
 import socket
 import threading
 import time
-import zlib
+from collections.abc import Callable
 from email.utils import formatdate
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,31 +33,43 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
+import numpy as np
+
 from device_agents import __version__
-from device_agents.manager import ModelManager
-from device_agents.serving.codec import decode_request, encode_response, tensor_metadata
-from device_agents.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from device_agents.config import ServerConfig
+from device_agents.errors import RequestTooLargeError, ServingError
+from device_agents.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from device_agents.pipeline import Decoded
+from device_agents.runtimes import ServedModel
+from device_agents.service import AgentService
+from device_agents.serving.bodies import ByteBudget, Reservation, inflate
+from device_agents.serving.codec import InferRequest, decode_request, encode_response, tensor_metadata
 from edgekit.bundle.codec import to_data
 from edgekit.bundle.errors import EdgekitError, InferenceInputError, ModelNotFoundError
 
 log = logging.getLogger("edgekit.agent.http")
+access_log = logging.getLogger("edgekit.agent.access")
 
 EXTENSIONS = ("binary_tensor_data",)
 _JSON = "application/json"
 _BINARY = "application/octet-stream"
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
-
-
-class _RequestTooLarge(EdgekitError):
-    http_status = 413
+_MAX_LINE = 65536
 
 
 class _Forbidden(EdgekitError):
     http_status = 403
 
 
-class _RuntimeFailure(EdgekitError):
-    http_status = 500
+class _Connection:
+    """One open connection: its socket and whether a request is being handled on it."""
+
+    __slots__ = ("busy", "idle_since", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.busy = False
+        self.idle_since = time.monotonic()
 
 
 class AgentServer(ThreadingHTTPServer):
@@ -58,19 +77,75 @@ class AgentServer(ThreadingHTTPServer):
 
     daemon_threads = True
     allow_reuse_address = True
-    request_queue_size = 128
 
-    def __init__(self, host: str, port: int, manager: ModelManager, *, max_request_bytes: int) -> None:
+    def __init__(self, host: str, port: int, service: AgentService, limits: ServerConfig | None = None) -> None:
         if ":" in host:
             self.address_family = socket.AF_INET6
-        self.manager = manager
-        self.max_request_bytes = max_request_bytes
+        self.service = service
+        self.limits = limits or service.config.server
+        self.max_request_bytes = self.limits.max_request_bytes
+        self.budget = ByteBudget(self.limits.max_buffered_bytes)
+        self.request_queue_size = min(max(128, self.limits.max_connections), socket.SOMAXCONN)
+        self._conns: dict[int, _Connection] = {}
+        self._conns_lock = threading.Lock()
         super().__init__((host, port), _Handler)
 
     @property
     def url(self) -> str:
         host, port = str(self.server_address[0]), self.server_address[1]
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    # -- the connection cap -------------------------------------------------------------
+    def process_request(self, request: Any, client_address: Any) -> None:
+        sock: socket.socket = request
+        with self._conns_lock:
+            if len(self._conns) >= self.limits.max_connections:
+                idle = [c for c in self._conns.values() if not c.busy]
+                if not idle:
+                    self._refuse(sock)
+                    return
+                oldest = min(idle, key=lambda c: c.idle_since)
+                self._conns.pop(oldest.sock.fileno(), None)
+                _shut(oldest.sock)  # its handler sees EOF and ends
+            self._conns[sock.fileno()] = _Connection(sock)
+        super().process_request(request, client_address)
+
+    def connection(self, sock: socket.socket) -> _Connection | None:
+        with self._conns_lock:
+            return self._conns.get(sock.fileno())
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._conns_lock:
+            conn = self._conns.get(request.fileno())
+            if conn is not None and conn.sock is request:
+                del self._conns[request.fileno()]
+        super().shutdown_request(request)
+
+    def open_connections(self) -> int:
+        with self._conns_lock:
+            return len(self._conns)
+
+    def _refuse(self, sock: socket.socket) -> None:
+        self.service.metrics.rejects.labels("", "connections").inc()
+        body = b'{"error":"too many open connections (server.max_connections); retry later"}'
+        head = (
+            f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: {_JSON}\r\nContent-Length: {len(body)}\r\n"
+            f"Retry-After: {self.limits.retry_after_s}\r\nConnection: close\r\n\r\n"
+        )
+        try:
+            sock.settimeout(1.0)
+            sock.sendall(head.encode("latin-1") + body)
+        except OSError:
+            pass  # the client went away: nothing to answer
+        _shut(sock)
+        sock.close()
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed by the peer
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -79,7 +154,57 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True  # sets TCP_NODELAY on every accepted socket
     server: AgentServer
 
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.limits.idle_timeout_s)  # a read that waits this long: closed
+        self._conn = self.server.connection(self.connection)
+        self._status = 0
+        self._sent = 0
+
     # -- plumbing -----------------------------------------------------------------------
+    def handle_one_request(self) -> None:
+        """The stdlib's, with the connection marked idle while it waits for a request line."""
+        conn = self._conn
+        if conn is not None:
+            conn.busy, conn.idle_since = False, time.monotonic()
+        try:
+            self.raw_requestline = self.rfile.readline(_MAX_LINE + 1)
+        except (TimeoutError, OSError):
+            self.close_connection = True  # idle past server.idle_timeout_s, or evicted for a new one
+            return
+        if conn is not None:
+            conn.busy = True
+        if len(self.raw_requestline) > _MAX_LINE:
+            self.requestline = self.request_version = self.command = ""
+            self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG)
+            return
+        if not self.raw_requestline:
+            self.close_connection = True
+            return
+        if not self.parse_request():
+            return
+        handler = getattr(self, f"do_{self.command}", None)
+        if handler is None:
+            self.send_error(HTTPStatus.NOT_IMPLEMENTED, f"Unsupported method ({self.command!r})")
+            return
+        start = time.perf_counter()
+        self._status, self._sent = 0, 0
+        try:
+            handler()
+            self.wfile.flush()
+        except (TimeoutError, ConnectionError):
+            self.close_connection = True  # the client stalled mid-body or went away
+        if access_log.isEnabledFor(logging.DEBUG):
+            access_log.debug(
+                '%s "%s %s" %d %d %.3fms',
+                self.client_address[0],
+                self.command,
+                self.path,
+                self._status,
+                self._sent,
+                (time.perf_counter() - start) * 1000,
+            )
+
     def log_message(self, format: str, *args: Any) -> None:  # stdlib signature
         log.debug("%s %s", self.address_string(), format % args)
 
@@ -97,15 +222,25 @@ class _Handler(BaseHTTPRequestHandler):
         if self.close_connection:
             head.append("Connection: close")
         self.wfile.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+        self._status, self._sent = code, len(body)
 
-    def _send_json(self, code: int, doc: Any) -> None:
-        self._send(code, json.dumps(doc, separators=(",", ":")).encode())
+    def _send_json(self, code: int, doc: Any, headers: tuple[tuple[str, str], ...] = ()) -> None:
+        self._send(code, json.dumps(doc, separators=(",", ":")).encode(), headers=headers)
 
     def _send_error(self, exc: Exception) -> None:
         code = exc.http_status if isinstance(exc, EdgekitError) else 500
-        self._send_json(code, {"error": str(exc)})
+        headers: tuple[tuple[str, str], ...] = ()
+        if isinstance(exc, ServingError):
+            if exc.retry_after_s is not None:
+                headers = (("Retry-After", str(exc.retry_after_s)),)
+            if exc.reason:
+                self.server.service.metrics.rejects.labels(self._label, exc.reason).inc()
+        self._send_json(code, {"error": str(exc)}, headers)
 
-    def _read_body(self) -> bytes:
+    _label = ""
+
+    def _read_raw_body(self, reservation: Reservation) -> bytes:
+        """The body as sent (``Content-Length`` bytes), its size reserved from the buffer budget."""
         if self.headers.get("Transfer-Encoding"):
             self.close_connection = True
             raise InferenceInputError("chunked request bodies are not supported; send Content-Length")
@@ -117,42 +252,50 @@ class _Handler(BaseHTTPRequestHandler):
         limit = self.server.max_request_bytes
         if length > limit or length < 0:
             self.close_connection = True  # the body stays unread
-            raise _RequestTooLarge(f"request body of {length} bytes is over max_request_mb ({limit} bytes)")
+            raise RequestTooLargeError(f"request body of {length} bytes is over server.max_request_mb ({limit} bytes)")
+        try:
+            reservation.add(length)
+        except ServingError:
+            self.close_connection = True  # the body stays unread
+            raise
         body = self.rfile.read(length)
         if len(body) != length:
             self.close_connection = True
             raise InferenceInputError("the request body ended early")
-        encoding = self.headers.get("Content-Encoding")
-        if encoding in ("gzip", "deflate"):
-            d = zlib.decompressobj(zlib.MAX_WBITS | 16 if encoding == "gzip" else zlib.MAX_WBITS)
-            try:
-                body = d.decompress(body, limit + 1)
-            except zlib.error as exc:
-                raise InferenceInputError(f"request body is not valid {encoding} ({exc})") from exc
-            if len(body) > limit:
-                raise _RequestTooLarge(f"decompressed request body is over max_request_mb ({limit} bytes)")
-        elif encoding not in (None, "identity"):
-            raise InferenceInputError(f"Content-Encoding {encoding!r} is not supported (use gzip or deflate)")
         return body
+
+    def _read_body(self, reservation: Reservation) -> bytes | bytearray:
+        return inflate(
+            self._read_raw_body(reservation),
+            self.headers.get("Content-Encoding"),
+            self.server.max_request_bytes,
+            reservation,
+        )
+
+    def _reservation(self) -> Reservation:
+        return Reservation(self.server.budget, self.server.limits.retry_after_s)
 
     # -- dispatch -----------------------------------------------------------------------
     def do_GET(self) -> None:  # stdlib naming
-        parts = _route(self.path)
+        service = self.server.service
         try:
+            parts = _route(self.path)
             if parts == ["v2", "health", "live"]:
                 self._send(200)
             elif parts == ["v2", "health", "ready"]:
-                self._send(200 if self.server.manager.ready else 503)
+                self._send(200 if service.ready else 503)
             elif parts == ["v2"]:
                 self._send_json(200, {"name": "edgekit-agent", "version": __version__, "extensions": list(EXTENSIONS)})
             elif parts == ["metrics"]:
-                self._send(200, self.server.manager.metrics.exposition(), METRICS_CONTENT_TYPE)
+                self._send(200, service.metrics_text(), METRICS_CONTENT_TYPE)
+            elif parts == ["edgekit", "v1", "stats"]:
+                self._send_json(200, service.stats())
             elif parts[:2] == ["v2", "models"] and len(parts) > 2:
                 name, version, rest = _model_route(parts)
                 if rest == []:
                     self._model_metadata(name, version)
                 elif rest == ["ready"]:
-                    self.server.manager.get(name, version)
+                    service.model(name, version)
                     self._send(200)
                 else:
                     self._not_found()
@@ -166,16 +309,19 @@ class _Handler(BaseHTTPRequestHandler):
         if parts[:2] == ["v2", "models"] and len(parts) > 3 and parts[-1] == "infer":
             self._infer(parts)
             return
+        reservation = self._reservation()
         try:
             if parts == ["edgekit", "v1", "install"]:
                 self._check_loopback()
                 self._check_json()
-                self._install(self._read_body())
+                self._install(self._read_body(reservation))
             else:
-                self._read_body()  # keep the connection usable
+                self._read_raw_body(reservation)  # keep the connection usable
                 self._not_found()
         except EdgekitError as exc:
             self._send_error(exc)
+        finally:
+            reservation.close()
 
     def _not_found(self) -> None:
         self._send_json(404, {"error": f"no route {self.command} {self.path}"})
@@ -187,7 +333,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- v2 -----------------------------------------------------------------------------
     def _model_metadata(self, name: str, version: int | None) -> None:
-        model = self.server.manager.get(name, version)
+        model = self.server.service.model(name, version)
         m = model.manifest
         self._send_json(
             200,
@@ -202,28 +348,21 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _infer(self, parts: list[str]) -> None:
         start = time.perf_counter()
-        manager = self.server.manager
-        label = ""
+        service = self.server.service
+        self._label = ""
+        reservation = self._reservation()
         try:
             # The body first: a refused request whose body stays unread would be parsed as the next
             # request on this keep-alive connection (tritonclient reuses connections).
-            body = self._read_body()
+            raw = self._read_raw_body(reservation)
             name, version, rest = _model_route(parts)
             if rest != ["infer"]:
                 raise ModelNotFoundError(f"no route POST {self.path}")
-            with manager.lease(name, version) as lease:
-                label = name
-                model = lease.model
-                hlen = self.headers.get("Inference-Header-Content-Length")
-                request = decode_request(body, _header_length(hlen), model.inputs, model.outputs)
-                try:
-                    results = model.infer(request.inputs)
-                except EdgekitError:
-                    raise
-                except Exception as exc:  # runtime SDK errors have no common base
-                    log.error("%s v%d failed to run: %s: %s", name, lease.version, type(exc).__name__, exc)
-                    raise _RuntimeFailure(f"model {name} v{lease.version} failed to run: {exc}") from exc
-                out, json_len = encode_response(name, lease.version, request, results, model.outputs)
+            decode, encode = self._codec(raw, name, reservation)
+            try:
+                out, json_len = service.infer(name, version, decode, encode)
+            finally:
+                self._label = name if name in service.models() else ""
             if json_len is None:
                 self._send(200, out)
             else:
@@ -232,7 +371,32 @@ class _Handler(BaseHTTPRequestHandler):
         except EdgekitError as exc:
             self._send_error(exc)
             code = exc.http_status
-        manager.metrics.observe_request(label, code, time.perf_counter() - start)
+        finally:
+            reservation.close()
+        service.metrics.observe_request(self._label, code, time.perf_counter() - start)
+
+    def _codec(
+        self, raw: bytes, name: str, reservation: Reservation
+    ) -> tuple[
+        Callable[[ServedModel], Decoded[InferRequest]],
+        Callable[[InferRequest, dict[str, np.ndarray], int], tuple[bytes, int | None]],
+    ]:
+        """The decode and encode stages of this request (v2 JSON / binary extension)."""
+        header_length = _header_length(self.headers.get("Inference-Header-Content-Length"))
+        encoding = self.headers.get("Content-Encoding")
+        limit = self.server.max_request_bytes
+        served: list[ServedModel] = []
+
+        def decode(model: ServedModel) -> Decoded[InferRequest]:
+            served.append(model)
+            body = inflate(raw, encoding, limit, reservation)
+            request = decode_request(body, header_length, model.inputs, model.outputs, max_bytes=limit)
+            return Decoded(request, request.inputs, request.timeout_s)
+
+        def encode(request: InferRequest, results: dict[str, np.ndarray], version: int) -> tuple[bytes, int | None]:
+            return encode_response(name, version, request, results, served[0].outputs)
+
+        return decode, encode
 
     # -- edgekit/v1 ---------------------------------------------------------------------
     def _check_json(self) -> None:
@@ -242,7 +406,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True  # the body stays unread
             raise _Forbidden("install takes Content-Type: application/json")
 
-    def _install(self, body: bytes) -> None:
+    def _install(self, body: bytes | bytearray) -> None:
         try:
             doc = json.loads(body)
             bundle = Path(doc["bundle"])
@@ -250,7 +414,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (ValueError, KeyError, TypeError) as exc:
             raise InferenceInputError('install takes {"bundle": "/absolute/path.ekb"}') from exc
         try:
-            result = self.server.manager.install(bundle, origin=origin)
+            result = self.server.service.install(bundle, origin=origin)
         except EdgekitError as exc:
             self._send_json(400, {"error": str(exc), "error_type": type(exc).__name__, "exit_code": exc.exit_code})
             return
@@ -277,7 +441,8 @@ def _model_route(parts: list[str]) -> tuple[str, int | None, list[str]]:
     name, rest = parts[2], parts[3:]
     if rest[:1] == ["versions"] and len(rest) >= 2:
         v = rest[1]
-        if not v.isdigit():
+        # isascii: str.isdigit() is also true of "²" and "٣", which int() refuses or reads as digits
+        if not (v.isascii() and v.isdigit()) or len(v) > 18:
             raise ModelNotFoundError(f"model {name!r} has no version {v!r} (versions are integers)")
         return name, int(v), rest[2:]
     return name, None, rest
@@ -286,10 +451,9 @@ def _model_route(parts: list[str]) -> tuple[str, int | None, list[str]]:
 def _header_length(value: str | None) -> int | None:
     if value is None:
         return None
-    try:
-        return int(value)
-    except ValueError as exc:
-        raise InferenceInputError(f"Inference-Header-Content-Length {value!r} is not a number") from exc
+    if not (value.isascii() and value.isdigit()) or len(value) > 18:
+        raise InferenceInputError(f"Inference-Header-Content-Length {value!r} is not a number")
+    return int(value)
 
 
 _date_cache: tuple[int, str] = (0, "")

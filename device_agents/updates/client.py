@@ -1,4 +1,4 @@
-"""The update client: pulls desired state over MQTT, applies it through the model manager.
+"""The update client: pulls desired state over MQTT, applies it through the lifecycle.
 
 The network thread keeps an MQTT 5 session with the broker: a persistent session (clean start
 off, client id = device id) and QoS 1 subscriptions to the device's desired topic, its groups'
@@ -27,7 +27,6 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,7 +54,7 @@ from edgekit.bundle.manifest import parse_time, utc_now
 
 if TYPE_CHECKING:
     from device_agents.config import AgentConfig
-    from device_agents.manager import ModelManager
+    from device_agents.lifecycle import Lifecycle
 
 log = logging.getLogger("edgekit.agent.updates")
 
@@ -89,7 +88,7 @@ class _TrustMetrics:
 class UpdateClient:
     """``start()`` after ``manager.start()``; ``stop()`` before ``manager.stop()``."""
 
-    def __init__(self, config: AgentConfig, manager: ModelManager) -> None:
+    def __init__(self, config: AgentConfig, manager: Lifecycle) -> None:
         if config.updates is None:
             raise ConfigError("agent.updates: the update client needs an [updates] table (broker, fleet, device_id)")
         self.config = config
@@ -523,13 +522,8 @@ class UpdateClient:
 
     def _remember(self, notice: Notice) -> None:
         """Record ``notice`` as handled (the replay guard of ``policy.decide``), durably."""
-        store = self.manager.store
-        if store.model_state(notice.name).last_notice_id == notice.notice_id:
-            return
-        with self._store_turn, store.lock():
-            store.update_model(
-                notice.name, lambda s: replace(s, last_notice_id=notice.notice_id, last_notice_issued=notice.issued)
-            )
+        with self._store_turn:
+            self.manager.record_notice(notice.name, notice.notice_id, notice.issued)
 
     def _drop_other_downloads(self) -> None:
         """Partial downloads of bundles no fresh state asks for will not be resumed: free their space.

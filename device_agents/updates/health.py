@@ -1,10 +1,10 @@
 """Health of a version just switched to, judged by the requests it serves on this device.
 
-Before the switch the manager's self-test already compared the candidate's golden outputs and
+Before the switch the lifecycle's self-test already compared the candidate's golden outputs and
 p50 latency with the previous version's on this device. What it cannot see is real traffic: a
 model that passes its golden vectors but fails on inputs met in the field. During the health
-window the update client compares the new version's failed requests (HTTP 5xx: the runtime
-raised) with the previous version's, from the agent's own request counters, and rolls back when
+window the update client compares the new version's failed requests (HTTP 500: the runtime
+raised or hung) with the previous version's, from the agent's own request counters, and rolls back when
 the new version fails clearly more often.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from device_agents.serving.metrics import AgentMetrics
+from device_agents.metrics import AgentMetrics
 
 # Roll back once the new version has failed at least this many requests ...
 MIN_FAILED_REQUESTS = 3
@@ -25,7 +25,7 @@ class Traffic:
     """Request counters of one model since some moment (a difference of two snapshots)."""
 
     requests: int = 0
-    failed: int = 0  # answered 5xx
+    failed: int = 0  # answered 500
 
     def since(self, earlier: Traffic) -> Traffic:
         return Traffic(self.requests - earlier.requests, self.failed - earlier.failed)
@@ -45,7 +45,9 @@ def traffic(metrics: AgentMetrics, name: str) -> Traffic:
             if sample.name.endswith("_total") and sample.labels.get("model") == name:
                 n = int(sample.value)
                 requests += n
-                if sample.labels.get("code", "").startswith("5"):
+                # 500 only: the runtime raised or hung. 503/504/429 (queue full, deadline passed,
+                # draining) and 4xx (bad input) say nothing about the model.
+                if sample.labels.get("code", "") == "500":
                     failed += n
     return Traffic(requests, failed)
 

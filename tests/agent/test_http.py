@@ -166,7 +166,7 @@ def test_body_over_max_request_mb_is_413_before_it_is_read(
     conn.endheaders()
     resp = conn.getresponse()
     assert resp.status == 413
-    assert "over max_request_mb" in json.loads(resp.read())["error"]
+    assert "over server.max_request_mb" in json.loads(resp.read())["error"]
     conn.close()
     _assert_still_serving(client, reference)
 

@@ -79,13 +79,13 @@ def seeded_stores(
 ) -> dict[int, Path]:
     """Store directories to copy: 1 = v1 installed; 2 = v1 then v2 installed (v1 is previous)."""
     from device_agents.config import config_from_data
-    from device_agents.manager import ModelManager
+    from device_agents.lifecycle import Lifecycle
 
     stores = {}
     for top in (1, 2):
         root = tmp_path_factory.mktemp(f"store-v{top}")
         config = config_from_data({"store": str(root), "trusted_keys": [str(keys.public)]}, base=root)
-        manager = ModelManager(config)
+        manager = Lifecycle(config)
         try:
             for v in range(1, top + 1):
                 manager.install(tiny_bundles[v], origin="test seed")

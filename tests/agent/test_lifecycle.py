@@ -1,4 +1,4 @@
-"""ModelManager in-process: install, reject, switch under load, rollback, recovery after crashes."""
+"""The lifecycle in-process: install, reject, switch under load, rollback, recovery after crashes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from device_agents.config import load_config
-from device_agents.manager import ModelManager
+from device_agents.lifecycle import Lifecycle
 from device_agents.store import Store
 from edgekit.bundle.errors import (
     BundleError,
@@ -30,15 +30,15 @@ from tests.factories import sample_inputs
 
 
 @pytest.fixture()
-def manager(config_path: Path) -> Iterator[ModelManager]:
-    m = ModelManager(load_config(config_path))
+def manager(config_path: Path) -> Iterator[Lifecycle]:
+    m = Lifecycle(load_config(config_path))
     m.start()
     yield m
     m.stop()
 
 
-def _restart(config_path: Path) -> ModelManager:
-    m = ModelManager(load_config(config_path))
+def _restart(config_path: Path) -> Lifecycle:
+    m = Lifecycle(load_config(config_path))
     m.start()
     return m
 
@@ -46,11 +46,16 @@ def _restart(config_path: Path) -> ModelManager:
 X = sample_inputs(1, seed=3)
 
 
-def test_install_switches_and_keeps_the_previous_slot(manager: ModelManager, bundles: Bundles) -> None:
+def _run(lifecycle: Lifecycle) -> dict[str, np.ndarray]:
+    with lifecycle.registry.lease("tiny") as lease:
+        return lease.model.infer({"input": X})
+
+
+def test_install_switches_and_keeps_the_previous_slot(manager: Lifecycle, bundles: Bundles) -> None:
     first = manager.install(bundles.v1)
     assert (first.name, first.version, first.changed, first.previous_version) == ("tiny", 1, True, None)
     assert first.selftest is not None and first.selftest.passed and first.selftest.latency_p50_ms
-    old_model = manager.get("tiny")
+    old_model = manager.registry.get("tiny")
     second = manager.install(bundles.v2)
     assert (second.version, second.previous_version) == (2, 1)
     assert manager.models() == {"tiny": 2}
@@ -59,14 +64,14 @@ def test_install_switches_and_keeps_the_previous_slot(manager: ModelManager, bun
     assert (st["serving"], st["active"], st["previous"], st["candidate"], st["status"]) == (2, 2, 1, None, "serving")
     report = manager.selftest_report("tiny")
     assert report is not None and report.passed and report.outputs[0].cosine > 0.999
-    assert manager.infer("tiny", {"input": X})["probs"].shape == (1, 10)
+    assert _run(manager)["probs"].shape == (1, 10)
 
 
-def test_reinstalling_the_active_version_is_a_no_op(manager: ModelManager, bundles: Bundles) -> None:
+def test_reinstalling_the_active_version_is_a_no_op(manager: Lifecycle, bundles: Bundles) -> None:
     manager.install(bundles.v1)
-    served = manager.get("tiny")
+    served = manager.registry.get("tiny")
     again = manager.install(bundles.v1)
-    assert not again.changed and manager.get("tiny") is served
+    assert not again.changed and manager.registry.get("tiny") is served
     with pytest.raises(SelfTestError):
         manager.install(bundles.v3_bad_golden)  # fails its self-test: the counter (raised at commit) stays at 1
     assert not manager.install(bundles.v1).changed  # still a no-op, not "older than v3"
@@ -87,16 +92,16 @@ def test_reinstalling_the_active_version_is_a_no_op(manager: ModelManager, bundl
     ],
 )
 def test_bad_bundles_are_refused_and_the_previous_version_keeps_serving(
-    manager: ModelManager, bundles: Bundles, which: str, error: type[Exception], message: str
+    manager: Lifecycle, bundles: Bundles, which: str, error: type[Exception], message: str
 ) -> None:
     manager.install(bundles.v2)
-    expected = manager.infer("tiny", {"input": X})["probs"]
+    expected = _run(manager)["probs"]
     before = {p.name for p in (manager.store.root / "models" / "tiny").iterdir()}
     with pytest.raises(error) as err:
         manager.install(getattr(bundles, which))
     assert message in str(err.value)
     assert manager.models() == {"tiny": 2}
-    np.testing.assert_array_equal(manager.infer("tiny", {"input": X})["probs"], expected)
+    np.testing.assert_array_equal(_run(manager)["probs"], expected)
     ms = manager.store.model_state("tiny")
     assert ms.active is not None and ms.active.version == 2 and ms.candidate is None
     if error is not SelfTestError:  # refused before extraction: no runtime ever saw a byte of it
@@ -127,7 +132,7 @@ def test_latency_gate_refuses_a_candidate_far_slower_than_the_host_measured(
     assert m.models() == {}
 
 
-def test_switch_under_load_fails_no_request(manager: ModelManager, bundles: Bundles) -> None:
+def test_switch_under_load_fails_no_request(manager: Lifecycle, bundles: Bundles) -> None:
     manager.install(bundles.v1)
     errors: list[BaseException] = []
     seen: set[int] = set()
@@ -136,7 +141,7 @@ def test_switch_under_load_fails_no_request(manager: ModelManager, bundles: Bund
     def hammer() -> None:
         while not stop.is_set():
             try:
-                with manager.lease("tiny") as lease:
+                with manager.registry.lease("tiny") as lease:
                     lease.model.infer({"input": X})
                     seen.add(lease.version)
             except BaseException as exc:  # any failure is what this test looks for
@@ -159,9 +164,9 @@ def test_switch_under_load_fails_no_request(manager: ModelManager, bundles: Bund
     assert 4 in seen
 
 
-def test_a_request_holding_the_old_version_finishes_on_it(manager: ModelManager, bundles: Bundles) -> None:
+def test_a_request_holding_the_old_version_finishes_on_it(manager: Lifecycle, bundles: Bundles) -> None:
     manager.install(bundles.v1)
-    lease = manager.lease("tiny")  # a request in flight on v1
+    lease = manager.registry.lease("tiny")  # a request in flight on v1
     installer = threading.Thread(target=manager.install, args=(bundles.v2,))
     installer.start()
     deadline = time.monotonic() + 60
@@ -177,14 +182,14 @@ def test_a_request_holding_the_old_version_finishes_on_it(manager: ModelManager,
     assert lease.model.runner.session is None
 
 
-def test_rollback_serves_the_previous_version(manager: ModelManager, bundles: Bundles) -> None:
+def test_rollback_serves_the_previous_version(manager: Lifecycle, bundles: Bundles) -> None:
     manager.install(bundles.v1)
     manager.install(bundles.v2)
     ms = manager.rollback("tiny", "health check failed: p50 doubled")
     assert manager.models() == {"tiny": 1}
     assert (ms.status, ms.error) == ("rolled_back", "health check failed: p50 doubled")
     with pytest.raises(ModelNotFoundError, match="version 2 is not served"):
-        manager.get("tiny", 2)
+        manager.registry.get("tiny", 2)
 
 
 @pytest.mark.parametrize("status", ["staged", "testing", "switching"])

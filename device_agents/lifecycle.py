@@ -1,11 +1,13 @@
-"""The model manager: what the agent serves, and the only writer of its store.
+"""The lifecycle: install transaction, self-test, switch, health window, rollback; the only
+writer of the store (the update client and the CLI ask it). What is loaded and leased lives in
+the registry (``device_agents.registry``); the lifecycle tells it what to serve.
 
 ``install`` takes a bundle from a sideload, the CLI or the update client through the same steps,
 under the store's writer lock::
 
     verify + stage (store.stage: signature, hashes, version, expiry, compatibility, then extract)
     -> self-test in a child process (golden vectors, p50 latency, memory and time bounds)
-    -> load in-process -> promote (durable) -> swap the served object -> close the old one
+    -> load in-process -> promote (durable) -> registry.serve (swap) -> retire the old one
     -> cleanup
 
 Any failure before ``promote`` leaves the previous version serving. The swap is one dict
@@ -25,32 +27,28 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
-import numpy as np
-
 from device_agents.config import DEFAULT_CRASH_LOOP_BOOTS, DEFAULT_HEALTH_WINDOW_S, AgentConfig
 from device_agents.faults import fault_point
+from device_agents.metrics import AgentMetrics
 from device_agents.platforms.compatibility import check_compatible
+from device_agents.registry import Registry
 from device_agents.runtimes import ServedModel, load_model
 from device_agents.selftest import REPORT_NAME, SelfTestReport, latency_verdict, run_selftest
-from device_agents.serving.metrics import AgentMetrics
 from device_agents.store import ModelState, Slot, Store, atomic_write
 from device_agents.updates.trust import bundle_trust
 from device_agents.validation_mark import check_validation_mark
 from edgekit.bundle import TrustStore
-from edgekit.bundle.errors import ModelNotFoundError, SelfTestError, StoreError
+from edgekit.bundle.errors import SelfTestError, StoreError
 from edgekit.bundle.manifest import Manifest
 
 log = logging.getLogger("edgekit.agent")
 
 # Statuses set here in addition to the store's: "healthy" = ran through its health window.
 INTERRUPTED = ("staged", "testing", "switching")
-_IDLE_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -63,55 +61,17 @@ class InstallResult:
     selftest: SelfTestReport | None = None
 
 
-class _Entry:
-    """A served model and the number of requests running on it."""
-
-    __slots__ = ("inflight", "model", "version")
-
-    def __init__(self, model: ServedModel, version: int) -> None:
-        self.model = model
-        self.version = version
-        self.inflight = 0
-
-
-class Lease:
-    """A served model held for one request; ``release`` it (or use ``with``)."""
-
-    __slots__ = ("_entry", "_manager")
-
-    def __init__(self, manager: ModelManager, entry: _Entry) -> None:
-        self._manager, self._entry = manager, entry
-
-    @property
-    def model(self) -> ServedModel:
-        return self._entry.model
-
-    @property
-    def version(self) -> int:
-        return self._entry.version
-
-    def release(self) -> None:
-        self._manager._release(self._entry)
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-class ModelManager:
+class Lifecycle:
     def __init__(self, config: AgentConfig, *, metrics: AgentMetrics | None = None) -> None:
         self.config = config
         self.store = Store(config.store)
         # the config's keys, plus the fleet's keys document where one was accepted (updates.trust)
         self.trust: TrustStore = bundle_trust(config)
         self.metrics = metrics or AgentMetrics()
+        self.registry = Registry(self.store, self._open, self.metrics)
         self.health_window_s = config.updates.health_window_s if config.updates else DEFAULT_HEALTH_WINDOW_S
         self.crash_loop_boots = config.updates.crash_loop_boots if config.updates else DEFAULT_CRASH_LOOP_BOOTS
         self.ready = False
-        self._live: dict[str, _Entry] = {}
-        self._cond = threading.Condition()  # guards _live and every _Entry.inflight
         self._timers: dict[str, threading.Timer] = {}
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -138,10 +98,7 @@ class ModelManager:
             timer.cancel()
         if clean:
             self._uncount_this_start()
-        with self._cond:
-            entries, self._live = list(self._live.values()), {}
-        for entry in entries:
-            self._close_when_idle(entry)
+        self.registry.close_all()
 
     def _uncount_this_start(self) -> None:
         try:
@@ -172,7 +129,7 @@ class ModelManager:
 
     def _load_active(self, name: str, ms: ModelState, active: Slot) -> None:
         try:
-            self._serve(name, self._open(active), active.version)
+            self.registry.serve(name, self._open(active), active.version)
         except Exception as exc:  # any runtime failure: fall back to the previous version
             if ms.previous is None:
                 why = f"v{active.version} does not load ({exc}) and there is no previous version"
@@ -229,23 +186,25 @@ class ModelManager:
             except StoreError:
                 model.close()
                 raise
-            previous = self._serve(m.name, model, m.version)
+            previous = self.registry.serve(m.name, model, m.version)
             self.metrics.installs.labels(m.name, "installed").inc()
             log.info(
                 "%s: now serving v%d (was %s)", m.name, m.version, f"v{old.active.version}" if old.active else "none"
             )
             fault_point("commit")
             if previous is not None:
-                self._close_when_idle(previous)
+                self.registry.retire(previous)
             fault_point("cleanup")
             self.store.cleanup()
         self._arm_health_timer(m.name, m.version)
         return InstallResult(m.name, m.version, True, old.active.version if old.active else None, origin, report)
 
     def _admissible(self, manifest: Manifest) -> None:
-        """Run on the verified manifest before anything is extracted."""
+        """Run on the verified manifest before anything is extracted: this device runs it, its
+        validation mark is acceptable, and its [models] table can serve it."""
         check_compatible(manifest)
         check_validation_mark(manifest, self.config.allow_failed_validation)
+        self.config.model(manifest.name).check(manifest.name, manifest)
 
     def _selftest(self, name: str, slot: Slot, host_p50_ms: float | None) -> SelfTestReport:
         cfg = self.config.selftest
@@ -299,12 +258,19 @@ class ModelManager:
             except StoreError:
                 model.close()
                 raise
-            previous = self._serve(name, model, target.version)
+            previous = self.registry.serve(name, model, target.version)
         self.metrics.rollbacks.labels(name).inc()
         log.warning("%s: rolled back to v%d: %s", name, target.version, reason)
         if previous is not None:
-            self._close_when_idle(previous)
+            self.registry.retire(previous)
         return ms
+
+    def record_notice(self, name: str, notice_id: str, issued: str) -> None:
+        """Remember an update notice as handled for ``name`` (the update client's replay guard), durably."""
+        if self.store.model_state(name).last_notice_id == notice_id:
+            return
+        with self.store.lock():
+            self.store.update_model(name, lambda s: replace(s, last_notice_id=notice_id, last_notice_issued=issued))
 
     def mark_healthy(self, name: str) -> None:
         """Confirm a switched-to version (ends its crash-loop watch)."""
@@ -324,9 +290,7 @@ class ModelManager:
 
     def _arm_health_timer(self, name: str, version: int) -> None:
         def confirm() -> None:
-            with self._cond:
-                entry = self._live.get(name)
-            if entry is not None and entry.version == version:
+            if self.registry.models().get(name) == version:
                 try:
                     self.mark_healthy(name)
                 except StoreError as exc:
@@ -342,55 +306,8 @@ class ModelManager:
 
     # -- serving ------------------------------------------------------------------------
     def models(self) -> dict[str, int]:
-        """Served model names and their versions."""
-        with self._cond:
-            return {name: e.version for name, e in sorted(self._live.items())}
-
-    def get(self, name: str, version: int | None = None) -> ServedModel:
-        lease = self.lease(name, version)
-        lease.release()
-        return lease.model
-
-    def lease(self, name: str, version: int | None = None) -> Lease:
-        """Hold the served model ``name`` for one request; it is not closed before ``release``."""
-        with self._cond:
-            entry = self._live.get(name)
-            if entry is not None and (version is None or version == entry.version):
-                entry.inflight += 1
-                return Lease(self, entry)
-        if entry is None:
-            known = ", ".join(self.models()) or "none"
-            raise ModelNotFoundError(f"no model named {name!r} is served here (served: {known})")
-        raise ModelNotFoundError(f"model {name!r} version {version} is not served (serving version {entry.version})")
-
-    def infer(self, name: str, inputs: Mapping[str, np.ndarray], version: int | None = None) -> dict[str, np.ndarray]:
-        with self.lease(name, version) as lease:
-            return lease.model.infer(inputs)
-
-    def _release(self, entry: _Entry) -> None:
-        with self._cond:
-            entry.inflight -= 1
-            if entry.inflight == 0:
-                self._cond.notify_all()
-
-    def _serve(self, name: str, model: ServedModel, version: int) -> _Entry | None:
-        """Make ``model`` the served one; return the entry it replaced (still open)."""
-        with self._cond:
-            previous = self._live.get(name)
-            self._live[name] = _Entry(model, version)
-        self.metrics.model_version.labels(name).set(version)
-        return previous
-
-    def _close_when_idle(self, entry: _Entry) -> None:
-        deadline = time.monotonic() + _IDLE_WAIT_S
-        with self._cond:
-            while entry.inflight and time.monotonic() < deadline:
-                self._cond.wait(timeout=0.5)
-        if entry.inflight:
-            log.warning(
-                "closing v%d with %d requests still running after %.0f s", entry.version, entry.inflight, _IDLE_WAIT_S
-            )
-        entry.model.close()
+        """Served (loaded) model names and their versions."""
+        return self.registry.models()
 
     def _open(self, slot: Slot) -> ServedModel:
         m = self.store.manifest_of(slot)
@@ -410,7 +327,7 @@ class ModelManager:
     def status(self) -> dict[str, Any]:
         """Per model: the store's slots and status, plus the version actually served."""
         served = self.models()
-        out = {}
+        out: dict[str, Any] = {}
         for name, ms in sorted(self.store.load_state().models.items()):
             out[name] = {
                 "serving": served.get(name),

@@ -1,0 +1,114 @@
+"""Endpoints: a served name -> an ``Endpoint``. The only place that knows the mapping.
+
+Today every endpoint is one model (``ModelEndpoint``: the model of that name in the registry,
+behind its pipeline). A route/cascade, a variant set under budgets and a split pipeline are
+planned endpoint kinds; they plug in here, and nothing above (service, front-ends) changes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+import numpy as np
+
+from device_agents.config import AgentConfig
+from device_agents.metrics import AgentMetrics
+from device_agents.pipeline import Decoded, Pipeline
+from device_agents.registry import Registry
+from device_agents.runtimes import ServedModel
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Endpoint(Protocol):
+    name: str
+
+    def model(self, version: int | None = None) -> ServedModel:
+        """The model whose signature this endpoint serves (for metadata and decoding)."""
+        ...
+
+    def infer(
+        self,
+        version: int | None,
+        decode: Callable[[ServedModel], Decoded[R]],
+        encode: Callable[[R, dict[str, np.ndarray], int], T],
+        timeout_s: float | None = None,
+    ) -> T: ...
+
+    def depth(self) -> tuple[int, int]:
+        """(requests queued, requests in flight)."""
+        ...
+
+    def stop(self, timeout_s: float) -> bool: ...
+
+
+class ModelEndpoint:
+    """One model, served under its own name."""
+
+    def __init__(self, name: str, registry: Registry, pipeline: Pipeline) -> None:
+        self.name = name
+        self.registry = registry
+        self.pipeline = pipeline
+
+    def model(self, version: int | None = None) -> ServedModel:
+        return self.registry.get(self.name, version)
+
+    def infer(
+        self,
+        version: int | None,
+        decode: Callable[[ServedModel], Decoded[R]],
+        encode: Callable[[R, dict[str, np.ndarray], int], T],
+        timeout_s: float | None = None,
+    ) -> T:
+        return self.pipeline.run(version, decode, encode, timeout_s)
+
+    def depth(self) -> tuple[int, int]:
+        return self.pipeline.batcher.depth(), self.pipeline.batcher.inflight
+
+    def stop(self, timeout_s: float) -> bool:
+        return self.pipeline.stop(timeout_s)
+
+
+class Endpoints:
+    """Served name -> endpoint, built on first use for every model the registry serves."""
+
+    def __init__(self, config: AgentConfig, registry: Registry, metrics: AgentMetrics) -> None:
+        self.config = config
+        self.registry = registry
+        self.metrics = metrics
+        self.decode_slots = threading.BoundedSemaphore(config.server.max_concurrent_decodes)
+        self._endpoints: dict[str, Endpoint] = {}
+        self._lock = threading.Lock()
+        metrics.watch_queues(self._depths)
+
+    def get(self, name: str) -> Endpoint:
+        """The endpoint of ``name``; ``ModelNotFoundError`` when no model of that name is installed."""
+        endpoint = self._endpoints.get(name)
+        if endpoint is not None:
+            return endpoint
+        self.registry.get(name)  # ModelNotFoundError for a name that is not served: no endpoint for it
+        with self._lock:
+            endpoint = self._endpoints.get(name)
+            if endpoint is None:
+                pipeline = Pipeline(name, self.registry, self.config, self.metrics, self.decode_slots)
+                endpoint = self._endpoints[name] = ModelEndpoint(name, self.registry, pipeline)
+        return endpoint
+
+    def names(self) -> list[str]:
+        return sorted(set(self.registry.models()) | set(self.registry.installed()))
+
+    def _depths(self) -> list[tuple[str, int, int]]:
+        with self._lock:
+            items = list(self._endpoints.items())
+        return [(name, *endpoint.depth()) for name, endpoint in items]
+
+    def stop(self, timeout_s: float) -> bool:
+        """Drain every endpoint (new requests get 503); True if all finished within ``timeout_s``."""
+        with self._lock:
+            items = list(self._endpoints.values())
+        deadline = time.monotonic() + timeout_s
+        return all([endpoint.stop(max(0.0, deadline - time.monotonic())) for endpoint in items])

@@ -1,0 +1,124 @@
+"""The serving pipeline of one endpoint: its stages in order, and the one place that times them.
+
+    decode (front-end's, under the decode cap) -> queue (batcher) -> infer (runtime) -> encode (front-end's)
+
+Pre/post-processing, the result cache and budgets join as stages here when they exist. Every
+stage's time is observed into ``edgekit_stage_seconds{model,stage}`` by ``Pipeline.run`` and
+nowhere else; a stage refuses a request by raising a typed ``ServingError`` (or
+``InferenceInputError``), which the front-end maps to one status.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+
+from device_agents.config import AgentConfig
+from device_agents.errors import RuntimeFailure, UnavailableError
+from device_agents.metrics import AgentMetrics
+from device_agents.pipeline.batching import Batcher, Job
+from device_agents.registry import Lease, Registry
+from device_agents.runtimes import ServedModel
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# How long a request waits for a decode slot before a 503 (a burst of big bodies, or gzip bombs).
+DECODE_WAIT_S = 1.0
+
+
+@dataclass(frozen=True)
+class Decoded(Generic[R]):
+    """What a front-end's decode returns: its own request object and the input tensors."""
+
+    request: R
+    inputs: dict[str, np.ndarray]
+    timeout_s: float | None = None  # the request's own deadline, if it sets one
+
+
+class Pipeline:
+    """The stages of one served name. Thread-safe; one per endpoint."""
+
+    def __init__(
+        self,
+        name: str,
+        registry: Registry,
+        config: AgentConfig,
+        metrics: AgentMetrics,
+        decode_slots: threading.Semaphore,
+    ) -> None:
+        self.name = name
+        self.registry = registry
+        self.metrics = metrics
+        self.decode_slots = decode_slots
+        server = config.server
+        self.request_timeout_s = server.request_timeout_s
+        self.retry_after_s = server.retry_after_s
+        self.batcher = Batcher(
+            name,
+            lambda version: registry.lease(name, version),
+            batching=config.model(name).batching,
+            workers=server.workers,
+            queue_size=server.queue_size,
+            hung_call_s=server.hung_call_s,
+            retry_after_s=server.retry_after_s,
+            on_batch=metrics.batch_size.labels(name).observe,
+            on_hung=self._hung,
+        )
+
+    def run(
+        self,
+        version: int | None,
+        decode: Callable[[ServedModel], Decoded[R]],
+        encode: Callable[[R, dict[str, np.ndarray], int], T],
+        timeout_s: float | None = None,
+    ) -> T:
+        """Decode, queue, infer and encode one request; raise the refusing stage's error."""
+        budget = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
+        start = time.monotonic()
+        deadline = start + budget
+        observe = self.metrics.observe_stage
+        t0 = time.perf_counter()
+        if not self.decode_slots.acquire(timeout=DECODE_WAIT_S):
+            raise UnavailableError(
+                f"{self.name}: every decode slot (server.max_concurrent_decodes) is busy",
+                reason="decode_busy",
+                retry_after_s=self.retry_after_s,
+            )
+        try:
+            lease: Lease = self.registry.lease(self.name, version)
+            with lease:
+                decoded = decode(lease.model)
+                inputs = lease.model.check_inputs(decoded.inputs)
+        finally:
+            self.decode_slots.release()
+        t1 = time.perf_counter()
+        observe(self.name, "decode", t1 - t0)
+        if decoded.timeout_s is not None:
+            deadline = min(deadline, start + decoded.timeout_s)
+        job = Job(inputs, version, deadline)
+        self.batcher.submit(job)
+        self.batcher.wait(job)
+        if job.started:
+            observe(self.name, "queue", job.started - job.enqueued)
+            observe(self.name, "infer", job.finished - job.started)
+        if job.outputs is None:  # wait() returned without an error: the batcher set them
+            raise RuntimeFailure(f"model {self.name} returned no outputs")
+        t2 = time.perf_counter()
+        out = encode(decoded.request, job.outputs, job.served_version)
+        observe(self.name, "encode", time.perf_counter() - t2)
+        return out
+
+    def _hung(self, model: ServedModel) -> None:
+        self.metrics.hung_calls.labels(self.name).inc()
+        entry = self.registry.drop_if(self.name, model)
+        if entry is not None:
+            self.registry.retire(entry, wait_s=0)  # closed if its call ever returns
+
+    def stop(self, timeout_s: float) -> bool:
+        return self.batcher.stop(timeout_s)

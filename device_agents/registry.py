@@ -1,0 +1,208 @@
+"""The registry: which models are installed (the store's active slots) and which are loaded
+(an open runtime session), and the leases that requests hold on loaded ones.
+
+- ``lease(name)`` holds the loaded model for one call; a lease is never handed out on a closed
+  model: a model leaves the table before it is closed, and it is closed only once its last lease
+  is released (``retire``). A model installed but not loaded (unloaded, or dropped after a hung
+  call) is loaded on demand by the first lease.
+- ``serve`` swaps the served model of a name (one dict assignment) and returns the one it
+  replaced, still open; ``retire`` closes that one when idle.
+- The registry reads the store, never writes it: only the lifecycle does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from device_agents.metrics import AgentMetrics
+from device_agents.runtimes import ServedModel
+from device_agents.store import Slot, Store
+from edgekit.bundle.errors import ModelNotFoundError
+
+log = logging.getLogger("edgekit.agent")
+
+_IDLE_WAIT_S = 30.0
+
+
+class Loaded:
+    """A loaded model, its version, and the number of leases held on it."""
+
+    __slots__ = ("closed", "inflight", "model", "retired", "version")
+
+    def __init__(self, model: ServedModel, version: int) -> None:
+        self.model = model
+        self.version = version
+        self.inflight = 0
+        self.retired = False  # out of the table; closed by the last release
+        self.closed = False
+
+
+class Lease:
+    """A loaded model held for one call; ``release`` it (or use ``with``)."""
+
+    __slots__ = ("_entry", "_registry")
+
+    def __init__(self, registry: Registry, entry: Loaded) -> None:
+        self._registry, self._entry = registry, entry
+
+    @property
+    def model(self) -> ServedModel:
+        return self._entry.model
+
+    @property
+    def version(self) -> int:
+        return self._entry.version
+
+    def release(self) -> None:
+        self._registry._release(self._entry)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Registry:
+    """Installed vs loaded models; ``open_slot`` loads a store slot with its runtime."""
+
+    def __init__(self, store: Store, open_slot: Callable[[Slot], ServedModel], metrics: AgentMetrics) -> None:
+        self.store = store
+        self.open_slot = open_slot
+        self.metrics = metrics
+        self._loaded: dict[str, Loaded] = {}
+        self._cond = threading.Condition()  # guards _loaded and every Loaded.inflight
+        self._loading: dict[str, threading.Lock] = {}
+
+    # -- what is there ------------------------------------------------------------------
+    def models(self) -> dict[str, int]:
+        """Loaded model names and their versions."""
+        with self._cond:
+            return {name: e.version for name, e in sorted(self._loaded.items())}
+
+    def installed(self) -> dict[str, int]:
+        """Installed model names and their active versions (loaded or not)."""
+        return {name: ms.active.version for name, ms in sorted(self.store.load_state().models.items()) if ms.active}
+
+    # -- leases -------------------------------------------------------------------------
+    def lease(self, name: str, version: int | None = None) -> Lease:
+        """Hold model ``name`` (at ``version``, if given) for one call; load it if installed only."""
+        lease = self._try_lease(name, version)
+        if lease is not None:
+            return lease
+        with self._cond:
+            entry = self._loaded.get(name)
+        if entry is None and name in self.installed():
+            self._load_on_demand(name)
+            lease = self._try_lease(name, version)
+            if lease is not None:
+                return lease
+            with self._cond:
+                entry = self._loaded.get(name)
+        if entry is None:
+            known = ", ".join(self.models()) or "none"
+            raise ModelNotFoundError(f"no model named {name!r} is served here (served: {known})")
+        raise ModelNotFoundError(f"model {name!r} version {version} is not served (serving version {entry.version})")
+
+    def get(self, name: str, version: int | None = None) -> ServedModel:
+        """The loaded model (for metadata: not held; use ``lease`` to run it)."""
+        with self.lease(name, version) as lease:
+            return lease.model
+
+    def _try_lease(self, name: str, version: int | None) -> Lease | None:
+        with self._cond:
+            entry = self._loaded.get(name)
+            if entry is not None and (version is None or version == entry.version):
+                entry.inflight += 1
+                return Lease(self, entry)
+        return None
+
+    def _release(self, entry: Loaded) -> None:
+        close = False
+        with self._cond:
+            entry.inflight -= 1
+            if entry.inflight == 0:
+                close = entry.retired and not entry.closed
+                if close:
+                    entry.closed = True
+                self._cond.notify_all()
+        if close:
+            entry.model.close()
+
+    # -- load / unload ------------------------------------------------------------------
+    def _load_on_demand(self, name: str) -> None:
+        with self._cond:
+            lock = self._loading.setdefault(name, threading.Lock())
+        with lock:
+            with self._cond:
+                if name in self._loaded:
+                    return
+            ms = self.store.model_state(name)
+            if ms.active is None:
+                return
+            log.info("%s: loading v%d on demand", name, ms.active.version)
+            model = self.open_slot(ms.active)
+            with self._cond:
+                if name in self._loaded:  # the lifecycle served one meanwhile
+                    raced = True
+                else:
+                    self._loaded[name] = Loaded(model, ms.active.version)
+                    raced = False
+            if raced:
+                model.close()
+            else:
+                self.metrics.model_version.labels(name).set(ms.active.version)
+
+    def serve(self, name: str, model: ServedModel, version: int) -> Loaded | None:
+        """Make ``model`` the served one of ``name``; return the one it replaced (still open)."""
+        with self._cond:
+            previous = self._loaded.get(name)
+            self._loaded[name] = Loaded(model, version)
+        self.metrics.model_version.labels(name).set(version)
+        return previous
+
+    def unload(self, name: str) -> Loaded | None:
+        """Take ``name`` out of the table (a later lease loads it again); return it, still open."""
+        with self._cond:
+            return self._loaded.pop(name, None)
+
+    def drop_if(self, name: str, entry_model: ServedModel) -> Loaded | None:
+        """``unload`` only if ``entry_model`` is still the one served (a hung call's model)."""
+        with self._cond:
+            entry = self._loaded.get(name)
+            if entry is None or entry.model is not entry_model:
+                return None
+            return self._loaded.pop(name)
+
+    def retire(self, entry: Loaded, *, wait_s: float = _IDLE_WAIT_S) -> None:
+        """Close ``entry`` (already out of the table) once no lease holds it.
+
+        Waits up to ``wait_s`` for running calls; if some still run, the last release closes
+        it: a model is never closed under a running call.
+        """
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            entry.retired = True
+            while entry.inflight and time.monotonic() < deadline:
+                self._cond.wait(timeout=0.5)
+            close = entry.inflight == 0 and not entry.closed
+            if close:
+                entry.closed = True
+        if close:
+            entry.model.close()
+        else:
+            log.warning(
+                "v%d: %d calls still running after %.0f s; it is closed when the last one ends",
+                entry.version,
+                entry.inflight,
+                wait_s,
+            )
+
+    def close_all(self, *, wait_s: float = _IDLE_WAIT_S) -> None:
+        with self._cond:
+            entries, self._loaded = list(self._loaded.values()), {}
+        for entry in entries:
+            self.retire(entry, wait_s=wait_s)

@@ -1,0 +1,94 @@
+"""The agent service: the one API every front-end calls (HTTP today, the serial console later).
+
+    status()  installed and served models, slots, errors
+    install() hand a bundle to the lifecycle (verify, self-test, switch)
+    infer()   one request through its endpoint's pipeline
+    stats()   live serving numbers (latency percentiles, throughput, batch sizes, queues)
+
+Front-ends decode and encode their wire format and map errors to their status codes; they hold
+no policy. ``drain`` stops taking requests and lets the running ones finish (SIGTERM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from device_agents.config import AgentConfig
+from device_agents.endpoints import Endpoints
+from device_agents.errors import UnavailableError
+from device_agents.lifecycle import InstallResult, Lifecycle
+from device_agents.pipeline import Decoded
+from device_agents.runtimes import ServedModel
+from device_agents.stats import serving_stats
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class AgentService:
+    def __init__(self, config: AgentConfig, lifecycle: Lifecycle | None = None) -> None:
+        self.config = config
+        self.lifecycle = lifecycle or Lifecycle(config)
+        self.metrics = self.lifecycle.metrics
+        self.endpoints = Endpoints(config, self.lifecycle.registry, self.metrics)
+        self.draining = False
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Recover the store and load every installed model (``ConfigError`` if the config cannot
+        serve one of them, e.g. batching for a static-batch model)."""
+        self.lifecycle.start()
+        for name in self.lifecycle.models():
+            self.config.model(name).check(name, self.lifecycle.registry.get(name).manifest)
+
+    @property
+    def ready(self) -> bool:
+        return self.lifecycle.ready and not self.draining
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Refuse new requests (503), finish the queued and running ones; True if all finished."""
+        self.draining = True
+        return self.endpoints.stop(self.config.server.drain_timeout_s if timeout_s is None else timeout_s)
+
+    def stop(self) -> None:
+        self.drain()
+        self.lifecycle.stop()
+
+    # -- the API ------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        return self.lifecycle.status()
+
+    def models(self) -> dict[str, int]:
+        return self.lifecycle.models()
+
+    def install(self, bundle: Path, *, origin: str = "sideload") -> InstallResult:
+        return self.lifecycle.install(bundle, origin=origin)
+
+    def model(self, name: str, version: int | None = None) -> ServedModel:
+        """The served model of ``name`` (``ModelNotFoundError`` if none), for metadata."""
+        return self.endpoints.get(name).model(version)
+
+    def infer(
+        self,
+        name: str,
+        version: int | None,
+        decode: Callable[[ServedModel], Decoded[R]],
+        encode: Callable[[R, dict[str, np.ndarray], int], T],
+        timeout_s: float | None = None,
+    ) -> T:
+        """Run one request through ``name``'s endpoint; raises the refusing stage's typed error."""
+        if self.draining:
+            raise UnavailableError(
+                "the agent is shutting down", reason="draining", retry_after_s=self.config.server.retry_after_s
+            )
+        return self.endpoints.get(name).infer(version, decode, encode, timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        return serving_stats(self.metrics.registry)
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.exposition()

@@ -1,0 +1,169 @@
+"""Serving numbers from the agent's Prometheus metrics: per model, stage latency percentiles,
+throughput, batch sizes, queue depth. Works on a live ``CollectorRegistry`` (``AgentService.stats``)
+and on scraped ``/metrics`` text (``edgekit-agent stats``), and on the difference of two
+snapshots, so that a live table shows the last interval rather than the whole uptime.
+
+Percentiles are estimated from histogram buckets by linear interpolation inside the bucket, as
+Prometheus' ``histogram_quantile`` does: they are as coarse as the buckets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from device_agents.metrics import STAGES
+
+_HISTOGRAMS = {
+    "edgekit_stage_seconds": "stage",
+    "edgekit_request_duration_seconds": "request",
+    "edgekit_batch_size": "batch",
+}
+
+
+@dataclass
+class Histogram:
+    buckets: dict[float, float] = field(default_factory=dict)  # upper bound -> cumulative count
+    total: float = 0.0
+    count: float = 0.0
+
+    def minus(self, earlier: Histogram | None) -> Histogram:
+        if earlier is None:
+            return self
+        return Histogram(
+            {le: c - earlier.buckets.get(le, 0.0) for le, c in self.buckets.items()},
+            self.total - earlier.total,
+            self.count - earlier.count,
+        )
+
+    def quantile(self, q: float) -> float | None:
+        if self.count <= 0:
+            return None
+        rank = q * self.count
+        lower_bound, lower_count = 0.0, 0.0
+        for le in sorted(self.buckets):
+            count = self.buckets[le]
+            if count >= rank:
+                if math.isinf(le):
+                    return lower_bound
+                width = count - lower_count
+                return lower_bound + (le - lower_bound) * ((rank - lower_count) / width if width else 1.0)
+            lower_bound, lower_count = le, count
+        return lower_bound
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count > 0 else None
+
+
+@dataclass
+class Snapshot:
+    """Histograms keyed by (kind, model, stage), request counts by (model, code), gauges by (name, model)."""
+
+    histograms: dict[tuple[str, str, str], Histogram] = field(default_factory=dict)
+    requests: dict[tuple[str, str], float] = field(default_factory=dict)
+    gauges: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def minus(self, earlier: Snapshot | None) -> Snapshot:
+        if earlier is None:
+            return self
+        return Snapshot(
+            {k: h.minus(earlier.histograms.get(k)) for k, h in self.histograms.items()},
+            {k: v - earlier.requests.get(k, 0.0) for k, v in self.requests.items()},
+            dict(self.gauges),
+        )
+
+    def models(self) -> list[str]:
+        names = {m for _, m, _ in self.histograms} | {m for m, _ in self.requests}
+        return sorted(n for n in names if n)
+
+
+def snapshot(families: Iterable[Any]) -> Snapshot:
+    """A ``Snapshot`` from metric families (``registry.collect()`` or the text parser's output)."""
+    snap = Snapshot()
+    for family in families:
+        kind = _HISTOGRAMS.get(family.name)
+        for s in family.samples:
+            model = s.labels.get("model", "")
+            if kind is not None:
+                h = snap.histograms.setdefault((kind, model, s.labels.get("stage", "")), Histogram())
+                if s.name.endswith("_bucket"):
+                    h.buckets[float(s.labels["le"])] = s.value
+                elif s.name.endswith("_sum"):
+                    h.total = s.value
+                elif s.name.endswith("_count"):
+                    h.count = s.value
+            elif family.name == "edgekit_requests" and s.name.endswith("_total"):
+                snap.requests[(model, s.labels.get("code", ""))] = s.value
+            elif family.name in ("edgekit_queue_depth", "edgekit_inflight"):
+                snap.gauges[(family.name, model)] = s.value
+    return snap
+
+
+def serving_stats(registry: Any, since: Snapshot | None = None, interval_s: float | None = None) -> dict[str, Any]:
+    """Per model: requests, errors, throughput (with ``interval_s``), percentiles in ms, batch sizes."""
+    return summarize(snapshot(registry.collect()).minus(since), interval_s)
+
+
+def summarize(snap: Snapshot, interval_s: float | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for model in snap.models():
+        requests = sum(v for (m, _), v in snap.requests.items() if m == model)
+        errors = sum(v for (m, code), v in snap.requests.items() if m == model and code != "200")
+        row: dict[str, Any] = {"requests": int(requests), "errors": int(errors)}
+        if interval_s:
+            row["throughput_rps"] = requests / interval_s
+        for kind, stage in (("request", ""), *(("stage", s) for s in STAGES)):
+            h = snap.histograms.get((kind, model, stage))
+            if h is not None and h.count > 0:
+                row[stage or "request"] = {f"p{round(q * 100)}_ms": _ms(h.quantile(q)) for q in (0.5, 0.95, 0.99)}
+        batch = snap.histograms.get(("batch", model, ""))
+        if batch is not None and batch.count > 0:
+            row["batches"] = int(batch.count)
+            row["batch_mean"] = batch.mean
+            row["batch_p95"] = batch.quantile(0.95)
+        row["queue_depth"] = int(snap.gauges.get(("edgekit_queue_depth", model), 0))
+        row["inflight"] = int(snap.gauges.get(("edgekit_inflight", model), 0))
+        out[model] = row
+    return out
+
+
+def table(stats: dict[str, Any]) -> str:
+    """The live table ``edgekit-agent stats`` prints."""
+    head = ("MODEL", "REQ/S", "REQS", "ERR", "P50 ms", "P95 ms", "P99 ms", "QUEUE p99", "INFER p99", "BATCH", "QUEUED")
+    rows: list[tuple[str, ...]] = [head]
+    for model, s in sorted(stats.items()):
+        req = s.get("request", {})
+        rows.append(
+            (
+                model,
+                _fmt(s.get("throughput_rps")),
+                str(s["requests"]),
+                str(s["errors"]),
+                _fmt(req.get("p50_ms")),
+                _fmt(req.get("p95_ms")),
+                _fmt(req.get("p99_ms")),
+                _fmt(s.get("queue", {}).get("p99_ms")),
+                _fmt(s.get("infer", {}).get("p99_ms")),
+                _fmt(s.get("batch_mean")),
+                str(s["queue_depth"]),
+            )
+        )
+    if len(rows) == 1:
+        return "no requests served yet"
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in rows
+    )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 4)
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if value < 100 else f"{value:.0f}"
