@@ -10,12 +10,21 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 FAULT_ENV = "EDGEKIT_FAULT"
+STALL_ENV = "EDGEKIT_FAULT_STALL_S"  # how long a stall point blocks (default 3600 s: a hang)
+STALL_ONCE_ENV = "EDGEKIT_FAULT_STALL_ONCE"  # "1": only the first pass through the point stalls
 
 # Where each point sits: see Lifecycle.install (stage..cleanup), the self-test child
 # (selftest_child) and the update client (download).
 FAULT_POINTS = ("verify", "stage", "selftest", "selftest_child", "switch", "commit", "cleanup", "download")
+# Stall points block instead of killing: ``infer_stall`` sits just before the runtime call of a
+# batch (pipeline/batching.py), to make a call slow (drain tests) or hang (hung-call detection).
+STALL_POINTS = ("infer_stall",)
+_stalled: set[str] = set()
+_stall_lock = threading.Lock()
 
 
 def fault_point(name: str) -> None:
@@ -24,3 +33,17 @@ def fault_point(name: str) -> None:
         raise ValueError(f"unknown fault point {name!r}; add it to FAULT_POINTS ({', '.join(FAULT_POINTS)})")
     if os.environ.get(FAULT_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stall_point(name: str) -> None:
+    """Block for ``EDGEKIT_FAULT_STALL_S`` seconds if ``EDGEKIT_FAULT`` names this point."""
+    if name not in STALL_POINTS:
+        raise ValueError(f"unknown stall point {name!r}; add it to STALL_POINTS ({', '.join(STALL_POINTS)})")
+    if os.environ.get(FAULT_ENV) != name:
+        return
+    if os.environ.get(STALL_ONCE_ENV) == "1":
+        with _stall_lock:
+            if name in _stalled:
+                return
+            _stalled.add(name)
+    time.sleep(float(os.environ.get(STALL_ENV, "3600")))

@@ -27,14 +27,16 @@ import numpy as np
 
 from device_agents.config import BatchingConfig
 from device_agents.errors import DeadlineExceededError, OverloadedError, RuntimeFailure, UnavailableError
+from device_agents.faults import stall_point
 from device_agents.registry import Lease
 from device_agents.runtimes import ServedModel
 from edgekit.bundle.errors import EdgekitError, InferenceInputError
 
 log = logging.getLogger("edgekit.agent")
 
-# A batch below min_batch_size still runs this long before its head's deadline.
-_DEADLINE_MARGIN_S = 0.005
+# A batch below min_batch_size still runs this long (or twice its recent run time) before its
+# head's deadline.
+_DEADLINE_MARGIN_S = 0.02
 
 
 @dataclass(eq=False)
@@ -101,6 +103,7 @@ class Batcher:
         self._abandoned: set[int] = set()
         self._stopping = False
         self.inflight = 0
+        self._run_s = 0.0  # moving average of a batch's runtime call
         self._threads: list[threading.Thread] = []
         for _ in range(workers):
             self._spawn()
@@ -199,7 +202,7 @@ class Batcher:
                 if now >= until:
                     if rows >= cfg.min_batch_size:
                         break
-                    until = head.deadline - _DEADLINE_MARGIN_S
+                    until = head.deadline - max(_DEADLINE_MARGIN_S, 2 * self._run_s)
                     if now >= until:
                         break
                 self._cond.wait(until - now)
@@ -249,10 +252,12 @@ class Batcher:
                 call = _Call(start, lease.model, batch)
                 with self._cond:
                     self._calls[me] = call
+                stall_point("infer_stall")
                 outputs = lease.model.infer(feed)
                 version = lease.version
             if call.hung:
                 return  # its jobs were answered by the watchdog
+            self._run_s = 0.8 * self._run_s + 0.2 * (time.monotonic() - start)
             self.on_batch(rows)
             self._split(batch, outputs, rows, version)
         except EdgekitError as exc:

@@ -62,13 +62,14 @@ class _Forbidden(EdgekitError):
 
 
 class _Connection:
-    """One open connection: its socket and whether a request is being handled on it."""
+    """One open connection: its socket and whether a request is being handled on it (a new
+    connection counts as busy until its handler waits for a request line)."""
 
     __slots__ = ("busy", "idle_since", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.busy = False
+        self.busy = True
         self.idle_since = time.monotonic()
 
 

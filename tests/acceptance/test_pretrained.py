@@ -69,8 +69,12 @@ def test_pretrained_int8_bundle_verifies_and_records_a_passed_int8_validation(pa
     assert m.precision.weights == "int8" and m.precision.activations in ("int8", "uint8")
     assert m.validation.passed and m.validation.kind == "classifier" and m.validation.samples == EVAL_SAMPLES
     assert m.validation.top1_agreement is not None and m.validation.tolerance.min_top1_agreement is not None
-    line = gate_margin(f"{NAME} cpu {m.precision.label}", m.validation.top1_agreement, EVAL_SAMPLES,
-                       m.validation.tolerance.min_top1_agreement)
+    line = gate_margin(
+        f"{NAME} cpu {m.precision.label}",
+        m.validation.top1_agreement,
+        EVAL_SAMPLES,
+        m.validation.tolerance.min_top1_agreement,
+    )
     assert m.validation.top1_agreement >= m.validation.tolerance.min_top1_agreement, line
     # the served interface is the source model's, paddle2onnx's dynamic axes kept dynamic
     (served_in,) = m.signature.inputs

@@ -60,9 +60,9 @@ def packaged(
     with no_network() as attempts:
         try:
             result = edgekit.package(
-            MODEL,
-            targets=TARGETS,
-            precision=PRECISION,
+                MODEL,
+                targets=TARGETS,
+                precision=PRECISION,
                 calib=make_calib(MODEL, CALIB_SAMPLES),
                 eval={"x": images},
                 key=keypair[0],
@@ -132,8 +132,12 @@ def test_one_call_packages_every_target_offline_and_each_passes_its_gate_or_is_r
         assert v.passed, f"{target}: {v}"
         assert v.kind == "classifier" and v.samples == EVAL_SAMPLES
         assert v.top1_agreement is not None and v.tolerance.min_top1_agreement is not None
-        line = gate_margin(f"{NAME} {target} {manifest.precision.label}", v.top1_agreement, EVAL_SAMPLES,
-                           v.tolerance.min_top1_agreement)
+        line = gate_margin(
+            f"{NAME} {target} {manifest.precision.label}",
+            v.top1_agreement,
+            EVAL_SAMPLES,
+            v.tolerance.min_top1_agreement,
+        )
         assert v.top1_agreement >= v.tolerance.min_top1_agreement, line
         # every artifact is smaller than the FP32 source (intel's IR was 1.8x before it was converted like ovc does)
         assert v.size_ratio is not None and v.size_ratio < 1.0, f"{target}: size ratio {v.size_ratio}"

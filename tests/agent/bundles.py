@@ -90,6 +90,25 @@ def reshape_model(path: Path) -> Path:
     return path
 
 
+def conv_model(path: Path) -> Path:
+    """``x[batch, 1, h, w] -> Conv 5x5``: dynamic height and width, but ONNX Runtime refuses inputs
+    smaller than the kernel (INVALID_ARGUMENT "Invalid input shape") at run time."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], name="conv")],
+        "conv_5x5_dynamic_hw",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, "h", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1, "oh", "ow"])],
+        [numpy_helper.from_array(np.full((1, 1, 5, 5), 0.04, np.float32), "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
 def read_manifest(bundle: Path) -> Manifest:
     """The manifest inside ``bundle`` (no trust decision: for building variants in tests)."""
     return Manifest.from_json(_members(bundle)[MANIFEST_NAME])

@@ -117,15 +117,15 @@ class RunningAgent:
         return self.proc.wait(timeout=30)
 
 
-def start_agent(config: Path, env: dict[str, str] | None = None) -> RunningAgent:
-    """Start `edgekit-agent run` and wait until it answers /v2/health/ready."""
+def start_agent(config: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> RunningAgent:
+    """Start `edgekit-agent run` (with ``args`` after the subcommand) and wait until it answers /v2/health/ready."""
     store = config.parent / "store"
     info = store / "daemon.json"
     info.unlink(missing_ok=True)
     log = config.parent / "agent.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "device_agents.cli", "run", "--config", str(config)],
+            [sys.executable, "-m", "device_agents.cli", "run", "--config", str(config), *args],
             stdout=out,
             stderr=out,
             env={**os.environ, **(env or {})},
@@ -158,8 +158,8 @@ AgentFactory = Callable[..., RunningAgent]
 def agent_factory() -> Iterator[AgentFactory]:
     started: list[RunningAgent] = []
 
-    def factory(config: Path, env: dict[str, str] | None = None) -> RunningAgent:
-        agent = start_agent(config, env)
+    def factory(config: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> RunningAgent:
+        agent = start_agent(config, env, args)
         started.append(agent)
         return agent
 

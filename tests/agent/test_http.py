@@ -270,3 +270,41 @@ def test_install_route_refuses_a_non_json_post_that_a_web_page_could_send(
         urllib.request.urlopen(req, timeout=10)
     assert err.value.code == 403 and "application/json" in err.value.read().decode()
     _assert_still_serving(client, reference)
+
+
+def test_metrics_have_stage_histograms_batch_sizes_queues_and_process_numbers(
+    agent: RunningAgent, client: triton.InferenceServerClient
+) -> None:
+    _infer(client, np.ones((3, 3, 16, 16), np.float32))
+    text = _metrics_text(agent.url)
+    for stage in ("decode", "queue", "infer", "encode"):
+        assert f'edgekit_stage_seconds_count{{model="tiny",stage="{stage}"}}' in text, stage
+    assert 'edgekit_batch_size_bucket{le="4.0",model="tiny"}' in text
+    assert 'edgekit_queue_depth{model="tiny"} 0.0' in text and 'edgekit_inflight{model="tiny"}' in text
+    assert "process_resident_memory_bytes" in text and "process_open_fds" in text
+
+
+def test_stats_prints_a_table_of_the_running_daemon(agent: RunningAgent, client: triton.InferenceServerClient) -> None:
+    _infer(client, np.ones((1, 3, 16, 16), np.float32))
+    done = agent_cli("stats", "--config", str(agent.config), "--count", "1")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split()[:5] == ["MODEL", "REQ/S", "REQS", "ERR", "P50"]
+    row = next(line.split() for line in lines if line.startswith("tiny "))
+    assert int(row[2]) >= 1 and float(row[4]) > 0  # requests served, a p50 in ms
+    live = agent_cli("stats", "--config", str(agent.config), "--count", "2", "--interval", "0.2")
+    assert live.returncode == 0 and "last 0." in live.stdout, live.stderr
+
+
+def test_malformed_json_outputs_are_never_written_as_invalid_json() -> None:
+    from device_agents.serving.codec import InferRequest, encode_response
+    from edgekit.bundle.manifest import TensorSpec
+
+    out, json_len = encode_response(
+        "m",
+        1,
+        InferRequest(None, {}, None, False),
+        {"y": np.array([1.0, np.nan, np.inf], np.float32)},
+        (TensorSpec("y", "float32", (3,)),),
+    )
+    assert json_len is None and json.loads(out)["outputs"][0]["data"] == [1.0, None, None]
