@@ -90,6 +90,22 @@ BENCHMARKS: tuple[Entry, ...] = (
         "50 devices converge and reconnect after a broker restart (jitter vs paho's fixed backoff)",
     ),
     Entry(
+        "serving.batching",
+        "bench.serving:run_batching",
+        "dynamic batching: a 1024->4096->1024 MLP batched (max_batch_size 32) vs unbatched in one agent, "
+        "tritonclient at concurrency 1/4/16/64; server-side p99 from the stage metrics; the digits conv net",
+    ),
+    Entry(
+        "serving.overhead",
+        "bench.serving:run_overhead",
+        "server-side overhead: the agent's v2 round trip (1 KB) vs a do-nothing v2 server and session.run",
+    ),
+    Entry(
+        "serving.limits",
+        "bench.serving:run_limits",
+        "1000 idle connections (health probe latency, idle timeout) and 4 parallel gzip bombs (agent RSS)",
+    ),
+    Entry(
         "agent.roundtrip",
         "bench.agent_roundtrip:run",
         "edgekit-agent v2 HTTP infer (tritonclient, 1 KB tensor) vs in-process onnxruntime session.run",

@@ -98,6 +98,9 @@ class Endpoints:
                 endpoint = self._endpoints[name] = ModelEndpoint(name, self.registry, pipeline)
         return endpoint
 
+    def has(self, name: str) -> bool:
+        return name in self._endpoints
+
     def names(self) -> list[str]:
         return sorted(set(self.registry.models()) | set(self.registry.installed()))
 

@@ -68,6 +68,10 @@ class AgentService:
     def install(self, bundle: Path, *, origin: str = "sideload") -> InstallResult:
         return self.lifecycle.install(bundle, origin=origin)
 
+    def serves(self, name: str) -> bool:
+        """True when ``name`` is an endpoint (a label safe to put on metrics)."""
+        return self.endpoints.has(name)
+
     def model(self, name: str, version: int | None = None) -> ServedModel:
         """The served model of ``name`` (``ModelNotFoundError`` if none), for metadata."""
         return self.endpoints.get(name).model(version)

@@ -58,6 +58,11 @@ class RunningAgent:
         self.url = ""  # http://127.0.0.1:PORT once started
         self._proc: subprocess.Popen[bytes] | None = None
 
+    @property
+    def pid(self) -> int | None:
+        """The daemon's process id while it runs (for RSS readings in benchmarks)."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
     # -- lifecycle ----------------------------------------------------------------------
     def __enter__(self) -> RunningAgent:
         self.start()

@@ -16,6 +16,7 @@ is closed if its call ever returns) and a fresh worker replaces the stuck thread
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -39,6 +40,38 @@ log = logging.getLogger("edgekit.agent")
 _DEADLINE_MARGIN_S = 0.02
 
 
+class Done:
+    """A one-shot completion flag that a thread can wait on with a timeout.
+
+    Built on ``queue.SimpleQueue`` (C): a hand-off through it costs ~8 us here, through a
+    ``threading.Event`` (a Python ``Condition``) ~57 us, which is most of a small model's budget.
+    """
+
+    __slots__ = ("_flag", "_q")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._q: queue.SimpleQueue[None] = queue.SimpleQueue()
+
+    def set(self) -> None:
+        if not self._flag:
+            self._flag = True
+            self._q.put(None)
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._flag:
+            return True
+        try:
+            self._q.get(timeout=timeout)
+        except queue.Empty:
+            return self._flag
+        self._q.put(None)  # leave it set for another wait
+        return True
+
+
 @dataclass(eq=False)
 class Job:
     """One request's inputs (checked against the served signature) and, when done, its result."""
@@ -56,7 +89,7 @@ class Job:
     outputs: dict[str, np.ndarray] | None = None
     error: EdgekitError | None = None
     cancelled: bool = False
-    done: threading.Event = field(default_factory=threading.Event)
+    done: Done = field(default_factory=Done)
 
     def __post_init__(self) -> None:
         first = next(iter(self.inputs.values()), None)
@@ -96,13 +129,15 @@ class Batcher:
         self.retry_after_s = retry_after_s
         self.on_batch = on_batch
         self.on_hung = on_hung
-        self._queue: deque[Job] = deque()
-        self._cond = threading.Condition()
-        self._forming = threading.Lock()  # one worker forms a batch at a time: batches fill up
+        self._incoming: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # None: a worker's stop signal
+        self._held: deque[Job] = deque()  # taken out while forming a batch, not run yet (queue order)
+        self._forming = threading.Lock()  # one worker forms a batch at a time (and owns _held): batches fill up
+        self._lock = threading.Lock()  # guards the counters, _calls, _abandoned, _stopping
+        self._waiting = 0  # submitted, not yet in a running batch
+        self.inflight = 0  # submitted, not yet answered
         self._calls: dict[int, _Call] = {}  # worker thread id -> its running call
         self._abandoned: set[int] = set()
         self._stopping = False
-        self.inflight = 0
         self._run_s = 0.0  # moving average of a batch's runtime call
         self._threads: list[threading.Thread] = []
         for _ in range(workers):
@@ -113,28 +148,25 @@ class Batcher:
     # -- the request side ------------------------------------------------------------------
     def submit(self, job: Job) -> None:
         """Queue ``job``; ``OverloadedError`` when the queue is full, ``UnavailableError`` when stopping."""
-        with self._cond:
+        with self._lock:
             if self._stopping:
                 raise UnavailableError(
                     f"model {self.name} is shutting down", reason="draining", retry_after_s=self.retry_after_s
                 )
-            if len(self._queue) >= self.queue_size:
+            if self._waiting >= self.queue_size:
                 raise OverloadedError(
-                    f"model {self.name}: {len(self._queue)} requests are waiting (server.queue_size); retry later",
+                    f"model {self.name}: {self._waiting} requests are waiting (server.queue_size); retry later",
                     retry_after_s=self.retry_after_s,
                 )
-            self._queue.append(job)
+            self._waiting += 1
             self.inflight += 1
-            self._cond.notify_all()
+        self._incoming.put(job)
 
     def wait(self, job: Job) -> Job:
         """Block until ``job`` is done or its deadline passes (``DeadlineExceededError``)."""
         try:
             if not job.done.wait(max(0.0, job.deadline - time.monotonic())):
-                with self._cond:
-                    job.cancelled = True
-                    if job in self._queue:
-                        self._queue.remove(job)
+                job.cancelled = True  # a worker that takes it drops it
                 if not job.done.is_set():
                     where = "while it ran" if job.started else "before a worker took it"
                     raise DeadlineExceededError(f"model {self.name}: the request's deadline passed {where}")
@@ -142,28 +174,41 @@ class Batcher:
                 raise job.error
             return job
         finally:
-            with self._cond:
+            with self._lock:
                 self.inflight -= 1
 
     def depth(self) -> int:
-        with self._cond:
-            return len(self._queue)
+        return self._waiting
 
     def stop(self, timeout_s: float) -> bool:
         """Refuse new jobs, let the workers finish the queued ones; True if all finished in time."""
-        with self._cond:
+        with self._lock:
             self._stopping = True
-            self._cond.notify_all()
+            live = [t for t in self._threads if t.is_alive() and t.ident not in self._abandoned]
+        for _ in live:
+            self._incoming.put(None)  # after every queued job: each worker ends at one
         deadline = time.monotonic() + timeout_s
-        for t in list(self._threads):
+        for t in live:
             t.join(max(0.0, deadline - time.monotonic()))
-        with self._cond:
-            left = list(self._queue)
-            self._queue.clear()
+        left = []
+        if not self._forming.acquire(timeout=0.1):
+            return False
+        try:
+            left = list(self._held)
+            self._held.clear()
+            while True:
+                try:
+                    job = self._incoming.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    left.append(job)
+        finally:
+            self._forming.release()
         for job in left:
             job.error = UnavailableError(f"model {self.name} is shutting down", reason="draining")
             job.done.set()
-        return not any(t.is_alive() for t in self._threads) and not left
+        return not any(t.is_alive() for t in live) and not left
 
     # -- the worker side -------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -179,24 +224,57 @@ class Batcher:
                 return
             self._run(batch)
 
+    def _usable(self, job: Job) -> bool:
+        """False (and the job answered) for a job cancelled or past its deadline before it ran."""
+        if job.cancelled or job.deadline <= time.monotonic():
+            with self._lock:
+                self._waiting -= 1
+            if not job.cancelled:
+                job.error = DeadlineExceededError(f"model {self.name}: the request's deadline passed in the queue")
+            job.done.set()
+            return False
+        return True
+
+    def _take(self) -> Job | None:
+        """The oldest usable job (held back ones first); None when this worker is to stop."""
+        while True:
+            job = self._held.popleft() if self._held else self._incoming.get()
+            if job is None:
+                return None
+            if self._usable(job):
+                return job
+
     def _next_batch(self) -> list[Job] | None:
-        with self._forming, self._cond:
-            while True:
-                self._drop_expired()
-                if self._queue:
-                    break
-                if self._stopping:
-                    return None
-                self._cond.wait(0.5)
+        with self._forming:
+            head = self._take()
+            if head is None:
+                return None
+            batch, rows = [head], head.rows
             cfg = self.batching
-            while True:
-                self._drop_expired()
-                if not self._queue:
-                    return []
-                head = self._queue[0]
-                batch, rows = self._compatible(head)
-                if cfg is None or self._stopping or rows >= cfg.max_batch_size or rows in cfg.preferred_batch_sizes:
-                    break
+            if cfg is not None:
+                rows = self._gather(head, batch, rows, cfg)
+            with self._lock:
+                self._waiting -= len(batch)
+            return batch
+
+    def _gather(self, head: Job, batch: list[Job], rows: int, cfg: BatchingConfig) -> int:
+        """Add queued jobs that can share ``head``'s batch, in queue order, until it is full or
+        the wait is over; jobs that cannot are held back, in order, for the next batches."""
+        job: Job | None
+        kept: deque[Job] = deque()
+        blocked = False  # a same-shape job did not fit: nothing behind it may overtake it
+        for job in self._held:
+            if not blocked and job.key == head.key and rows + job.rows <= cfg.max_batch_size:
+                batch.append(job)
+                rows += job.rows
+            else:
+                blocked = blocked or job.key == head.key
+                kept.append(job)
+        self._held = kept
+        while not blocked and rows < cfg.max_batch_size and rows not in cfg.preferred_batch_sizes:
+            try:
+                job = self._incoming.get_nowait()  # what is queued already joins whatever the wait
+            except queue.Empty:
                 now = time.monotonic()
                 until = head.enqueued + cfg.max_wait_ms / 1000
                 if now >= until:
@@ -205,33 +283,22 @@ class Batcher:
                     until = head.deadline - max(_DEADLINE_MARGIN_S, 2 * self._run_s)
                     if now >= until:
                         break
-                self._cond.wait(until - now)
-            for job in batch:
-                self._queue.remove(job)
-            return batch
-
-    def _compatible(self, head: Job) -> tuple[list[Job], int]:
-        """The head and the queued jobs after it that can share its batch, in queue order."""
-        limit = self.batching.max_batch_size if self.batching else 1
-        batch, rows = [head], head.rows
-        if self.batching is None:
-            return batch, rows
-        for job in list(self._queue)[1:]:
-            if job.key != head.key:
+                try:
+                    job = self._incoming.get(timeout=until - now)
+                except queue.Empty:
+                    continue
+            if job is None:
+                self._incoming.put(None)  # stopping: run what we have; the signal is for the next take
+                break
+            if not self._usable(job):
                 continue
-            if rows + job.rows > limit:
-                break  # keeps the order: a later, smaller job does not overtake this one
-            batch.append(job)
-            rows += job.rows
-        return batch, rows
-
-    def _drop_expired(self) -> None:
-        now = time.monotonic()
-        while self._queue and (self._queue[0].cancelled or self._queue[0].deadline <= now):
-            job = self._queue.popleft()
-            if not job.cancelled:
-                job.error = DeadlineExceededError(f"model {self.name}: the request's deadline passed in the queue")
-                job.done.set()
+            if job.key == head.key and rows + job.rows <= cfg.max_batch_size:
+                batch.append(job)
+                rows += job.rows
+            else:
+                blocked = job.key == head.key
+                self._held.append(job)
+        return rows
 
     def _run(self, batch: list[Job]) -> None:
         if not batch:
@@ -250,10 +317,10 @@ class Batcher:
             )
             with self.lease(batch[0].version) as lease:
                 call = _Call(start, lease.model, batch)
-                with self._cond:
+                with self._lock:
                     self._calls[me] = call
                 stall_point("infer_stall")
-                outputs = lease.model.infer(feed)
+                outputs = lease.model.infer(feed, checked=True)
                 version = lease.version
             if call.hung:
                 return  # its jobs were answered by the watchdog
@@ -279,7 +346,7 @@ class Batcher:
             for job in batch:
                 job.error = failure
         finally:
-            with self._cond:
+            with self._lock:
                 self._calls.pop(me, None)
             end = time.monotonic()
             if call is None or not call.hung:
@@ -309,7 +376,7 @@ class Batcher:
         while True:
             time.sleep(period)
             now = time.monotonic()
-            with self._cond:
+            with self._lock:
                 if self._stopping and not self._calls:
                     return
                 hung = [(tid, c) for tid, c in self._calls.items() if not c.hung and now - c.started > self.hung_call_s]

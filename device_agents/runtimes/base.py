@@ -116,10 +116,12 @@ class ServedModel:
             out[name] = arr
         return out
 
-    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        checked = self.check_inputs(inputs)
+    def infer(self, inputs: Mapping[str, np.ndarray], *, checked: bool = False) -> dict[str, np.ndarray]:
+        """Run with served tensors; ``checked=True``: ``inputs`` came from ``check_inputs`` already."""
+        if not checked:
+            inputs = self.check_inputs(inputs)
         feed = {}
-        for name, arr in checked.items():
+        for name, arr in inputs.items():
             m = self._in_map.get(name)
             art_name = m.artifact if m else name
             feed[art_name] = _to_artifact(arr, m, self._artifact_specs.get(art_name))

@@ -1,0 +1,411 @@
+"""The agent's serving core under load, driven over HTTP by ``tritonclient`` (one client per thread).
+
+- ``batching``: a compute-heavy MLP with a dynamic batch axis (1024 -> 4096 -> 1024) served twice
+  by one agent, as ``mlp`` (``max_batch_size = 32``) and ``mlp_unbatched``; throughput at
+  concurrency 1/4/16/64, the two interleaved round by round; the server-side p99 (queue + infer,
+  from the stage histograms) against ``max_wait_ms`` + 2x the batch's run time. Then the digits
+  conv net example, batched vs unbatched at concurrency 16.
+- ``overhead``: p50 round trip of a 1 KB tensor to the agent vs to a do-nothing v2 server (the
+  client-side floor), and the runtime call alone (``session.run``), side by side; the server-side
+  overhead is agent - floor - runtime call.
+- ``limits``: 1000 idle connections held open (a health probe's latency; how many the server
+  closed within its idle timeout); 4 parallel gzip bombs (~116 KiB inflating to 120 MB each):
+  the answers and the agent's RSS growth.
+"""
+
+from __future__ import annotations
+
+import gzip
+import resource
+import select
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.registry import BenchContext, BenchError, Measurement
+
+MLP_IN, MLP_HIDDEN = 1024, 4096
+MAX_BATCH, MAX_WAIT_MS = 32, 2.0
+CONCURRENCY = (1, 4, 16, 64)
+IDLE_CONNECTIONS = 1000
+IDLE_TIMEOUT_S = 5.0
+
+
+def mlp_model(path: Path) -> Path:
+    """``relu(x @ w1) @ w2``: [batch, 1024] -> [batch, 1024] through 4096 hidden units (33 MB fp32)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array((rng.standard_normal((MLP_IN, MLP_HIDDEN)) * 0.03).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array((rng.standard_normal((MLP_HIDDEN, MLP_IN)) * 0.015).astype(np.float32), "w2")
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w1"], ["h"]),
+            helper.make_node("Relu", ["h"], ["r"]),
+            helper.make_node("MatMul", ["r", "w2"], ["y"]),
+        ],
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", MLP_IN])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", MLP_IN])],
+        [w1, w2],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="edgekit-bench")
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def _package(ctx: BenchContext, model: Path, name: str, calib: dict[str, np.ndarray], out: Path) -> Path:
+    import edgekit
+
+    result = edgekit.package(model, targets=["cpu"], precision="fp32", calib=calib, key=ctx.key, name=name, out_dir=out)
+    return Path(result.bundles["cpu"])
+
+
+class Load:
+    """``concurrency`` threads, each with its own tritonclient, sending ``x`` to ``model`` for ``seconds``."""
+
+    def __init__(self, address: str, model: str, inputs: dict[str, np.ndarray], output: str) -> None:
+        self.address, self.model, self.inputs, self.output = address, model, inputs, output
+
+    def run(self, concurrency: int, seconds: float) -> tuple[int, list[float], int]:
+        import tritonclient.http as httpclient
+
+        latencies: list[list[float]] = [[] for _ in range(concurrency)]
+        errors = [0] * concurrency
+        start = threading.Barrier(concurrency + 1)
+        stop_at = [0.0]
+
+        def worker(i: int) -> None:
+            client = httpclient.InferenceServerClient(self.address, connection_timeout=60, network_timeout=60)
+            ins = []
+            for name, arr in self.inputs.items():
+                inp = httpclient.InferInput(name, list(arr.shape), "FP32")
+                inp.set_data_from_numpy(arr)
+                ins.append(inp)
+            outs = [httpclient.InferRequestedOutput(self.output)]
+            start.wait()
+            mine = latencies[i]
+            try:
+                while time.perf_counter() < stop_at[0]:
+                    t0 = time.perf_counter()
+                    try:
+                        client.infer(self.model, ins, outputs=outs)
+                    except Exception:  # a load generator counts failures; any exception is one
+                        errors[i] += 1
+                        continue
+                    mine.append((time.perf_counter() - t0) * 1000)
+            finally:
+                client.close()
+
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(concurrency)]
+        for t in threads:
+            t.start()
+        stop_at[0] = time.perf_counter() + 60  # set properly once every client is connected
+        start.wait()
+        stop_at[0] = time.perf_counter() + seconds
+        for t in threads:
+            t.join(seconds + 60)
+        flat = [v for lat in latencies for v in lat]
+        return len(flat), flat, sum(errors)
+
+
+def _scrape(url: str) -> Any:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from device_agents.stats import snapshot
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        return snapshot(text_string_to_metric_families(resp.read().decode()))
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def _throughput_side_by_side(
+    loads: dict[str, Load], concurrency: int, seconds: float, rounds: int
+) -> dict[str, tuple[float, list[float], int]]:
+    """Requests per second of each load, run one after the other per round (A, B, B, A, ...)."""
+    done: dict[str, list[float]] = {n: [] for n in loads}
+    lat: dict[str, list[float]] = {n: [] for n in loads}
+    errors = dict.fromkeys(loads, 0)
+    names = list(loads)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            count, latencies, failed = loads[name].run(concurrency, seconds)
+            done[name].append(count / seconds)
+            lat[name] += latencies
+            errors[name] += failed
+    return {n: (statistics.median(done[n]), lat[n], errors[n]) for n in names}
+
+
+def run_batching(ctx: BenchContext, *, name: str) -> list[Measurement]:
+    from device_agents.stats import summarize
+    from examples.agent_process import RunningAgent
+
+    work = ctx.workdir / "serving-batching"
+    work.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(3)
+    calib = {"x": rng.standard_normal((16, MLP_IN)).astype(np.float32)}
+    model = mlp_model(work / "mlp.onnx")
+    ctx.progress(f"{name}: packaging the {MLP_IN}->{MLP_HIDDEN}->{MLP_IN} MLP as mlp and mlp_unbatched")
+    batched_bundle = _package(ctx, model, "mlp", calib, work / "b1")
+    plain_bundle = _package(ctx, model, "mlp_unbatched", calib, work / "b2")
+    seconds = 1.5 if ctx.repeats < 30 else 3.0
+    rounds = 2
+    extra = (
+        f"[models.mlp.batching]\nmax_batch_size = {MAX_BATCH}\nmax_wait_ms = {MAX_WAIT_MS}\n"
+        "[server]\nqueue_size = 256\n"
+    )
+    rows: list[Measurement] = []
+    with RunningAgent(work / "agent", [ctx.pub], extra_config=extra) as agent:
+        for b in (batched_bundle, plain_bundle):
+            agent.install(b)
+        x = calib["x"][:1].copy()
+        loads = {n: Load(agent.host_port, n, {"x": x}, "y") for n in ("mlp_unbatched", "mlp")}
+        for c in CONCURRENCY:
+            before = _scrape(agent.url) if c == 16 else None
+            ctx.progress(f"{name}: concurrency {c}, {rounds} rounds of {seconds:g} s each, interleaved")
+            got = _throughput_side_by_side(loads, c, seconds, rounds)
+            (a_rps, a_lat, a_err), (b_rps, b_lat, b_err) = got["mlp_unbatched"], got["mlp"]
+            note = (
+                f"client p50/p99 ms: unbatched {_pct(a_lat, 50):.2f}/{_pct(a_lat, 99):.2f}, "
+                f"batched {_pct(b_lat, 50):.2f}/{_pct(b_lat, 99):.2f}; errors {a_err}/{b_err}"
+            )
+            rows.append(
+                Measurement(name, f"mlp batched vs unbatched, c={c}", "throughput", "req/s", "unbatched",
+                            f"max_batch_size {MAX_BATCH}", a_rps, b_rps, note)
+            )  # fmt: skip
+            if before is not None:
+                snap = _scrape(agent.url).minus(before)
+                stats = summarize(snap)["mlp"]
+                queue_p99, infer_p99 = stats["queue"]["p99_ms"], stats["infer"]["p99_ms"]
+                infer_h = snap.histograms[("stage", "mlp", "infer")]
+                batch_ms = (infer_h.mean or 0.0) * 1000
+                bound = MAX_WAIT_MS + 2 * batch_ms
+                rows.append(
+                    Measurement(name, "server-side p99 (queue + infer), c=16", "latency", "ms",
+                                f"max_wait_ms + 2 x batch run ({batch_ms:.2f} ms)", "p99 queue + p99 infer",
+                                bound, queue_p99 + infer_p99,
+                                f"queue p99 {queue_p99:.2f} ms, infer p99 {infer_p99:.2f} ms, "
+                                f"mean batch {stats.get('batch_mean', 0):.1f}; from edgekit_stage_seconds buckets")
+                )  # fmt: skip
+    rows += _conv_batching(ctx, name, work, seconds, rounds)
+    return rows
+
+
+def _conv_batching(ctx: BenchContext, name: str, work: Path, seconds: float, rounds: int) -> list[Measurement]:
+    """The digits conv net example, batched vs unbatched, at concurrency 16."""
+    import onnxruntime as ort
+
+    from examples.agent_process import RunningAgent
+
+    root = Path(__file__).resolve().parents[1] / "examples" / "digits"
+    models = sorted(root.glob("*.onnx"))
+    if not models:
+        return [Measurement(name, "digits conv net", "throughput", "req/s", "", "", note="no examples/digits/*.onnx")]
+    model = models[0]
+    sess = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    spec = sess.get_inputs()[0]
+    if isinstance(spec.shape[0], int):
+        return [Measurement(name, "digits conv net", "throughput", "req/s", "", "", note="its batch axis is static")]
+    shape = [d if isinstance(d, int) else 1 for d in spec.shape]
+    calib = {spec.name: np.random.default_rng(5).standard_normal([16, *shape[1:]]).astype(np.float32)}
+    out_name = sess.get_outputs()[0].name
+    batched = _package(ctx, model, "digits", calib, work / "d1")
+    plain = _package(ctx, model, "digits_unbatched", calib, work / "d2")
+    extra = f"[models.digits.batching]\nmax_batch_size = {MAX_BATCH}\nmax_wait_ms = {MAX_WAIT_MS}\n"
+    with RunningAgent(work / "agent-digits", [ctx.pub], extra_config=extra) as agent:
+        for b in (batched, plain):
+            agent.install(b)
+        x = {spec.name: calib[spec.name][:1].copy()}
+        loads = {n: Load(agent.host_port, n, x, out_name) for n in ("digits_unbatched", "digits")}
+        ctx.progress(f"{name}: digits conv net ({model.name}), concurrency 16")
+        got = _throughput_side_by_side(loads, 16, seconds, rounds)
+    (a, a_lat, _), (b, b_lat, _) = got["digits_unbatched"], got["digits"]
+    return [
+        Measurement(name, "digits conv net batched vs unbatched, c=16", "throughput", "req/s", "unbatched",
+                    f"max_batch_size {MAX_BATCH}", a, b,
+                    f"{model.name} {shape}; client p50 ms {_pct(a_lat, 50):.2f} vs {_pct(b_lat, 50):.2f}")
+    ]  # fmt: skip
+
+
+def run_overhead(ctx: BenchContext, *, name: str) -> list[Measurement]:
+    import onnxruntime as ort
+    import tritonclient.http as httpclient
+
+    from bench.agent_roundtrip import FEATURES, MODEL_NAME, tiny_model
+    from edgekit.validate.latency import p50_side_by_side
+    from examples.agent_process import RunningAgent
+
+    work = ctx.workdir / "serving-overhead"
+    work.mkdir(parents=True, exist_ok=True)
+    model = tiny_model(work / "roundtrip.onnx")
+    calib = {"x": np.random.default_rng(1).standard_normal((32, FEATURES)).astype(np.float32)}
+    bundle = _package(ctx, model, MODEL_NAME, calib, work / "bundles")
+    x = calib["x"][:1].copy()
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    null = subprocess.Popen(
+        [sys.executable, "-m", "bench.null_server"], stdout=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1]
+    )
+    try:
+        if null.stdout is None:
+            raise BenchError("the do-nothing server has no stdout")
+        null_port = int(null.stdout.readline())
+        with RunningAgent(work / "agent", [ctx.pub]) as agent:
+            agent.install(bundle)
+            agent.wait_model_ready(MODEL_NAME)
+            clients = {
+                "agent": httpclient.InferenceServerClient(agent.host_port),
+                "null": httpclient.InferenceServerClient(f"127.0.0.1:{null_port}"),
+            }
+            inp = httpclient.InferInput("x", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            out = [httpclient.InferRequestedOutput("y")]
+            if clients["null"].infer(MODEL_NAME, [inp], outputs=out).as_numpy("y").shape != (1, 16):
+                raise BenchError("the do-nothing server's canned answer does not parse")
+            ctx.progress(f"{name}: agent vs do-nothing server vs session.run, interleaved")
+            before = _scrape(agent.url)
+            p50 = p50_side_by_side(
+                {
+                    "session.run": lambda: session.run(["y"], {"x": x}),
+                    "null server": lambda: clients["null"].infer(MODEL_NAME, [inp], outputs=out),
+                    "agent": lambda: clients["agent"].infer(MODEL_NAME, [inp], outputs=out),
+                },
+                repeats=ctx.repeats * 5,
+                budget_s=ctx.budget_s,
+                warmup=20,
+            )
+            from device_agents.stats import summarize
+
+            stages = summarize(_scrape(agent.url).minus(before))[MODEL_NAME]
+            for c in clients.values():
+                c.close()
+    finally:
+        null.terminate()
+        null.wait(10)
+    overhead = p50["agent"] - p50["null server"] - p50["session.run"]
+    stage_note = ", ".join(
+        f"{s} {stages[s]['p50_ms']:.3f}" for s in ("decode", "queue", "infer", "encode") if s in stages
+    )
+    return [
+        Measurement(name, "agent vs do-nothing v2 server (1 KB, binary)", "p50 round trip", "ms",
+                    "do-nothing server", "agent", p50["null server"], p50["agent"],
+                    f"session.run {p50['session.run']:.3f} ms; server-side overhead = agent - floor - run = "
+                    f"{overhead:.3f} ms; stage p50 ms (bucketed): {stage_note}")
+    ]  # fmt: skip
+
+
+def _rss_mb(pid: int) -> float:
+    import psutil
+
+    return float(psutil.Process(pid).memory_info().rss) / 2**20
+
+
+def run_limits(ctx: BenchContext, *, name: str) -> list[Measurement]:
+    from bench.agent_roundtrip import FEATURES, MODEL_NAME, tiny_model
+    from examples.agent_process import RunningAgent
+
+    work = ctx.workdir / "serving-limits"
+    work.mkdir(parents=True, exist_ok=True)
+    calib = {"x": np.random.default_rng(1).standard_normal((32, FEATURES)).astype(np.float32)}
+    bundle = _package(ctx, tiny_model(work / "m.onnx"), MODEL_NAME, calib, work / "bundles")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < IDLE_CONNECTIONS + 200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
+    extra = f"[server]\nmax_connections = {IDLE_CONNECTIONS + 100}\nidle_timeout_s = {IDLE_TIMEOUT_S}\n"
+    rows: list[Measurement] = []
+    with RunningAgent(work / "agent", [ctx.pub], extra_config=extra) as agent:
+        agent.install(bundle)
+        host, port = agent.host_port.split(":")
+
+        def probe_ms() -> float:
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(agent.url + "/v2/health/ready", timeout=30) as resp:
+                resp.read()
+            return (time.perf_counter() - t0) * 1000
+
+        quiet = statistics.median(probe_ms() for _ in range(5))
+        ctx.progress(f"{name}: opening {IDLE_CONNECTIONS} idle connections")
+        socks = [socket.create_connection((host, int(port)), timeout=30) for _ in range(IDLE_CONNECTIONS)]
+        opened = time.monotonic()
+        try:
+            busy = max(probe_ms() for _ in range(5))
+            closed: set[int] = set()
+            deadline = opened + IDLE_TIMEOUT_S + 5
+            while len(closed) < len(socks) and time.monotonic() < deadline:
+                ready, _, _ = select.select([s for i, s in enumerate(socks) if i not in closed][:1000], [], [], 0.5)
+                for s in ready:
+                    try:
+                        data = s.recv(1)
+                    except OSError:
+                        data = b""
+                    if data == b"":
+                        closed.add(socks.index(s))
+            all_closed_s = time.monotonic() - opened
+        finally:
+            for s in socks:
+                s.close()
+        rows.append(
+            Measurement(name, f"health probe with {IDLE_CONNECTIONS} idle connections", "latency", "ms",
+                        "no idle connections (p50)", f"{IDLE_CONNECTIONS} idle (max of 5)", quiet, busy,
+                        f"server closed {len(closed)}/{IDLE_CONNECTIONS} idle connections, the last after "
+                        f"{all_closed_s:.1f} s (idle_timeout_s = {IDLE_TIMEOUT_S:g})")
+        )  # fmt: skip
+
+    with RunningAgent(work / "agent-gzip", [ctx.pub]) as agent:  # default limits
+        agent.install(bundle)
+        pid = agent.pid
+        if pid is None:
+            raise BenchError("the agent is not running")
+        bomb = gzip.compress(b"\0" * (120 * 2**20), compresslevel=9)
+        before = _rss_mb(pid)
+        peak = [before]
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                peak[0] = max(peak[0], _rss_mb(pid))
+                time.sleep(0.005)
+
+        codes: list[int] = []
+
+        def send() -> None:
+            req = urllib.request.Request(
+                agent.url + f"/v2/models/{MODEL_NAME}/infer",
+                data=bomb,
+                headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    codes.append(resp.status)
+            except urllib.error.HTTPError as exc:
+                codes.append(exc.code)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        ctx.progress(f"{name}: 4 parallel gzip bombs of {len(bomb) / 1024:.0f} KiB (120 MB inflated)")
+        threads = [threading.Thread(target=send) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        stop.set()
+        watcher.join(5)
+        rows.append(
+            Measurement(name, "4 parallel gzip bombs", "agent RSS", "MB", "before", "peak during", before, peak[0],
+                        f"growth {peak[0] - before:.1f} MB; answers {sorted(codes)}; {len(bomb) / 1024:.0f} KiB each, "
+                        "120 MB inflated; server.max_request_mb = 64, max_buffered_mb = 64")
+        )  # fmt: skip
+    return rows
