@@ -165,7 +165,8 @@ def run_batching(ctx: BenchContext, *, name: str) -> list[Measurement]:
     seconds = 1.5 if ctx.repeats < 30 else 3.0
     rounds = 2
     extra = (
-        f"[models.mlp.batching]\nmax_batch_size = {MAX_BATCH}\nmax_wait_ms = {MAX_WAIT_MS}\n"
+        f"[models.mlp]\nworkers = 1\n[models.mlp.batching]\nmax_batch_size = {MAX_BATCH}\n"
+        f"max_wait_ms = {MAX_WAIT_MS}\n"
         "[server]\nqueue_size = 256\n"
     )
     rows: list[Measurement] = []
@@ -225,7 +226,10 @@ def _conv_batching(ctx: BenchContext, name: str, work: Path, seconds: float, rou
     out_name = sess.get_outputs()[0].name
     batched = _package(ctx, model, "digits", calib, work / "d1")
     plain = _package(ctx, model, "digits_unbatched", calib, work / "d2")
-    extra = f"[models.digits.batching]\nmax_batch_size = {MAX_BATCH}\nmax_wait_ms = {MAX_WAIT_MS}\n"
+    extra = (
+        f"[models.digits]\nworkers = 1\n[models.digits.batching]\nmax_batch_size = {MAX_BATCH}\n"
+        f"max_wait_ms = {MAX_WAIT_MS}\n"
+    )
     with RunningAgent(work / "agent-digits", [ctx.pub], extra_config=extra) as agent:
         for b in (batched, plain):
             agent.install(b)

@@ -241,14 +241,15 @@ class ModelConfig:
     """
 
     threads: int = 0  # overrides [runtimes.<runtime>] threads for this model; 0 = the runtime's setting
+    workers: int = 0  # runtime calls of this model at once; 0 = server.workers
     batching: BatchingConfig | None = None
     cache: dict[str, Any] | None = None  # planned
     route: dict[str, Any] | None = None  # planned
     variants: tuple[str, ...] | None = None  # planned
 
     def __post_init__(self) -> None:
-        if self.threads < 0:
-            raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if self.threads < 0 or self.workers < 0:
+            raise ValueError(f"threads and workers must be >= 0, got {self.threads} and {self.workers}")
         for key in ("cache", "route", "variants"):
             if getattr(self, key) is not None:
                 raise ValueError(_planned(key))
@@ -287,7 +288,7 @@ class ServerConfig:
     max_request_mb: int = 64  # a body (after gzip/deflate inflation) over this is a 413
     max_connections: int = 512  # at the cap, the oldest idle connection is closed for a new one
     idle_timeout_s: float = 30.0  # a connection with no complete request for this long is closed
-    max_buffered_mb: int = 64  # request body bytes held at once, as received and inflated; more wait, then 503
+    max_buffered_mb: int = 64  # body bytes held at once as received (and again as inflated); more wait, then 503
     max_concurrent_decodes: int = 4  # request bodies parsed at once; more wait (1 s), then 503
     workers: int = 2  # inference threads per model (batches run one per worker)
     queue_size: int = 64  # requests waiting per model before a 429

@@ -63,7 +63,7 @@ class Pipeline:
             name,
             lambda version: registry.lease(name, version),
             batching=config.model(name).batching,
-            workers=server.workers,
+            workers=config.model(name).workers or server.workers,
             queue_size=server.queue_size,
             hung_call_s=server.hung_call_s,
             retry_after_s=server.retry_after_s,

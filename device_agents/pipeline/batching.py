@@ -6,7 +6,9 @@ alone. With it, one worker at a time forms a batch from the head of the queue: j
 agree on everything but axis 0 are concatenated (different batch sizes coalesce) until the batch
 holds ``max_batch_size`` samples or a preferred size, or ``max_wait_ms`` has passed since the
 head arrived and it holds ``min_batch_size`` (a smaller batch still runs before the head's
-deadline). The head is always in the batch, so no job starves; the results are split back by rows.
+deadline); it runs at once when every request in flight is in it already (one client waiting
+for its answer cannot send the next request, so waiting would only add latency). The head is
+always in the batch, so no job starves; the results are split back by rows.
 
 A runtime call running longer than ``hung_call_s`` is hung: its jobs fail with a 500, the
 model is dropped from the registry (the next call loads it again from the store; the hung one
@@ -275,6 +277,8 @@ class Batcher:
             try:
                 job = self._incoming.get_nowait()  # what is queued already joins whatever the wait
             except queue.Empty:
+                if rows >= cfg.min_batch_size and self.inflight <= len(batch) + len(self._held):
+                    break  # every request in flight is here: waiting could only add latency
                 now = time.monotonic()
                 until = head.enqueued + cfg.max_wait_ms / 1000
                 if now >= until:

@@ -1,11 +1,16 @@
 """Request bodies under hard limits: a shared byte budget, and bounded inflation.
 
-Every byte of request body the agent holds (as received, and what gzip/deflate inflate it to)
-is reserved from one ``ByteBudget`` (``server.max_buffered_mb``) for as long as the request
-runs, so N parallel bodies never hold more than the budget however they are encoded. A gzip
-body is inflated in steps, reserving each step first, and never past ``server.max_request_mb``:
-a 114 KiB gzip bomb of 120 MB costs at most the request cap, and four of them together at most
-the budget (the others wait briefly, then get a 503).
+Every byte of request body the agent holds is reserved for as long as the request runs: as
+received from one ``ByteBudget`` of ``server.max_buffered_mb``, and what gzip/deflate inflate it
+to from a second one of the same size, so N parallel bodies never hold more than twice the
+budget however they are encoded. A gzip
+body reserves, before it is inflated, all it could inflate to: ``server.max_request_mb`` or
+1032 x its size (deflate's largest ratio), whichever is less (at most what the budget can
+ever give it), and gives back what it did not use. All or nothing: two bodies can never each
+hold half the budget and wait for the other; big compressed bodies are inflated one at a time
+unless ``max_buffered_mb`` is raised above ``max_request_mb``.
+A 114 KiB gzip bomb of 120 MB costs at most the request cap, and four of them together at most
+the budget; they are inflated one after the other (a body waits up to 3 s for room, then 503).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from device_agents.errors import RequestTooLargeError, UnavailableError
 from edgekit.bundle.errors import InferenceInputError
 
 _STEP_BYTES = 1 << 20  # inflate 1 MiB at a time
-BUDGET_WAIT_S = 1.0
+_DEFLATE_MAX_RATIO = 1032  # zlib's technical note: deflate cannot inflate more than ~1032:1
+BUDGET_WAIT_S = 3.0
 
 
 class ByteBudget:
@@ -54,26 +60,45 @@ class ByteBudget:
 
 
 class Reservation:
-    """The bytes one request holds in a ``ByteBudget``; ``close`` returns them."""
+    """The bytes one request holds: as received (from ``budget``) and inflated (from ``inflating``,
+    a second budget, so that bodies waiting to be inflated never block one being inflated);
+    ``close`` returns them."""
 
-    def __init__(self, budget: ByteBudget, retry_after_s: int = 1) -> None:
+    def __init__(self, budget: ByteBudget, retry_after_s: int = 1, inflating: ByteBudget | None = None) -> None:
         self.budget = budget
+        self.inflating = inflating or budget
         self.retry_after_s = retry_after_s
         self.held = 0
+        self.held_inflated = 0
 
     def add(self, n: int) -> None:
-        if self.held + n > self.budget.capacity:  # could never fit, however long it waited
+        self.held += self._take(self.budget, self.held, n, "as received")
+
+    def add_inflated(self, n: int) -> None:
+        self.held_inflated += self._take(self.inflating, self.held_inflated, n, "inflated")
+
+    def _take(self, budget: ByteBudget, held: int, n: int, what: str) -> int:
+        if held + n > budget.capacity:  # could never fit, however long it waited
             raise RequestTooLargeError(
-                f"the request needs over {self.held + n} bytes of buffer (as received plus inflated), over "
-                f"server.max_buffered_mb ({self.budget.capacity} bytes)"
+                f"the request needs over {held + n} bytes of buffer ({what}), over server.max_buffered_mb "
+                f"({budget.capacity} bytes)"
             )
-        self.budget.reserve(n, self.retry_after_s)
-        self.held += n
+        budget.reserve(n, self.retry_after_s)
+        return n
+
+    def give_back_inflated(self, n: int) -> None:
+        n = min(n, self.held_inflated)
+        if n > 0:
+            self.inflating.release(n)
+            self.held_inflated -= n
 
     def close(self) -> None:
         if self.held:
             self.budget.release(self.held)
             self.held = 0
+        if self.held_inflated:
+            self.inflating.release(self.held_inflated)
+            self.held_inflated = 0
 
 
 def inflate(body: bytes, encoding: str | None, limit: int, reservation: Reservation) -> bytes | bytearray:
@@ -83,21 +108,29 @@ def inflate(body: bytes, encoding: str | None, limit: int, reservation: Reservat
     if encoding not in ("gzip", "deflate"):
         raise InferenceInputError(f"Content-Encoding {encoding!r} is not supported (use gzip or deflate)")
     d = zlib.decompressobj(zlib.MAX_WBITS | 16 if encoding == "gzip" else zlib.MAX_WBITS)
+    want = min(limit + 1, _DEFLATE_MAX_RATIO * len(body) + _STEP_BYTES)
+    bound = min(want, reservation.inflating.capacity - reservation.held_inflated)  # a big one: all of it
+    reservation.add_inflated(bound)
     out = bytearray()
     data = body
     try:
         while True:
-            step = min(_STEP_BYTES, limit + 1 - len(out))
-            reservation.add(step)
-            chunk = d.decompress(data, step)
+            chunk = d.decompress(data, min(_STEP_BYTES, bound - len(out)))
             out += chunk
             data = d.unconsumed_tail
             if len(out) > limit:
                 raise RequestTooLargeError(f"decompressed request body is over server.max_request_mb ({limit} bytes)")
             if not data and (d.eof or not chunk):
                 break
+            if len(out) >= bound:
+                if bound < want:
+                    raise RequestTooLargeError(
+                        f"request body inflates past {bound} bytes, more than server.max_buffered_mb leaves for it"
+                    )
+                raise InferenceInputError(f"request body inflates past {bound} bytes, more than {encoding} can")
     except zlib.error as exc:
         raise InferenceInputError(f"request body is not valid {encoding} ({exc})") from exc
     if not d.eof:
         raise InferenceInputError(f"request body is not valid {encoding} (it ends early)")
+    reservation.give_back_inflated(bound - len(out))
     return out

@@ -102,7 +102,8 @@ class AgentServer(ThreadingHTTPServer):
         self.service = service
         self.limits = limits or service.config.server
         self.max_request_bytes = self.limits.max_request_bytes
-        self.budget = ByteBudget(self.limits.max_buffered_bytes)
+        self.budget = ByteBudget(self.limits.max_buffered_bytes)  # bodies as received
+        self.inflate_budget = ByteBudget(self.limits.max_buffered_bytes)  # what gzip/deflate bodies inflate to
         self.request_queue_size = min(max(128, self.limits.max_connections), socket.SOMAXCONN)
         self._conns: dict[int, _Connection] = {}
         self._conns_lock = threading.Lock()
@@ -335,7 +336,7 @@ class _Handler(BaseHTTPRequestHandler):
         )
 
     def _reservation(self) -> Reservation:
-        return Reservation(self.server.budget, self.server.limits.retry_after_s)
+        return Reservation(self.server.budget, self.server.limits.retry_after_s, self.server.inflate_budget)
 
     # -- dispatch -----------------------------------------------------------------------
     def do_GET(self) -> None:  # stdlib naming

@@ -237,3 +237,23 @@ def test_batching_a_static_batch_model_is_a_config_error_naming_its_shape(
         lc.install(bundles.v1)  # the same config takes the dynamic-batch bundle
     finally:
         lc.stop()
+
+
+def test_a_model_s_workers_setting_sizes_its_worker_pool(lifecycle: Lifecycle) -> None:
+    config = replace(_config(lifecycle), models={"tiny": ModelConfig(workers=3)})
+    pipeline = Pipeline("tiny", lifecycle.registry, config, lifecycle.metrics, threading.Semaphore(2))
+    try:
+        assert sum(t.is_alive() for t in pipeline.batcher._threads) == 3
+    finally:
+        assert pipeline.stop(5)
+    assert not any(t.is_alive() for t in pipeline.batcher._threads)
+
+
+def test_a_lone_request_does_not_wait_for_a_batch_that_cannot_come(lifecycle: Lifecycle, gate: Gate) -> None:
+    gate.opened.set()
+    batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=10_000.0))
+    job = _job(1, deadline_s=2.0)  # far shorter than max_wait_ms: waiting for company would miss it
+    batcher.submit(job)
+    batcher.wait(job)
+    assert job.outputs is not None and gate.rows == [1]
+    batcher.stop(5)
