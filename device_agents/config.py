@@ -255,9 +255,16 @@ class ModelConfig:
                 raise ValueError(_planned(key))
 
     def check(self, name: str, manifest: Manifest) -> None:
-        """``ConfigError`` when this table cannot serve ``manifest`` (batching a static batch axis)."""
+        """``ConfigError`` when this table cannot serve ``manifest`` (batching a static batch axis or a
+        stateful model)."""
         if self.batching is None:
             return
+        if manifest.stateful:
+            raise ConfigError(
+                f"agent.models.{name}.batching: model {manifest.name} v{manifest.version} is stateful (it keeps "
+                f"state between calls), so requests of different clients must not share a batch; remove "
+                f"[models.{name}.batching]"
+            )
         for spec in manifest.signature.inputs:
             if not spec.shape or isinstance(spec.shape[0], int):
                 raise ConfigError(

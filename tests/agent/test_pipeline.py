@@ -257,3 +257,11 @@ def test_a_lone_request_does_not_wait_for_a_batch_that_cannot_come(lifecycle: Li
     batcher.wait(job)
     assert job.outputs is not None and gate.rows == [1]
     batcher.stop(5)
+
+
+def test_batching_a_stateful_model_is_a_config_error(bundles: Bundles) -> None:
+    manifest = read_manifest(bundles.v1)
+    batched = ModelConfig(batching=BatchingConfig())
+    batched.check("tiny", manifest)  # dynamic batch, stateless: fine
+    with pytest.raises(ConfigError, match=r"agent.models.tiny.batching: model tiny v1 is stateful"):
+        batched.check("tiny", manifest.with_updates(stateful=True))
