@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 def _check(args: argparse.Namespace, work: Path) -> int:
     import onnxruntime as ort
 
-    from device_agents.runtimes import RuntimeOptions, load_model
+    from device_agents.runtimes import load_model
+    from device_agents.runtimes.options import TensorRtOptions
     from edgekit import package
     from edgekit.bundle import TrustStore, extract, generate_keypair, read_verified_manifest
     from edgekit.validate.latency import p50_side_by_side
@@ -72,7 +73,7 @@ def _check(args: argparse.Namespace, work: Path) -> int:
     session = ort.InferenceSession(str(args.model), providers=["CPUExecutionProvider"])
     out_name = session.get_outputs()[0].name
     reference = session.run([out_name], {name: x})[0]
-    options = RuntimeOptions(cache_dir=work / "engines", workspace_mb=1024)
+    options = TensorRtOptions(cache_dir=work / "engines", workspace_mb=1024)
     served, failed = {}, []
     try:
         for precision in ("fp32", "fp16", "int8"):
