@@ -1,7 +1,8 @@
 """The agent's serving core under load, driven over HTTP by ``tritonclient`` (one client per thread).
 
 - ``batching``: a compute-heavy MLP with a dynamic batch axis (1024 -> 4096 -> 1024) served twice
-  by one agent, as ``mlp`` (``max_batch_size = 32``) and ``mlp_unbatched``; throughput at
+  by one agent, as ``mlp`` (``max_batch_size = 32``, one batch at a time: ``workers = 1``, as
+  the weights are read once per call) and ``mlp_unbatched`` (server default); throughput at
   concurrency 1/4/16/64, the two interleaved round by round; the server-side p99 (queue + infer,
   from the stage histograms) against ``max_wait_ms`` + 2x the batch's run time. Then the digits
   conv net example, batched vs unbatched at concurrency 16.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import gzip
 import resource
-import select
+import selectors
 import socket
 import statistics
 import subprocess
@@ -226,10 +227,7 @@ def _conv_batching(ctx: BenchContext, name: str, work: Path, seconds: float, rou
     out_name = sess.get_outputs()[0].name
     batched = _package(ctx, model, "digits", calib, work / "d1")
     plain = _package(ctx, model, "digits_unbatched", calib, work / "d2")
-    extra = (
-        f"[models.digits]\nworkers = 1\n[models.digits.batching]\nmax_batch_size = {MAX_BATCH}\n"
-        f"max_wait_ms = {MAX_WAIT_MS}\n"
-    )
+    extra = f"[models.digits.batching]\nmax_batch_size = {MAX_BATCH}\nmax_wait_ms = {MAX_WAIT_MS}\n"
     with RunningAgent(work / "agent-digits", [ctx.pub], extra_config=extra) as agent:
         for b in (batched, plain):
             agent.install(b)
@@ -237,10 +235,10 @@ def _conv_batching(ctx: BenchContext, name: str, work: Path, seconds: float, rou
         loads = {n: Load(agent.host_port, n, x, out_name) for n in ("digits_unbatched", "digits")}
         ctx.progress(f"{name}: digits conv net ({model.name}), concurrency 16")
         got = _throughput_side_by_side(loads, 16, seconds, rounds)
-    (a, a_lat, _), (b, b_lat, _) = got["digits_unbatched"], got["digits"]
+    (a_rps, a_lat, _), (b_rps, b_lat, _) = got["digits_unbatched"], got["digits"]
     return [
         Measurement(name, "digits conv net batched vs unbatched, c=16", "throughput", "req/s", "unbatched",
-                    f"max_batch_size {MAX_BATCH}", a, b,
+                    f"max_batch_size {MAX_BATCH}", a_rps, b_rps,
                     f"{model.name} {shape}; client p50 ms {_pct(a_lat, 50):.2f} vs {_pct(b_lat, 50):.2f}")
     ]  # fmt: skip
 
@@ -348,15 +346,18 @@ def run_limits(ctx: BenchContext, *, name: str) -> list[Measurement]:
             busy = max(probe_ms() for _ in range(5))
             closed: set[int] = set()
             deadline = opened + IDLE_TIMEOUT_S + 5
-            while len(closed) < len(socks) and time.monotonic() < deadline:
-                ready, _, _ = select.select([s for i, s in enumerate(socks) if i not in closed][:1000], [], [], 0.5)
-                for s in ready:
-                    try:
-                        data = s.recv(1)
-                    except OSError:
-                        data = b""
-                    if data == b"":
-                        closed.add(socks.index(s))
+            with selectors.DefaultSelector() as sel:  # epoll: select() stops at fd 1024
+                for i, sock in enumerate(socks):
+                    sel.register(sock, selectors.EVENT_READ, i)
+                while len(closed) < len(socks) and time.monotonic() < deadline:
+                    for key, _ in sel.select(0.5):
+                        try:
+                            data = key.fileobj.recv(1)  # type: ignore[union-attr]  # registered sockets
+                        except OSError:
+                            data = b""
+                        if data == b"":
+                            closed.add(key.data)
+                            sel.unregister(key.fileobj)
             all_closed_s = time.monotonic() - opened
         finally:
             for s in socks:
