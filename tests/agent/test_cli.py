@@ -119,3 +119,20 @@ def test_daemon_json_names_the_bound_port(config_path: Path, agent_factory: Agen
     info = json.loads((config_path.parent / "store" / "daemon.json").read_text())
     assert info["url"] == agent.url and info["pid"] == agent.proc.pid
     assert not agent.url.endswith(":0")
+
+
+def test_run_raises_the_soft_open_file_limit_to_the_hard_one() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import resource\n"
+        "from device_agents.cli import raise_nofile_limit\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))\n"
+        "raise_nofile_limit()\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    soft, hard = (int(v) for v in done.stdout.split())
+    assert soft > 64 and (soft == hard or hard < 0)  # RLIM_INFINITY is -1: raised to a large finite number
