@@ -72,6 +72,11 @@ class Entry:
 
 _QUANT = "INT8 (and FP16) vs FP32 bundles of the digits example for the {} target, through its device runtime"
 
+_ENGINE = (
+    "edgekit --precision auto (cpu, intel) vs ORT FP32, OV FP32, nncf.quantize defaults and ORT static QDQ U8S8 "
+    "per-channel on {}, side by side"
+)
+
 BENCHMARKS: tuple[Entry, ...] = (
     Entry("quant.cpu", "bench.quant:run", _QUANT.format("cpu"), {"target": "cpu"}),
     Entry("quant.intel", "bench.quant:run", _QUANT.format("intel"), {"target": "intel"}),
@@ -82,6 +87,25 @@ BENCHMARKS: tuple[Entry, ...] = (
         "bench.quant:run",
         "INT8 weights and FP16 vs FP32 bundles of the digits example for the apple target (Core ML)",
         {"target": "apple", "candidates": ("int8-weights", "fp16")},
+    ),
+    Entry("engine.digits", "bench.engine:run", _ENGINE.format("the digits example"), {"model": "digits"}),
+    Entry(
+        "engine.ppocr-cls",
+        "bench.engine:run",
+        _ENGINE.format("PP-OCR's pretrained text-direction classifier"),
+        {"model": "ppocr-cls"},
+    ),
+    Entry(
+        "engine.ppocr-det",
+        "bench.engine:run",
+        _ENGINE.format("PP-OCRv4's pretrained text detector"),
+        {"model": "ppocr-det"},
+    ),
+    Entry(
+        "engine.transformer",
+        "bench.transformer:run",
+        "cpu int8-weights (ORT dynamic) and int4-weights (MatMulNBits) vs fp32 on a transformer-class encoder "
+        "built here: size and p50 latency side by side",
     ),
     Entry(
         "ota.mqtt",

@@ -74,6 +74,7 @@ from edgekit.validate.calib import (
     split_holdout,
     take,
 )
+from edgekit.optimize.data import DEFAULT_CALIB_SAMPLES
 from edgekit.validate.latency import LatencyStats, call_with, stats_side_by_side
 from edgekit.validate.metrics import MEASURES, Comparison, Kind, RunFn, compare, output_kind, run_all, tolerance_with
 from edgekit.validate.ort_runner import ort_cpu_runner
@@ -113,6 +114,7 @@ class PackageResult:
     rows: tuple[Row, ...]
     manifests: dict[str, Manifest]  # target -> signed manifest (also for failed targets under allow_failed)
     timings_s: dict[str, float] = dataclasses.field(default_factory=dict)  # "prepare", then one per target
+    reports: dict[str, Path] = dataclasses.field(default_factory=dict)  # target -> candidate report.md by its bundle
 
     @property
     def passed(self) -> bool:
@@ -194,6 +196,11 @@ def package(
     options: Mapping[str, Any] | None = None,
     preprocess: Preprocess | str | None = None,
     log_dir: str | Path | None = None,
+    *,
+    objective: str = "latency",
+    mixed_precision: bool = False,
+    threads: int = 0,
+    calib_samples: int = DEFAULT_CALIB_SAMPLES,
 ) -> PackageResult:
     """Package ``model`` (ONNX) for ``targets`` and write one signed bundle per target.
 
@@ -213,6 +220,13 @@ def package(
     ``PackageResult.passed``); without it such a target raises ``PackageValidationError``.
     ``log_dir``: keep each target's converter output as ``LOG_DIR/<target>.log``.
 
+    Targets with candidates (cpu, intel) go through the optimisation engine (``edgekit.optimize``):
+    ``objective`` (``latency`` or ``size``) orders the candidates within the gate,
+    ``mixed_precision`` lets an explicit ``int8`` keep its most sensitive layers in float (``auto``
+    always may), ``threads`` is the device runtime's thread count latency is measured at (0: the
+    runtime's default), ``calib_samples`` bounds the stratified calibration subset. Every candidate
+    is recorded in the manifest and in ``OUTDIR/<name>-<target>-v<version>.report.{md,json,png}``.
+
     Raises ``ConfigError`` (arguments, exit 2), ``ModelFormatError``, ``CalibrationDataError``,
     ``MissingSDKError`` (exit 4) before any conversion where it can, ``PackageValidationError``
     (exit 3) after every target was tried.
@@ -226,6 +240,11 @@ def package(
     check_option_targets(options, names)
     target_options = {t: resolve_options(t, chosen[t].Options, options.get(t)) for t in names}
     tol = tolerance_with(tolerance)
+    from edgekit.optimize.run import EngineSettings
+
+    engine = EngineSettings(
+        objective=objective, mixed_precision=mixed_precision, threads=threads, calib_samples=calib_samples, tolerance=tol
+    )
     if key is None:
         raise ConfigError("package: a signing key is required (--signing-key); make one with `edgekit keygen`")
     private_key = load_private_key(Path(key))
@@ -288,6 +307,8 @@ def package(
         manifests: dict[str, Manifest] = {}
         rows: list[Row] = []
         failed: list[tuple[str, Comparison, tuple[str, ...]]] = []
+        reports: dict[str, Path] = {}
+        shared_builds: dict[Any, Any] = {}  # the engine's builds, reused across targets of this call
         timings["prepare"] = time.perf_counter() - started
         for t in names:
             target_started = time.perf_counter()
@@ -312,7 +333,15 @@ def package(
                     evaluate=_evaluator(run, _static_signature(prepared.served, static_shapes)),
                 )
                 target_say(f"[{t}] building {precisions[t]}")
-                result = chosen[t].build(ctx)
+                searched = None
+                if hasattr(chosen[t], "candidates"):  # an engine target: candidates searched side by side
+                    from edgekit.optimize.run import optimise
+
+                    ctx = dataclasses.replace(ctx, source_path=model)
+                    optimised = optimise(chosen[t], ctx, engine, reference_path=model, shared=shared_builds)
+                    result, searched = optimised.build, optimised.search
+                else:
+                    result = chosen[t].build(ctx)
                 if result.static and not chosen[t].static_shapes:
                     raise EdgekitError(f"target {t} built a static-shape artifact but does not declare static_shapes")
                 manifest, comparison, row = _validate_and_describe(
@@ -327,9 +356,16 @@ def package(
                     expires_at,
                     private_key,
                     static_shapes,
+                    searched,
                 )
             if not comparison.passed:
-                failed.append((t, comparison, result.notes))
+                tried = result.notes if searched is None else _tried_notes(searched, precisions[t])
+                failed.append((t, comparison, tried))
+            if searched is not None:  # written whether or not the bundle is: it says why
+                from edgekit.optimize.report import write_report
+
+                reports[t] = write_report(searched, out_dir / f"{name}-{t}-v{version}", t, comparison.passed)
+                say(f"[{t}] candidate report {reports[t]}")
             if comparison.passed or allow_failed:
                 dest = out_dir / f"{name}-{t}-v{version}.ekb"
                 bundles[t] = write_bundle(manifest, ctx.out_dir, private_key, dest)
@@ -337,9 +373,11 @@ def package(
                 say(f"[{t}] wrote {dest}" + ("" if comparison.passed else " (marked: failed validation)"))
             rows.append(dataclasses.replace(row, bundle=bundles.get(t)))
             timings[t] = time.perf_counter() - target_started
-    result_all = PackageResult(bundles=bundles, rows=tuple(rows), manifests=manifests, timings_s=timings)
+    result_all = PackageResult(
+        bundles=bundles, rows=tuple(rows), manifests=manifests, timings_s=timings, reports=reports
+    )
     if failed and not allow_failed:
-        raise PackageValidationError(_failure_message(failed, precisions), result_all)
+        raise PackageValidationError(_failure_message(failed, precisions, reports), result_all)
     return result_all
 
 
@@ -485,6 +523,7 @@ def _validate_and_describe(
     expires: str | None,
     private_key: Any,
     static_shapes: Mapping[str, tuple[int, ...]],
+    searched: Any = None,  # edgekit.optimize.engine.SearchResult for engine targets
 ) -> tuple[Manifest, Comparison, Row]:
     for path in result.files:
         if path in (GOLDEN_FILE, MANIFEST_NAME, SIGNATURE_NAME):
@@ -524,7 +563,11 @@ def _validate_and_describe(
         run.say(f"[{target}] validating on {sample_count(run.eval)} held-out samples ({measured_on})")
         outputs = run_all(fn, run.eval, batch, pad=pad)
         comparison = compare(run.reference, outputs, run.kind, run.tolerance, run.labels)
-        if served_model is not None:
+        if searched is not None:
+            # the engine timed the chosen candidate side by side with the FP32 source in one loop
+            if searched.chosen.latency is not None and searched.reference_latency is not None:
+                latency = {"artifact": searched.chosen.latency, "fp32": searched.reference_latency}
+        elif served_model is not None:
             one = pad_samples(take(run.eval, 0, batch if pad else 1), batch if pad else 1)
             run.say(f"[{target}] timing the artifact side by side with fp32")
             latency = stats_side_by_side(
@@ -536,6 +579,18 @@ def _validate_and_describe(
         if served_model is not None:
             served_model.close()
     files = file_entries(ctx.out_dir, {**result.files, GOLDEN_FILE: "golden"})
+    # slower than FP32 on the artifact's own runtime (the engine's baseline), else than the FP32 source
+    slower: bool | None = None
+    slower_note: tuple[str, ...] = ()
+    if searched is not None and searched.baseline is not None and searched.chosen.latency is not None:
+        slower = searched.slower_than_fp32
+        if slower:
+            slower_note = (
+                f"slower than fp32: {searched.chosen.name} p50 {searched.chosen.p50_ms:.3f} ms vs "
+                f"{searched.baseline.name} {searched.baseline.p50_ms:.3f} ms on the same runtime",
+            )
+    elif latency:
+        slower = latency["artifact"].p50_ms > latency["fp32"].p50_ms
     validation = Validation(
         passed=comparison.passed,
         kind=comparison.kind,
@@ -549,14 +604,26 @@ def _validate_and_describe(
         latency_p90_ms=latency["artifact"].p90_ms if latency else None,
         latency_iqr_ms=latency["artifact"].iqr_ms if latency else None,
         measured_on=measured_on,
-        notes=(*(f"prepared: {s}" for s in run.steps), *result.notes),
+        notes=(*(f"prepared: {s}" for s in run.steps), *result.notes, *slower_note),
         failures=comparison.failures,
+        slower_than_fp32=slower,
     )
     # provenance starts at the source model: the shared preparation, then the target's own steps
     prepared = tuple(CompressionStep(kind="prepare", tool="edgekit", notes=step) for step in run.steps)
     result = dataclasses.replace(result, provenance=(*prepared, *result.provenance))
     manifest = _manifest(name, version, target, result, served, source, files, validation, golden, expires, private_key)
     manifest = dataclasses.replace(manifest, **run.manifest_extras)
+    if searched is not None:
+        from edgekit.optimize.record import calibration_data, candidate_report, with_excluded
+
+        given = run.manifest_extras.get("calibration")
+        manifest = dataclasses.replace(
+            manifest,
+            precision=with_excluded(manifest.precision, searched),
+            candidates=candidate_report(searched, run.tolerance, measured_on),
+            # the subset the engine calibrated on, not every sample given
+            calibration=calibration_data(searched, given.source if given is not None else ""),
+        )
     row = Row(target, precision, result.precision.label, result.precision.method, validation, comparison.failures)
     return manifest, comparison, row
 
@@ -726,13 +793,31 @@ def _host_description(describe: Mapping[str, Any]) -> str:
     return f"host {runtime} {ver} on {platform.machine()}".replace("  ", " ")
 
 
-def _failure_message(failed: list[tuple[str, Comparison, tuple[str, ...]]], precisions: Mapping[str, str]) -> str:
+def _tried_notes(searched: Any, precision: str) -> tuple[str, ...]:
+    """``tried ...`` lines for the candidates of the requested precision (the FP32 baseline the
+    engine measures alongside an int8 request is not one of the configurations tried for it)."""
+    return tuple(
+        f"tried {o.name}"
+        for o in searched.outcomes
+        if o.status != "skipped" and (precision == "auto" or o.precision == precision)
+    )
+
+
+def _failure_message(
+    failed: list[tuple[str, Comparison, tuple[str, ...]]],
+    precisions: Mapping[str, str],
+    reports: Mapping[str, Path] | None = None,
+) -> str:
     parts = []
     for target, comp, notes in failed:
         tried = [n for n in notes if n.startswith("tried ")]
         why = "; ".join(comp.failures)
         line = f"{target} {precisions[target]} failed validation on {comp.samples} held-out samples: {why}"
-        if tried:
+        report = (reports or {}).get(target)
+        if report is not None:  # an engine target: its report lists every candidate
+            if len(tried) > 1:
+                line += f" ({len(tried)} configurations tried; see {report})"
+        elif tried:
             line += f" ({len(tried)} configurations tried; see `edgekit inspect` of an --allow-failed bundle)"
         parts.append(line)
     advice = (

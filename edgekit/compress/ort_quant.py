@@ -35,6 +35,15 @@ class StaticQuantConfig:
     calibration: CalibrationName = "minmax"
     reduce_range: bool = False
     percentile: float = 99.999
+    exclude: tuple[str, ...] = ()  # node names kept in float (mixed precision: ORT nodes_to_exclude)
+
+    @property
+    def layout(self) -> str:
+        """The kernel layout: what decides speed (calibration only moves ranges)."""
+        act = "u8s8" if self.activations == "uint8" else "s8s8"
+        gran = "per-channel" if self.per_channel else "per-tensor"
+        rr = " reduce-range" if self.reduce_range else ""
+        return f"ort-static {self.quant_format} {act} {gran}{rr}"
 
     @property
     def label(self) -> str:
@@ -42,7 +51,8 @@ class StaticQuantConfig:
         gran = "per-channel" if self.per_channel else "per-tensor"
         calib = f"percentile {self.percentile}" if self.calibration == "percentile" else self.calibration
         rr = " reduce-range" if self.reduce_range else ""
-        return f"ort-static {self.quant_format} {act} {gran} {calib}{rr}"
+        kept = f", {len(self.exclude)} layer(s) in float" if self.exclude else ""
+        return f"ort-static {self.quant_format} {act} {gran} {calib}{rr}{kept}"
 
 
 class ArrayCalibrationReader:
@@ -114,8 +124,56 @@ def quantize_static_int8(
             calibration_providers=["CPUExecutionProvider"],
             extra_options=extra,
             calibration_cache_path=str(cache),
+            nodes_to_exclude=list(config.exclude),
         )
     return Path(out_path)
+
+
+def optimise_offline(model_path: Path, out_path: Path) -> Path:
+    """ONNX Runtime's offline graph optimisation at the *extended* level, saved as ``.onnx``.
+
+    Extended, not ``all``: the ``all`` level adds layout transformations (NCHWc) specific to the
+    CPU it ran on, which ORT documents as not portable; the artifact must run on other devices.
+    """
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(out_path)
+    ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+    return Path(out_path)
+
+
+# ``auto`` tries weight-only precisions when MatMul/Gemm hold at least this share of the weights
+WEIGHT_ONLY_SHARE = 0.5
+
+
+def matmul_weight_share(model_path: Path) -> float:
+    """The share of the model's weight values (Conv, ConvTranspose, MatMul, Gemm initializers)
+    held by MatMul/Gemm: weight-only quantization pays on graphs where it is most of them."""
+    import onnx
+
+    model = onnx.load(str(model_path))
+    sizes = {i.name: int(np.prod(i.dims)) if i.dims else 1 for i in model.graph.initializer}
+    matmul = conv = 0
+    for n in model.graph.node:
+        if len(n.input) > 1 and n.input[1] in sizes:
+            if n.op_type in ("MatMul", "Gemm"):
+                matmul += sizes[n.input[1]]
+            elif n.op_type in ("Conv", "ConvTranspose"):
+                conv += sizes[n.input[1]]
+    return matmul / (matmul + conv) if matmul + conv else 0.0
+
+
+def matmul_weight_count(model_path: Path) -> int:
+    """MatMul/Gemm nodes with a constant weight (what the weight-only quantizers act on)."""
+    import onnx
+
+    model = onnx.load(str(model_path))
+    inits = {i.name for i in model.graph.initializer}
+    return sum(
+        1 for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in inits
+    )
 
 
 def op_types(model: Any) -> set[str]:

@@ -30,7 +30,8 @@ from edgekit.bundle.manifest import (
 )
 
 # CLI precision names, shared by every target. Each target lists the ones it can build.
-PRECISIONS = ("fp32", "fp16", "int8", "int8-weights", "int4-weights", "palettize6", "palettize4")
+# ``auto``: the optimisation engine chooses among every candidate of the target (edgekit.optimize).
+PRECISIONS = ("fp32", "fp16", "int8", "int8-weights", "int4-weights", "palettize6", "palettize4", "auto")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class BuildContext:
     # requested tolerance (``.passed``, ``.failures``, ``.summary()``). Targets that choose among
     # candidates (quantization settings, calibration methods) call it; ``None`` outside the packager.
     evaluate: Callable[[Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]]], Any] | None = None
+    # The source model as given (before opset upgrade and ORT's optimisation): toolchains that
+    # expect the original graph (OpenVINO / NNCF) build from it. ``None``: use ``model_path``.
+    source_path: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -85,3 +89,13 @@ class Target(Protocol):
         ...
 
     def build(self, ctx: BuildContext) -> BuildResult: ...
+
+
+class EngineTarget(Target, Protocol):
+    """A target whose artifact is chosen by the optimisation engine: it describes candidates
+    (``edgekit.optimize.candidates``) and turns the chosen build into its ``BuildResult``."""
+
+    def candidates(self, ctx: BuildContext) -> Any:  # -> edgekit.optimize.candidates.CandidatePlan
+        ...
+
+    def finish(self, ctx: BuildContext, built: Any, built_dir: Path) -> BuildResult: ...

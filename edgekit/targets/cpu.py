@@ -1,42 +1,51 @@
-"""``cpu`` target: an ONNX model for ONNX Runtime on any x86_64 / arm64 CPU.
+"""``cpu`` target: an artifact for any x86_64 / arm64 CPU, ONNX Runtime or OpenVINO.
 
-INT8 is ORT static quantization calibrated on the calibration data. Which settings are fastest
-depends on the CPU (FIELD_NOTES: on AVX-512 VNNI, signed int8 activations made conv nets slower
-than FP32 while uint8 activations were faster), so the target builds a small bounded set of
-configurations, validates each against FP32, measures them side by side with FP32, and keeps the
-fastest one that passes (within 5 % counts as a tie, won by the more accurate). Calibration methods
-other than MinMax are tried only when accuracy fails. The choice and every candidate tried are
-recorded in ``Precision.method`` and ``Validation.notes``.
+The target describes candidates; the optimisation engine (``edgekit.optimize``) builds them,
+measures them side by side on this host and chooses (FIELD_NOTES: which recipe is fastest
+differs per model and per CPU; measure, never assume). Candidates:
+
+- ``fp32``: the prepared graph (ONNX Runtime basic optimisation) — the baseline ``auto`` never
+  ships anything slower than; under ``auto`` also ORT's offline *extended* optimisation, still
+  ``.onnx``;
+- ``fp16``: ONNX Runtime's float16 converter, float32 inputs/outputs kept;
+- ``int8``: ORT static QDQ / QOperator, U8S8 / S8S8, per-channel / per-tensor (bounded by
+  ``max_candidates``), with Percentile / Entropy calibration as refinements of a layout that
+  missed the budget; QDQ layouts can keep their most sensitive layers in float (mixed precision);
+- ``int8-weights``: ORT dynamic INT8 of MatMul/Gemm weights; ``int4-weights``: ``MatMulNBits``;
+  under ``auto`` only where the graph has MatMul/Gemm weights;
+- under ``auto`` with OpenVINO installed: OpenVINO FP32 IR and NNCF INT8 IR built from the
+  original graph (NNCF needs it: FIELD_NOTES), served by the ``openvino`` runtime when one wins.
+
+Explicit precisions keep ONNX Runtime as the runtime (a ``.onnx`` artifact); ``auto`` chooses the
+runtime too, and the manifest's runtime names it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import numpy as np
-
 from edgekit.bundle.codec import to_data
 from edgekit.bundle.manifest import Compatibility, Precision
 from edgekit.compress.ort_quant import (
+    WEIGHT_ONLY_SHARE,
     StaticQuantConfig,
+    matmul_weight_share,
+    optimise_offline,
     quantize_static_int8,
     quantize_weights_int4,
     quantize_weights_int8,
 )
 from edgekit.errors import MissingSDKError
+from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, Refinement, RunFn
 from edgekit.targets.base import BuildContext, BuildResult
-from edgekit.validate.calib import fixed_batch, sample_count, take
-from edgekit.validate.latency import call_with, p50_side_by_side
-from edgekit.validate.metrics import Comparison, compare, output_kind, run_all
-from edgekit.validate.ort_runner import ort_cpu_runner
+from edgekit.validate.calib import fixed_batch, take
 from edgekit.validate.placement import ort_op_placement
 
 ARTIFACT = "model.onnx"
-SPEED_TIE = 0.05  # INT8 candidates within 5 % of the fastest p50 count as equally fast
 
 
 @dataclass(frozen=True)
@@ -49,33 +58,23 @@ class CpuOptions:
     calibration: Literal["auto", "minmax", "percentile", "entropy"] = "auto"
     reduce_range: bool = False  # 7-bit weights, for x86 CPUs without VNNI
     percentile: float = 99.999  # for calibration=percentile (needs > 1e5 activation values to clip one outlier)
-    max_candidates: int = 6  # bound on INT8 configurations built and validated
-    max_calib_samples: int = 512  # calibration uses at most this many samples (the first ones)
-    latency_repeats: int = 15  # interleaved rounds when timing INT8 candidates against FP32
+    max_candidates: int = 6  # bound on static INT8 configurations built (calibration refinements included)
     int4_block_size: int = 32  # MatMulNBits block size for int4-weights
+    openvino: bool = True  # under --precision auto, also try the OpenVINO runtime when it is installed
 
     def __post_init__(self) -> None:
-        for name in ("max_candidates", "max_calib_samples", "latency_repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_candidates < 1:
+            raise ValueError(f"max_candidates must be >= 1, got {self.max_candidates}")
         if not 0 < self.percentile <= 100:
             raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
         if self.int4_block_size < 16 or self.int4_block_size & (self.int4_block_size - 1):
             raise ValueError(f"int4_block_size must be a power of two >= 16, got {self.int4_block_size}")
 
 
-@dataclass(frozen=True)
-class _Candidate:
-    config: StaticQuantConfig
-    path: Path
-    comparison: Comparison
-    p50_ms: float | None = None
-
-
 class CpuTarget:
     name: ClassVar[str] = "cpu"
     runtime: ClassVar[str] = "onnxruntime"
-    precisions: ClassVar[tuple[str, ...]] = ("fp32", "fp16", "int8", "int8-weights", "int4-weights")
+    precisions: ClassVar[tuple[str, ...]] = ("fp32", "fp16", "int8", "int8-weights", "int4-weights", "auto")
     Options: ClassVar[type] = CpuOptions
     static_shapes: ClassVar[bool] = False
 
@@ -83,112 +82,100 @@ class CpuTarget:
         """ONNX Runtime's CPU provider runs every standard ONNX op; nothing to refuse up front."""
         _onnxruntime()
 
-    def build(self, ctx: BuildContext) -> BuildResult:
-        ort = _onnxruntime()
+    # -- candidates ---------------------------------------------------------------------------
+    def candidates(self, ctx: BuildContext) -> CandidatePlan:
         opts: CpuOptions = ctx.options
+        want = ctx.precision
+        auto = want == "auto"
+        prepared = ctx.model_path
+        max_refinements = 0
+        first: list[Candidate] = [_ort_candidate("ort fp32", "fp32", prepared, _copy, baseline=True)]
+        refinements: list[Refinement] = []
+        skipped: list[tuple[str, str]] = []
+        if auto:
+            first.append(_ort_candidate("ort fp32 offline-optimised (extended)", "fp32", prepared, _offline))
+            if ctx.source_path is not None and ctx.source_path != prepared:
+                # the graph as given: preparation (opset upgrade, basic optimisation) is measured too
+                first.append(_ort_candidate("ort fp32 source graph", "fp32", ctx.source_path, _copy_source))
+        if auto or want == "fp16":
+            first.append(_ort_candidate("ort fp16", "fp16", prepared, _fp16))
+        if auto or want == "int8":
+            configs = candidate_configs(opts)
+            first.extend(_static_candidate(prepared, config) for config in configs)
+            if opts.calibration == "auto":
+                refinements.extend(
+                    Refinement(_static_candidate(prepared, replace(config, calibration=method)), of=config.label)
+                    for config in configs
+                    for method in ("percentile", "entropy")
+                )
+            max_refinements = max(0, opts.max_candidates - len(configs))
+        share = matmul_weight_share(prepared)  # weight-only pays where MatMul/Gemm hold most weights
+        for precision, builder in (("int8-weights", _dynamic), ("int4-weights", _int4(opts.int4_block_size))):
+            if want == precision or (auto and share >= WEIGHT_ONLY_SHARE):
+                label = (
+                    "ort dynamic int8 (MatMul/Gemm weights)"
+                    if precision == "int8-weights"
+                    else (f"ort MatMulNBits int4 block {opts.int4_block_size}")
+                )
+                first.append(_ort_candidate(label, precision, prepared, builder))
+            elif auto:
+                why = (
+                    f"MatMul/Gemm hold {share:.0%} of the weights (< {WEIGHT_ONLY_SHARE:.0%}): not a MatMul-heavy graph"
+                )
+                skipped.append((f"ort {precision}", why))
+        if auto and opts.openvino:
+            if importlib.util.find_spec("openvino") is None:
+                skipped.append(
+                    ("openvino fp32 / nncf int8", "openvino is not installed (pip install 'edgekit[openvino]')")
+                )
+            else:
+                from edgekit.targets import intel
+
+                source = ctx.source_path or prepared
+                first.append(intel.ir_candidate("openvino fp32 ir", "fp32", source, device="CPU"))
+                first.append(
+                    intel.nncf_candidate(source, intel.NncfRecipe("performance", True), device="CPU", prepared=prepared)
+                )
+        return CandidatePlan(
+            first=tuple(first),
+            refinements=tuple(refinements),
+            skipped=tuple(skipped),
+            max_refinements=max_refinements,
+            bound_name=f"cpu.max_candidates={opts.max_candidates}",
+        )
+
+    def finish(self, ctx: BuildContext, built: Built, built_dir: Path) -> BuildResult:
+        """The chosen candidate's files in ``ctx.out_dir``, described for the manifest."""
+        opts: CpuOptions = ctx.options
+        if built.runtime == "openvino":
+            from edgekit.targets import intel
+
+            return intel.ir_build_result(ctx, built, built_dir, device="CPU", options=to_data(opts))
+        ort = _onnxruntime()
         out = ctx.out_dir / ARTIFACT
-        notes: tuple[str, ...] = ()
-        if ctx.precision == "fp32":
-            shutil.copyfile(ctx.model_path, out)
-            precision = Precision("fp32", "fp32", "onnx fp32, prepared (see notes)")
-        elif ctx.precision == "fp16":
-            _to_fp16(ctx.model_path, out)
-            precision = Precision("fp16", "fp16", "onnxruntime float16 converter, float32 inputs/outputs kept")
-        elif ctx.precision == "int8":
-            chosen, notes = self._search_int8(ctx, opts)
-            shutil.copyfile(chosen.path, out)
-            precision = Precision("int8", chosen.config.activations, chosen.config.label)
-        elif ctx.precision == "int8-weights":
-            quantize_weights_int8(ctx.model_path, out)
-            precision = Precision("int8", "uint8", "ort-dynamic MatMul/Gemm int8 weights, uint8 activations per call")
-        elif ctx.precision == "int4-weights":
-            quantize_weights_int4(ctx.model_path, out, block_size=opts.int4_block_size)
-            precision = Precision(
-                "int4", "fp32", f"ort MatMulNBits 4-bit symmetric, block {opts.int4_block_size} (MatMul/Gemm weights)"
-            )
-        else:  # the packager checks precisions first; this guards direct callers
-            raise ValueError(f"cpu target cannot build precision {ctx.precision!r}")
+        shutil.copyfile(built_dir / ARTIFACT, out)
         feed = take(ctx.calib, 0, fixed_batch(ctx.served) or 1)
         return BuildResult(
             files={ARTIFACT: "artifact"},
             compatibility=Compatibility(runtime="onnxruntime", runtime_version=ort.__version__),
             artifact_signature=ctx.served,
             mapping=(),
-            precision=precision,
+            precision=built.precision,
             runnable_here=True,
             op_placement=ort_op_placement(out, feed),
-            notes=notes,
+            notes=built.notes,
             target_options=to_data(opts),
         )
 
-    # -- INT8 search ------------------------------------------------------------------------
-    def _search_int8(self, ctx: BuildContext, opts: CpuOptions) -> tuple[_Candidate, tuple[str, ...]]:
-        evaluate = ctx.evaluate or _calib_evaluator(ctx)
-        calib = ctx.calib
-        n = sample_count(calib)
-        notes = []
-        if n > opts.max_calib_samples:
-            calib = take(calib, 0, opts.max_calib_samples)
-            notes.append(f"calibrated on the first {opts.max_calib_samples} of {n} samples (cpu.max_calib_samples)")
-        batch = fixed_batch(ctx.served) or min(16, sample_count(calib))
-        configs = candidate_configs(opts)
-        built: list[_Candidate] = []
+    def build(self, ctx: BuildContext) -> BuildResult:
+        """Outside the packager: the engine's search on the calibration data alone."""
+        from edgekit.optimize.run import optimise
 
-        def attempt(config: StaticQuantConfig) -> None:
-            path = ctx.work_dir / f"int8-{len(built)}.onnx"
-            quantize_static_int8(ctx.model_path, path, calib, config, ctx.work_dir, batch)
-            built.append(_Candidate(config, path, evaluate(ort_cpu_runner(path))))
-
-        for i, config in enumerate(configs):
-            ctx.progress(f"[cpu] int8 candidate {i + 1}/{len(configs)}: {config.label}")
-            attempt(config)
-        # Accuracy failed everywhere: try the other calibration methods on the most accurate layout.
-        fallbacks = [] if opts.calibration != "auto" else ["percentile", "entropy"]
-        while not any(c.comparison.passed for c in built) and fallbacks and len(built) < opts.max_candidates:
-            best = max(built, key=lambda c: _accuracy_key(c.comparison))
-            config = replace(best.config, calibration=fallbacks.pop(0))  # type: ignore[arg-type]  # a CalibrationName literal
-            ctx.progress(f"[cpu] accuracy short of tolerance; trying {config.label}")
-            attempt(config)
-        passing = self._time(ctx, [c for c in built if c.comparison.passed], opts)
-        timed = {c.path: c for c in passing}
-        for c in built:
-            c = timed.get(c.path, c)
-            verdict = "passed" if c.comparison.passed else "failed: " + "; ".join(c.comparison.failures)
-            speed = f", p50 {c.p50_ms:.3f} ms" if c.p50_ms is not None else ""
-            notes.append(f"tried {c.config.label}: {c.comparison.summary()}{speed} ({verdict})")
-        chosen = choose(passing or built)
-        notes.append(f"chose {chosen.config.label}")
-        return chosen, tuple(notes)
-
-    def _time(self, ctx: BuildContext, cands: list[_Candidate], opts: CpuOptions) -> list[_Candidate]:
-        if not cands:
-            return []
-        feed = take(ctx.calib, 0, fixed_batch(ctx.served) or 1)
-        runs: dict[str, Callable[[], object]] = {"fp32": call_with(ort_cpu_runner(ctx.model_path), feed)}
-        for i, c in enumerate(cands):
-            runs[str(i)] = call_with(ort_cpu_runner(c.path), feed)
-        ctx.progress(f"[cpu] timing {len(cands)} int8 candidate(s) side by side with fp32")
-        p50 = p50_side_by_side(runs, repeats=opts.latency_repeats)
-        timed = [replace(c, p50_ms=p50[str(i)]) for i, c in enumerate(cands)]
-        if min(c.p50_ms or 0.0 for c in timed) > p50["fp32"]:
-            ctx.progress(f"[cpu] note: every int8 candidate is slower than fp32 here ({p50['fp32']:.3f} ms)")
-        return timed
-
-
-def choose(cands: list[_Candidate]) -> _Candidate:
-    """The candidate to ship: with timed passing candidates, the fastest, where latencies within
-    ``SPEED_TIE`` of the fastest count as equal (noise on a busy host) and the most accurate of
-    those wins; without timings (none passed), the most accurate. Ties keep the earliest tried."""
-    timed = [c for c in cands if c.p50_ms is not None and c.comparison.passed]
-    if not timed:
-        return max(cands, key=lambda c: _accuracy_key(c.comparison))
-    fastest = min(c.p50_ms for c in timed if c.p50_ms is not None)
-    near = [c for c in timed if c.p50_ms is not None and c.p50_ms <= fastest * (1 + SPEED_TIE)]
-    return max(near, key=lambda c: _accuracy_key(c.comparison))
+        return optimise(self, ctx).build
 
 
 def candidate_configs(opts: CpuOptions) -> list[StaticQuantConfig]:
-    """The INT8 configurations to try first, in order, honouring the fixed options."""
+    """The static INT8 configurations of the first wave, in order, honouring the fixed options."""
     calibration = "minmax" if opts.calibration == "auto" else opts.calibration
     base = [
         StaticQuantConfig("uint8", True, "qdq"),
@@ -209,31 +196,119 @@ def candidate_configs(opts: CpuOptions) -> list[StaticQuantConfig]:
         )
         if c not in out:
             out.append(c)
-    # leave room for the calibration fallbacks within max_candidates
+    # leave room for the calibration refinements within max_candidates
     room = opts.max_candidates - (2 if opts.calibration == "auto" else 0)
     return out[: max(1, room)]
 
 
-def _accuracy_key(c: Any) -> tuple[float, float]:
-    return (c.top1_agreement if c.top1_agreement is not None else 0.0, c.cosine or 0.0)
+# -- candidate builders -------------------------------------------------------------------------
 
 
-def _calib_evaluator(ctx: BuildContext) -> Callable[[Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]]], Any]:
-    """Outside the packager: compare with FP32 on the calibration data under default tolerances."""
-    from edgekit.bundle.manifest import Tolerance
+def ort_open(path: Path) -> Any:
+    """threads -> a runner of ``path`` with the device runtime's ONNX Runtime session settings."""
 
-    batch = fixed_batch(ctx.served) or 16
-    reference = run_all(ort_cpu_runner(ctx.model_path), ctx.calib, batch)
-    kind = output_kind(ctx.served)
-    return lambda fn: compare(reference, run_all(fn, ctx.calib, batch), kind, Tolerance())
+    def open_(threads: int) -> RunFn:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            so.intra_op_num_threads = threads
+        session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        names = [o.name for o in session.get_outputs()]
+        return lambda feed: dict(zip(names, session.run(names, feed), strict=True))
+
+    return open_
 
 
-def _to_fp16(src: Path, dst: Path) -> None:
+def _ort_candidate(
+    name: str, precision: str, prepared: Path, make: Any, baseline: bool = False, **settings: Any
+) -> Candidate:
+    def build(space: BuildSpace) -> Built:
+        out = space.work_dir / ARTIFACT
+        prec = make(prepared, out, space)
+        return Built(files={ARTIFACT: "artifact"}, runtime="onnxruntime", precision=prec, open=ort_open(out))
+
+    return Candidate(
+        name=name,
+        precision=precision,
+        runtime="onnxruntime",
+        build=build,
+        settings={"recipe": name, **settings},
+        family=name,
+        baseline=baseline,
+    )
+
+
+def _static_candidate(prepared: Path, config: StaticQuantConfig) -> Candidate:
+    def build(space: BuildSpace) -> Built:
+        out = space.work_dir / ARTIFACT
+        # ranges cached per calibration method one folder up: shared by every layout
+        quantize_static_int8(prepared, out, space.calib, config, space.work_dir.parent, space.calib_batch)
+        return Built(
+            files={ARTIFACT: "artifact"},
+            runtime="onnxruntime",
+            precision=Precision("int8", config.activations, config.label),
+            open=ort_open(out),
+            excluded_nodes=config.exclude,
+        )
+
+    def rank(space: BuildSpace, built: Built) -> list[tuple[tuple[str, ...], float]]:
+        from edgekit.optimize.sensitivity import rank_qdq_layers
+
+        return rank_qdq_layers(prepared, space.work_dir / ARTIFACT, space.calib, space.work_dir, space.calib_batch)
+
+    qdq = config.quant_format == "qdq"
+    return Candidate(
+        name=config.label,
+        precision="int8",
+        runtime="onnxruntime",
+        build=build,
+        settings={**to_data(config), "exclude": list(config.exclude)},
+        family=config.layout,
+        exclude=(lambda nodes: _static_candidate(prepared, replace(config, exclude=nodes))) if qdq else None,
+        rank_layers=rank if qdq else None,
+    )
+
+
+def _copy(src: Path, dst: Path, space: BuildSpace) -> Precision:
+    shutil.copyfile(src, dst)
+    return Precision("fp32", "fp32", "onnx fp32, prepared (see notes)")
+
+
+def _copy_source(src: Path, dst: Path, space: BuildSpace) -> Precision:
+    from edgekit.compress.onnx_prep import model_size_bytes
+
+    if model_size_bytes(src) != src.stat().st_size:
+        raise ValueError("the source model keeps its weights in external data files; the prepared graph ships instead")
+    shutil.copyfile(src, dst)
+    return Precision("fp32", "fp32", "onnx fp32, the source graph as given")
+
+
+def _offline(src: Path, dst: Path, space: BuildSpace) -> Precision:
+    optimise_offline(src, dst)
+    return Precision("fp32", "fp32", "onnx fp32, onnxruntime offline optimisation (extended)")
+
+
+def _fp16(src: Path, dst: Path, space: BuildSpace) -> Precision:
     import onnx
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=True)
-    onnx.save(model, str(dst))
+    onnx.save(convert_float_to_float16(onnx.load(str(src)), keep_io_types=True), str(dst))
+    return Precision("fp16", "fp16", "onnxruntime float16 converter, float32 inputs/outputs kept")
+
+
+def _dynamic(src: Path, dst: Path, space: BuildSpace) -> Precision:
+    quantize_weights_int8(src, dst)
+    return Precision("int8", "uint8", "ort-dynamic MatMul/Gemm int8 weights, uint8 activations per call")
+
+
+def _int4(block: int) -> Any:
+    def make(src: Path, dst: Path, space: BuildSpace) -> Precision:
+        quantize_weights_int4(src, dst, block_size=block)
+        return Precision("int4", "fp32", f"ort MatMulNBits 4-bit symmetric, block {block} (MatMul/Gemm weights)")
+
+    return make
 
 
 def _onnxruntime() -> Any:
@@ -244,4 +319,4 @@ def _onnxruntime() -> Any:
     return onnxruntime
 
 
-__all__ = ["CpuOptions", "CpuTarget", "candidate_configs", "choose"]
+__all__ = ["CpuOptions", "CpuTarget", "candidate_configs", "ort_open"]

@@ -1,10 +1,14 @@
 """``intel`` target: OpenVINO IR (``model.xml`` + ``model.bin``) for Intel CPU, iGPU and NPU.
 
-Precisions:
-- ``int8``: NNCF post-training quantization on the calibration set (FakeQuantize on weights and
-  activations). If the configured recipe misses the default validation gate on the calibration
-  samples, a more accurate recipe is tried (``mixed`` preset, full bias correction) and the
-  manifest says which one was used.
+The target describes candidates; the optimisation engine (``edgekit.optimize``) builds, measures
+and chooses. Every candidate converts the *original* ONNX graph (``convert_model``), never ORT's
+prepared one. Precisions:
+- ``auto``: every candidate below; the engine picks the fastest within the budget, never slower
+  than the FP32 IR.
+- ``int8``: NNCF post-training quantization on the calibration subset (FakeQuantize on weights
+  and activations); if the configured preset misses the budget, refinements: the ``mixed``
+  preset with full bias correction, and ``quantize_with_accuracy_control``; then (``auto`` or
+  ``--mixed-precision``) the most sensitive layers kept in float through NNCF's ``IgnoredScope``.
 - ``int8-weights`` / ``int4-weights``: ``nncf.compress_weights`` (weights only, activations stay
   float; meant for MatMul-heavy models). INT4 keeps a share of the layers (``1 - int4_ratio``)
   and, by NNCF's default, the first and last layers in INT8; a build that put no weight in INT4
@@ -20,7 +24,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -36,6 +40,7 @@ from edgekit.bundle.manifest import (
     TensorSpec,
 )
 from edgekit.errors import ConfigError, MissingSDKError, ModelFormatError
+from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, Refinement, RunFn
 from edgekit.targets.base import BuildContext, BuildResult
 from edgekit.targets.op_support import onnx_nodes_by_name, raise_unsupported
 from edgekit.validate.calib import fixed_batch, iter_batches, sample_count
@@ -60,7 +65,6 @@ class IntelOptions:
 
     device: str = "CPU"  # the device the IR is quantized and its op placement queried for
     nncf_preset: Literal["performance", "mixed"] = "performance"
-    subset_size: int = 300  # calibration samples NNCF uses for statistics
     model_type: Literal["", "transformer"] = ""  # "transformer" turns on NNCF's SmoothQuant & co.
     int4_group_size: int = 128  # -1 = per output channel
     int4_ratio: float = 0.8  # share of the weights in INT4, the rest INT8
@@ -70,8 +74,6 @@ class IntelOptions:
         _choice("targets.intel.device", self.device, DEVICES)
         _choice("targets.intel.nncf_preset", self.nncf_preset, PRESETS)
         _choice("targets.intel.model_type", self.model_type, ("", "transformer"))
-        if self.subset_size < 1:
-            raise ConfigError(f"targets.intel.subset_size: must be >= 1, got {self.subset_size}")
         if self.int4_group_size != -1 and self.int4_group_size < 1:
             raise ConfigError(f"targets.intel.int4_group_size: must be -1 or >= 1, got {self.int4_group_size}")
         if not 0.0 < self.int4_ratio <= 1.0:
@@ -99,19 +101,28 @@ def ov_version(ov: Any) -> str:
 
 
 @dataclass(frozen=True)
-class _Recipe:
+class NncfRecipe:
+    """One ``nncf.quantize`` setting (``accuracy_control``: ``quantize_with_accuracy_control``)."""
+
     preset: str
     fast_bias_correction: bool
+    accuracy_control: bool = False
+    exclude: tuple[str, ...] = ()  # ONNX node names kept in float (NNCF IgnoredScope)
 
     @property
     def label(self) -> str:
-        return f"preset={self.preset} bias_correction={'fast' if self.fast_bias_correction else 'full'}"
+        text = f"nncf int8 preset={self.preset} bias_correction={'fast' if self.fast_bias_correction else 'full'}"
+        if self.accuracy_control:
+            text += " accuracy-control"
+        if self.exclude:
+            text += f", {len(self.exclude)} layer(s) in float"
+        return text
 
 
 class IntelTarget:
     name: ClassVar[str] = "intel"
     runtime: ClassVar[str] = "openvino"
-    precisions: ClassVar[tuple[str, ...]] = ("int8", "fp16", "fp32", "int8-weights", "int4-weights")
+    precisions: ClassVar[tuple[str, ...]] = ("int8", "fp16", "fp32", "int8-weights", "int4-weights", "auto")
     Options: ClassVar[type] = IntelOptions
     static_shapes: ClassVar[bool] = False
 
@@ -137,119 +148,286 @@ class IntelTarget:
                 )
             raise ModelFormatError(f"{model_path}: OpenVINO could not convert {', '.join(unconverted)}")
 
-    def build(self, ctx: BuildContext) -> BuildResult:
-        ov = _import_openvino()
+    def candidates(self, ctx: BuildContext) -> CandidatePlan:
+        """OpenVINO/NNCF get the original graph, not ORT's prepared one (FIELD_NOTES: NNCF INT8 on a
+        MobileNetV3-class graph kept 100% agreement on the original, 25% after ORT's optimisation)."""
         opts: IntelOptions = ctx.options or IntelOptions()
-        core = ov.Core()
-        notes: list[str] = []
-        if ctx.precision == "int8":
-            model, precision = self._quantize(core, ctx, opts, notes)
-        elif ctx.precision in ("int8-weights", "int4-weights"):
-            model, precision = self._compress_weights(convert_onnx(ov, ctx.model_path), ctx.precision, opts)
-        elif ctx.precision == "fp32":
-            model = convert_onnx(ov, ctx.model_path)
-            precision = Precision("fp32", "fp32", f"openvino {ov_version(ov)} convert")
-        elif ctx.precision == "fp16":
-            model = convert_onnx(ov, ctx.model_path)
-            # The CPU plugin computes FP16 weights in FP32 (its only f16-like mode is bf16); GPU/NPU in FP16.
-            activations: Literal["fp16", "fp32"] = (
-                "fp16" if inference_precision(opts.device, ctx.precision) == "f16" else "fp32"
-            )
-            precision = Precision("fp16", activations, f"openvino {ov_version(ov)} convert, weights compressed to fp16")
-        else:
-            raise ConfigError(f"--precision: {ctx.precision!r} is not one of {', '.join(self.precisions)} for intel")
-        xml = ctx.out_dir / ARTIFACT_XML
-        ov.save_model(model, str(xml), compress_to_fp16=ctx.precision == "fp16")
-        saved = core.read_model(str(xml))
-        artifact_sig, mapping = _artifact_signature(saved, ctx.served)
-        placement = _op_placement(core, saved, opts.device, notes)
-        here = opts.device in ("CPU", "AUTO") or _available(core, opts.device)
-        intermediate = None
-        if not here:
-            intermediate = served_fn(_compile_cpu(core, saved), ctx.served)
-            notes.append(f"device {opts.device} is not on this host: validated with the CPU plugin on the same IR")
-        accelerator = {"GPU": "intel-gpu", "NPU": "intel-npu"}.get(opts.device)
-        return BuildResult(
-            files={ARTIFACT_XML: "artifact", ARTIFACT_BIN: "artifact"},
-            compatibility=Compatibility(runtime="openvino", runtime_version=ov_version(ov), accelerator=accelerator),
-            artifact_signature=artifact_sig,
-            mapping=mapping,
-            precision=precision,
-            runnable_here=here,
-            op_placement=placement,
-            notes=tuple(notes),
-            target_options={**asdict(opts), "inference_precision": inference_precision(opts.device, ctx.precision)},
-            intermediate=intermediate,
-            intermediate_name="openvino CPU plugin (same IR)" if intermediate else "",
-        )
+        want, auto = ctx.precision, ctx.precision == "auto"
+        source = ctx.source_path or ctx.model_path
+        dev = opts.device
+        first = [ir_candidate("openvino fp32 ir", "fp32", source, dev, baseline=True)]
+        refinements: list[Refinement] = []
+        skipped: list[tuple[str, str]] = []
+        if auto or want == "fp16":
+            first.append(ir_candidate("openvino fp16 ir", "fp16", source, dev))
+        if auto or want == "int8":
+            kind = opts.model_type
+            base = NncfRecipe(opts.nncf_preset, True)
+            first.append(nncf_candidate(source, base, dev, ctx.model_path, kind))
+            for recipe in (NncfRecipe("mixed", False), NncfRecipe(opts.nncf_preset, True, accuracy_control=True)):
+                if recipe != base:
+                    refinements.append(
+                        Refinement(nncf_candidate(source, recipe, dev, ctx.model_path, kind), of=base.label)
+                    )
+        from edgekit.compress.ort_quant import WEIGHT_ONLY_SHARE, matmul_weight_share
 
-    # -- precisions -------------------------------------------------------------------
-    def _quantize(self, core: Any, ctx: BuildContext, opts: IntelOptions, notes: list[str]) -> tuple[Any, Precision]:
-        """NNCF PTQ; the configured recipe first, then NNCF's more accurate one if it misses the gate."""
-        nncf = _import_nncf()
-        batch = fixed_batch(ctx.served) or 1
-        samples = [feed for feed in iter_batches(ctx.calib, batch) if sample_count(feed) == batch]
+        share = matmul_weight_share(ctx.model_path)  # weight-only pays where MatMul/Gemm hold most weights
+        for precision in ("int8-weights", "int4-weights"):
+            if want == precision or (auto and share >= WEIGHT_ONLY_SHARE):
+                first.append(_weights_candidate(source, precision, opts))
+            elif auto:
+                why = (
+                    f"MatMul/Gemm hold {share:.0%} of the weights (< {WEIGHT_ONLY_SHARE:.0%}): not a MatMul-heavy graph"
+                )
+                skipped.append((f"nncf {precision}", why))
+        return CandidatePlan(first=tuple(first), refinements=tuple(refinements), skipped=tuple(skipped))
+
+    def finish(self, ctx: BuildContext, built: Built, built_dir: Path) -> BuildResult:
+        opts: IntelOptions = ctx.options or IntelOptions()
+        return ir_build_result(ctx, built, built_dir, device=opts.device, options=asdict(opts))
+
+    def build(self, ctx: BuildContext) -> BuildResult:
+        """Outside the packager: the engine's search on the calibration data alone."""
+        from edgekit.optimize.run import optimise
+
+        return optimise(self, ctx).build
+
+
+# -- candidates (also used by the cpu target's OpenVINO runtime candidates) ------------------------
+def ov_open(xml: Path, device: str = "CPU") -> Callable[[int], RunFn]:
+    """threads -> a runner of the IR compiled the way the device runtime compiles it for ``device``."""
+
+    def open_(threads: int) -> RunFn:
+        ov = _import_openvino()
+        core = ov.Core()
+        config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": "f32"}
+        if threads:
+            config["INFERENCE_NUM_THREADS"] = threads
+        compiled = core.compile_model(core.read_model(str(xml)), device, config)
+        request = compiled.create_infer_request()
+        outputs = [(port.get_any_name(), port) for port in compiled.outputs]
+        names = {port.get_any_name(): port.get_names() for _, port in outputs}
+
+        def run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            result = request.infer(feed)
+            out: dict[str, np.ndarray] = {}
+            for any_name, port in outputs:
+                value = np.array(result[port])
+                for n in names[any_name]:
+                    out[n] = value
+            return out
+
+        return run
+
+    return open_
+
+
+def _ir_built(model: Any, space: BuildSpace, precision: Precision, device: str, fp16: bool = False, **kw: Any) -> Built:
+    ov = _import_openvino()
+    xml = space.work_dir / ARTIFACT_XML
+    ov.save_model(model, str(xml), compress_to_fp16=fp16)
+    core = ov.Core()
+    here = device in ("CPU", "AUTO") or _available(core, device)
+    cpu = ov_open(xml, "CPU")
+    return Built(
+        files={ARTIFACT_XML: "artifact", ARTIFACT_BIN: "artifact"},
+        runtime="openvino",
+        precision=precision,
+        open=cpu if here else None,  # another device's latency is not measured here
+        intermediate=None if here else cpu(0),
+        **kw,
+    )
+
+
+def ir_candidate(name: str, precision: str, source: Path, device: str, baseline: bool = False) -> Candidate:
+    def build(space: BuildSpace) -> Built:
+        ov = _import_openvino()
+        model = convert_onnx(ov, source)
+        if precision == "fp16":
+            act: Literal["fp16", "fp32"] = "fp16" if inference_precision(device, "fp16") == "f16" else "fp32"
+            prec = Precision("fp16", act, f"openvino {ov_version(ov)} convert, weights compressed to fp16")
+        else:
+            prec = Precision("fp32", "fp32", f"openvino {ov_version(ov)} convert")
+        return _ir_built(model, space, prec, device, fp16=precision == "fp16")
+
+    return Candidate(
+        name=name,
+        precision=precision,
+        runtime="openvino",
+        build=build,
+        settings={"recipe": name, "device": device},
+        family=name,
+        baseline=baseline,
+    )
+
+
+def nncf_candidate(source: Path, recipe: NncfRecipe, device: str, prepared: Path, model_type: str = "") -> Candidate:
+    """NNCF INT8 of the original graph; ``prepared``: the ORT-prepared graph layer sensitivity is
+    ranked on (its node names are the source graph's)."""
+
+    def build(space: BuildSpace) -> Built:
+        ov, nncf = _import_openvino(), _import_nncf()
+        batch = fixed_batch(space.served) or 1
+        samples = [feed for feed in iter_batches(space.calib, batch) if sample_count(feed) == batch]
         if not samples:
             raise ConfigError(f"--calib: the intel target needs at least {batch} calibration sample(s) for int8")
-        recipes = list(dict.fromkeys([_Recipe(opts.nncf_preset, True), _Recipe("mixed", False)]))
-        used = min(opts.subset_size, len(samples)) * batch
-        tried: list[tuple[_Recipe, Any, Any]] = []
-        for recipe in recipes:
-            ctx.progress(f"[intel] NNCF int8 {recipe.label}")
-            model = nncf.quantize(
-                convert_onnx(_import_openvino(), ctx.model_path),
-                nncf.Dataset(samples),
-                preset=nncf.QuantizationPreset(recipe.preset),
-                target_device=nncf.TargetDevice.ANY if opts.device == "AUTO" else nncf.TargetDevice(opts.device),
-                subset_size=opts.subset_size,
-                fast_bias_correction=recipe.fast_bias_correction,
-                model_type=nncf.ModelType.TRANSFORMER if opts.model_type == "transformer" else None,
-            )
-            if ctx.evaluate is None:  # outside the packager: nothing to judge recipes by
-                tried.append((recipe, model, None))
-                break
-            comparison = ctx.evaluate(served_fn(_compile_cpu(core, model), ctx.served))
-            tried.append((recipe, model, comparison))
-            verdict = "passed" if comparison.passed else "failed: " + "; ".join(comparison.failures)
-            notes.append(f"tried nncf {recipe.label}: {comparison.summary()} ({verdict})")
-            if comparison.passed:
-                break
-        passing = [t for t in tried if t[2] is None or t[2].passed]
-        recipe, model, _ = passing[0] if passing else max(tried, key=lambda t: t[2].top1_agreement or t[2].cosine or 0)
-        if len(tried) > 1:
-            notes.append(f"chose nncf {recipe.label}")
-        kind = f" model_type={opts.model_type}" if opts.model_type else ""
-        method = f"nncf {nncf.__version__} ptq {recipe.label}{kind} samples={used}"
-        return model, Precision("int8", "int8", method)
-
-    def _compress_weights(self, source: Any, precision: str, opts: IntelOptions) -> tuple[Any, Precision]:
-        nncf = _import_nncf()
-        if precision == "int8-weights":
-            mode, weights, extra = nncf.CompressWeightsMode.INT8_ASYM, "int8", {}
-            method = "int8_asym per-channel"
+        common: dict[str, Any] = {
+            "preset": nncf.QuantizationPreset(recipe.preset),
+            "target_device": nncf.TargetDevice.ANY if device == "AUTO" else nncf.TargetDevice(device),
+            "subset_size": len(samples),
+            "fast_bias_correction": recipe.fast_bias_correction,
+            "model_type": nncf.ModelType.TRANSFORMER if model_type == "transformer" else None,
+        }
+        if recipe.exclude:
+            # OpenVINO names a Conv with a bias "<onnx name>/WithoutBiases" and its Add "<onnx name>"
+            patterns = [re.escape(n) + "(/WithoutBiases)?" for n in recipe.exclude]
+            common["ignored_scope"] = nncf.IgnoredScope(patterns=patterns, validate=False)
+        model = convert_onnx(ov, source)
+        if recipe.accuracy_control:
+            quantized = _quantize_with_accuracy_control(ov, nncf, model, samples, common)
         else:
-            mode, weights = nncf.CompressWeightsMode.INT4_SYM, "int4"
-            extra = {"group_size": opts.int4_group_size, "ratio": opts.int4_ratio, "all_layers": opts.int4_all_layers}
-            method = f"int4_sym group_size={opts.int4_group_size} ratio={opts.int4_ratio}"
-        try:
-            model = nncf.compress_weights(source, mode=mode, **extra)
-        except nncf.InvalidGroupSizeError as exc:
-            channels = ", ".join(re.findall(r"channel size: (\d+)", str(exc))) or "unknown"
-            raise ConfigError(
-                f"targets.intel.int4_group_size: {opts.int4_group_size} does not divide the input channels of "
-                f"every int4 layer (channels: {channels}); choose a divisor of them, or -1 for per-channel"
-            ) from exc
-        counts = _weight_types(model)
-        int4, int8 = counts.get("i4", 0) + counts.get("u4", 0), counts.get("i8", 0) + counts.get("u8", 0)
-        if weights == "int4" and not int4:
-            raise ConfigError(
-                f"targets.intel.int4_all_layers: NNCF put no weight in int4 ({int8} weight tensors in int8): it keeps "
-                "the first and last weight layers in int8 unless int4_all_layers=true; set it, or build int8-weights"
-            )
-        if not int4 + int8:
-            raise ConfigError(f"--precision {precision}: the model has no weights NNCF compresses (MatMul, Conv, Gemm)")
-        detail = f"{int4} weight tensors int4, {int8} int8" if weights == "int4" else f"{int8} weight tensors int8"
-        return model, Precision(weights, "fp32", f"nncf {nncf.__version__} compress_weights {method} ({detail})")  # type: ignore[arg-type]  # int8/int4
+            quantized = nncf.quantize(model, nncf.Dataset(samples), **common)
+        kind = f" model_type={model_type}" if model_type else ""
+        recipe_text = recipe.label.removeprefix("nncf int8 ")
+        method = f"nncf {nncf.__version__} ptq {recipe_text}{kind} samples={len(samples) * batch}"
+        return _ir_built(quantized, space, Precision("int8", "int8", method), device, excluded_nodes=recipe.exclude)
+
+    def rank(space: BuildSpace, built: Built) -> list[tuple[tuple[str, ...], float]]:
+        from edgekit.compress.ort_quant import StaticQuantConfig, quantize_static_int8
+        from edgekit.optimize.sensitivity import rank_qdq_layers
+
+        folder = space.work_dir / "sensitivity"
+        folder.mkdir(exist_ok=True)
+        qdq = folder / "qdq.onnx"
+        quantize_static_int8(prepared, qdq, space.calib, StaticQuantConfig(), folder, space.calib_batch)
+        return rank_qdq_layers(prepared, qdq, space.calib, folder, space.calib_batch)
+
+    return Candidate(
+        name=recipe.label,
+        precision="int8",
+        runtime="openvino",
+        build=build,
+        settings={**asdict(recipe), "exclude": list(recipe.exclude), "device": device, "model_type": model_type},
+        family=f"nncf int8 {device}",
+        exclude=lambda nodes: nncf_candidate(source, replace(recipe, exclude=nodes), device, prepared, model_type),
+        rank_layers=rank,
+    )
+
+
+def _quantize_with_accuracy_control(ov: Any, nncf: Any, model: Any, samples: list[Any], common: dict[str, Any]) -> Any:
+    """``nncf.quantize_with_accuracy_control`` with agreement to the FP32 IR on the calibration
+    samples as the metric (no labels here), allowed to drop 0.01."""
+    core = ov.Core()
+    reference = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    expected = [np.array(reference.create_infer_request().infer(s)[reference.outputs[0]]) for s in samples]
+
+    def metric(compiled: Any, data: Any) -> float:
+        request = compiled.create_infer_request()
+        scores = []
+        for feed, want in zip(data, expected, strict=False):
+            got = np.array(request.infer(feed)[compiled.outputs[0]]).reshape(want.shape[0], -1)
+            ref = want.reshape(want.shape[0], -1)
+            if ref.shape[1] > 1 and ref.ndim == 2 and want.ndim == 2:
+                scores.append(float(np.mean(got.argmax(-1) == ref.argmax(-1))))
+            else:
+                den = np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1)
+                scores.append(float(np.mean(np.sum(got * ref, axis=1) / np.maximum(den, 1e-12))))
+        return float(np.mean(scores))
+
+    dataset = nncf.Dataset(samples)
+    return nncf.quantize_with_accuracy_control(
+        model, dataset, dataset, validation_fn=metric, max_drop=0.01, drop_type=nncf.DropType.ABSOLUTE, **common
+    )
+
+
+def _weights_candidate(source: Path, precision: str, opts: IntelOptions) -> Candidate:
+    def build(space: BuildSpace) -> Built:
+        ov = _import_openvino()
+        model, prec = _compress_weights(convert_onnx(ov, source), precision, opts)
+        return _ir_built(model, space, prec, opts.device)
+
+    settings = {"recipe": f"nncf compress_weights {precision}"}
+    if precision == "int4-weights":
+        settings.update(group_size=str(opts.int4_group_size), ratio=str(opts.int4_ratio))
+    return Candidate(
+        name=f"nncf compress_weights {precision}",
+        precision=precision,
+        runtime="openvino",
+        build=build,
+        settings=settings,
+        family=f"nncf {precision}",
+    )
+
+
+def ir_build_result(
+    ctx: BuildContext, built: Built, built_dir: Path, device: str, options: dict[str, Any]
+) -> BuildResult:
+    """The chosen IR in ``ctx.out_dir``, described for the manifest (op placement from
+    ``query_model``, tensors matched to the served ones by name)."""
+    import shutil
+
+    ov = _import_openvino()
+    for name in (ARTIFACT_XML, ARTIFACT_BIN):
+        shutil.copyfile(built_dir / name, ctx.out_dir / name)
+    core = ov.Core()
+    saved = core.read_model(str(ctx.out_dir / ARTIFACT_XML))
+    notes = list(built.notes)
+    artifact_sig, mapping = _artifact_signature(saved, ctx.served)
+    placement = _op_placement(core, saved, device, notes)
+    here = device in ("CPU", "AUTO") or _available(core, device)
+    intermediate = None
+    if not here:
+        intermediate = served_fn(_compile_cpu(core, saved), ctx.served)
+        notes.append(f"device {device} is not on this host: validated with the CPU plugin on the same IR")
+    accelerator = {"GPU": "intel-gpu", "NPU": "intel-npu"}.get(device)
+    precision_name = "fp16" if built.precision.weights == "fp16" else "fp32"
+    return BuildResult(
+        files={ARTIFACT_XML: "artifact", ARTIFACT_BIN: "artifact"},
+        compatibility=Compatibility(runtime="openvino", runtime_version=ov_version(ov), accelerator=accelerator),
+        artifact_signature=artifact_sig,
+        mapping=mapping,
+        precision=built.precision,
+        runnable_here=here,
+        op_placement=placement,
+        notes=tuple(notes),
+        target_options={
+            **options,
+            "device": device,
+            "inference_precision": inference_precision(device, precision_name),
+        },
+        intermediate=intermediate,
+        intermediate_name="openvino CPU plugin (same IR)" if intermediate else "",
+    )
+
+
+def _compress_weights(source: Any, precision: str, opts: IntelOptions) -> tuple[Any, Precision]:
+    nncf = _import_nncf()
+    if precision == "int8-weights":
+        mode, weights, extra = nncf.CompressWeightsMode.INT8_ASYM, "int8", {}
+        method = "int8_asym per-channel"
+    else:
+        mode, weights = nncf.CompressWeightsMode.INT4_SYM, "int4"
+        extra = {"group_size": opts.int4_group_size, "ratio": opts.int4_ratio, "all_layers": opts.int4_all_layers}
+        method = f"int4_sym group_size={opts.int4_group_size} ratio={opts.int4_ratio}"
+    try:
+        model = nncf.compress_weights(source, mode=mode, **extra)
+    except nncf.InvalidGroupSizeError as exc:
+        channels = ", ".join(re.findall(r"channel size: (\d+)", str(exc))) or "unknown"
+        raise ConfigError(
+            f"targets.intel.int4_group_size: {opts.int4_group_size} does not divide the input channels of "
+            f"every int4 layer (channels: {channels}); choose a divisor of them, or -1 for per-channel"
+        ) from exc
+    counts = _weight_types(model)
+    int4, int8 = counts.get("i4", 0) + counts.get("u4", 0), counts.get("i8", 0) + counts.get("u8", 0)
+    if weights == "int4" and not int4:
+        raise ConfigError(
+            f"targets.intel.int4_all_layers: NNCF put no weight in int4 ({int8} weight tensors in int8): it keeps "
+            "the first and last weight layers in int8 unless int4_all_layers=true; set it, or build int8-weights"
+        )
+    if not int4 + int8:
+        raise ConfigError(f"--precision {precision}: the model has no weights NNCF compresses (MatMul, Conv, Gemm)")
+    detail = f"{int4} weight tensors int4, {int8} int8" if weights == "int4" else f"{int8} weight tensors int8"
+    return model, Precision(weights, "fp32", f"nncf {nncf.__version__} compress_weights {method} ({detail})")  # type: ignore[arg-type]  # int8/int4
 
 
 # -- helpers used by build -------------------------------------------------------------

@@ -49,14 +49,17 @@ def stats_side_by_side(
     budget_s: float = 5.0,
     min_repeats: int = 5,
     block: int = 10,
+    discard: int = 0,
 ) -> dict[str, LatencyStats]:
     """p50, p90 and IQR milliseconds per call of each function, measured interleaved in blocks.
 
-    Each round calls every function ``block`` times in a row, starting at a rotating position.
-    Blocks rather than single calls: alternating runtimes call by call penalises the one whose
-    worker threads sleep between calls (OpenVINO measured 3.5 ms interleaved with ONNX Runtime
-    per call, 0.42 ms alone, on this 2-core machine). Stops after ``repeats`` rounds, or after
-    ``min_repeats`` rounds once ``budget_s`` is spent.
+    Each round calls every function ``discard + block`` times in a row, starting at a rotating
+    position, and times the last ``block``. Blocks rather than single calls: alternating runtimes
+    call by call penalises the one whose worker threads sleep between calls (OpenVINO measured
+    3.5 ms interleaved with ONNX Runtime per call, 0.42 ms alone, on this 2-core machine); a
+    discarded first call absorbs the previous runtime's threads still spinning (the optimisation
+    engine discards one). Stops after ``repeats`` rounds, or after ``min_repeats`` rounds once
+    ``budget_s`` is spent.
     """
     names = list(fns)
     if not names:
@@ -70,6 +73,8 @@ def stats_side_by_side(
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             fn, out = fns[name], times[name]
+            for _ in range(discard):
+                fn()
             for _ in range(block):
                 t0 = time.perf_counter()
                 fn()

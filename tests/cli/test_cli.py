@@ -202,7 +202,7 @@ def test_cli_package_prints_progress_table_and_bundle_path(capsys, workspace, tm
             ["--precision", "palettize4"],
             2,
             "--precision 'palettize4' is not available for target 'cpu' (it builds fp32, fp16, int8, int8-weights, "
-            "int4-weights)",
+            "int4-weights, auto)",
         ),
         (["--target", "gpux"], 2, "--target: unknown target 'gpux' (choose from cpu, intel, coral, jetson, apple)"),
         (
@@ -279,7 +279,9 @@ def test_cli_package_default_precision_with_a_per_target_override(capsys, worksp
     )
     assert (code, err) == (0, "")
     rows = out.splitlines()[2:4]
-    assert rows[0].startswith("cpu ") and "int8 (w8a8)" in rows[0] and rows[0].endswith("passed")
+    # a tiny model may run slower in int8 than in fp32 here: still shipped, and said so
+    assert rows[0].startswith("cpu ") and "int8 (w8a8)" in rows[0]
+    assert rows[0].endswith(("passed", "passed, slower than fp32"))
     assert rows[1].startswith("apple ") and "int8-weights (w8a16)" in rows[1] and rows[1].endswith("passed")
     assert out.splitlines()[4:] == [f"cpu: {tmp_path}/m-cpu-v1.ekb", f"apple: {tmp_path}/m-apple-v1.ekb"]
 

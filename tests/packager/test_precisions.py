@@ -107,7 +107,7 @@ def test_choose_precisions_names_the_override_that_is_wrong() -> None:
         choose_precisions({"*": "fp16", "cpu": "palettize4"}, _targets("cpu", "apple"))
     assert str(err.value) == (
         "--precision 'cpu=palettize4' is not available for target 'cpu' "
-        "(it builds fp32, fp16, int8, int8-weights, int4-weights)"
+        "(it builds fp32, fp16, int8, int8-weights, int4-weights, auto)"
     )
     with pytest.raises(ConfigError, match=re.escape("--precision 'apple=int9' is not one of fp32, ")):
         choose_precisions({"apple": "int9"}, _targets("cpu", "apple"))

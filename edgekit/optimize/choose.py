@@ -1,0 +1,58 @@
+"""Choosing among measured candidates: by objective, within the accuracy budget, never slower than
+the target's FP32 when the choice is the engine's (``auto``).
+
+Latencies within ``SPEED_TIE`` of the fastest count as equal (noise on a busy host); among equals
+the smaller artifact wins, then the more accurate. The ``size`` objective is the same with the
+roles swapped. A candidate whose latency is not measurable here is compared by size and accuracy
+only, and only when no candidate has a latency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from edgekit.optimize.engine import Outcome
+
+SPEED_TIE = 0.03
+SIZE_TIE = 0.02
+
+
+def accuracy_key(o: Outcome) -> tuple[float, float]:
+    c = o.comparison
+    if c is None:
+        return (-1.0, -1.0)
+    return (c.top1_agreement if c.top1_agreement is not None else 0.0, c.cosine or 0.0)
+
+
+def choose(outcomes: Sequence[Outcome], objective: str, auto: bool, baseline: Outcome | None) -> tuple[Outcome, str]:
+    """The outcome to ship and one line saying why. ``outcomes``: the choosable ones (the
+    requested precision, or every candidate under ``auto``), built and measured or failed."""
+    built = [o for o in outcomes if o.comparison is not None]
+    if not built:
+        raise ValueError("no candidate was built")
+    passing = [o for o in built if o.comparison is not None and o.comparison.passed]
+    if not passing:
+        best = max(built, key=accuracy_key)
+        return best, "no candidate met the accuracy budget on the selection samples: the most accurate one"
+    pool = passing
+    why = ""
+    if auto and baseline is not None and baseline.p50_ms is not None:
+        limit = baseline.p50_ms
+        faster = [o for o in pool if (o.p50_ms is not None and o.p50_ms <= limit) or o is baseline]
+        dropped = len(pool) - len(faster)
+        pool = faster or [baseline]
+        if dropped:
+            why = f"; {dropped} passing candidate(s) slower than {baseline.name} left out"
+    timed = [o for o in pool if o.p50_ms is not None]
+    if objective == "size" or not timed:
+        smallest = min(o.size_bytes for o in pool)
+        near = [o for o in pool if o.size_bytes <= smallest * (1 + SIZE_TIE)]
+        pick = min(near, key=lambda o: (o.p50_ms if o.p50_ms is not None else float("inf"), -accuracy_key(o)[0]))
+        basis = "smallest" if timed else "smallest (latency not measured here)"
+        return pick, f"{basis} within the budget (sizes within {SIZE_TIE:.0%} tie, won by the faster){why}"
+    fastest = min(o.p50_ms for o in timed if o.p50_ms is not None)
+    near = [o for o in timed if o.p50_ms is not None and o.p50_ms <= fastest * (1 + SPEED_TIE)]
+    pick = min(near, key=lambda o: (o.size_bytes, tuple(-x for x in accuracy_key(o))))
+    return pick, f"fastest within the budget (p50 within {SPEED_TIE:.0%} tie, won by the smaller){why}"

@@ -1,0 +1,451 @@
+"""The one search loop: build every candidate a target describes, measure them side by side,
+prune what is dominated, rescue with mixed precision, choose by objective, record everything.
+
+Order of work:
+
+1. FP32 reference outputs on the selection samples (never the final gate's samples);
+2. first wave: build each candidate in its own folder; a build or run that raises is a failed
+   candidate with its reason, and the search goes on; accuracy on the selection samples;
+3. a quick side-by-side latency round of everything built (batch 1, the device's thread count,
+   the ONNX Runtime FP32 source model timed in the same loop as the common reference);
+4. refinements (other calibration methods, a more accurate preset) only for a candidate that
+   missed the budget; under ``auto`` also only one that measured faster than the target's FP32:
+   calibration does not change a layout's speed, so refining a layout slower than FP32 is
+   skipped (FP32 already beats it), and the record says so;
+5. mixed precision, when the fastest quantized candidate missed the budget (``auto``, or with
+   ``mixed_precision``): rank its layers by sensitivity and keep the fewest in float that meet
+   the budget (1, 2, 4, ... layers, then the smallest count in between that passes);
+6. a final side-by-side round of the passing candidates with full repeats; choose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgekit.bundle.manifest import Precision, Signature, Tolerance
+from edgekit.errors import EdgekitError
+from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, RunFn
+from edgekit.optimize.choose import SPEED_TIE, choose
+from edgekit.optimize.data import SearchData
+from edgekit.validate.calib import fixed_batch, pad_samples, take
+from edgekit.validate.latency import LatencyStats, call_with, stats_side_by_side
+from edgekit.validate.metrics import Comparison, Kind, compare, run_all
+
+REFERENCE = "onnxruntime fp32 (source)"
+
+
+class OptimizationError(EdgekitError):
+    """No candidate of the requested precision could be built; the message lists why."""
+
+
+MAX_MIXED_TRIES = 6
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One candidate's record: settings, result or the reason it failed / was skipped."""
+
+    name: str
+    precision: str  # CLI name
+    runtime: str
+    settings: Mapping[str, Any]
+    status: str  # "passed", "failed" (missed the budget), "error" (build/run raised), "skipped"
+    reason: str = ""
+    comparison: Comparison | None = None
+    size_bytes: int = 0
+    latency: LatencyStats | None = None
+    build_s: float = 0.0
+    label: str = ""  # weights/activations (w8a8)
+    method: str = ""
+    excluded_nodes: tuple[str, ...] = ()
+    baseline: bool = False
+
+    @property
+    def p50_ms(self) -> float | None:
+        return None if self.latency is None else self.latency.p50_ms
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    chosen: Outcome
+    built: Built
+    built_dir: Path
+    why: str
+    outcomes: tuple[Outcome, ...]
+    reference_latency: LatencyStats | None  # ONNX Runtime FP32 source, same loop as the chosen
+    baseline: Outcome | None
+    slower_than_fp32: bool
+    objective: str
+    data: SearchData
+    threads: int
+    notes: tuple[str, ...]
+    elapsed_s: float
+
+
+@dataclass
+class _State:
+    candidate: Candidate
+    folder: Path
+    built: Built | None = None
+    run: RunFn | None = None
+    outcome: Outcome | None = None
+    error: Exception | None = None
+
+
+def search(
+    plan: CandidatePlan,
+    *,
+    target: str,
+    work_dir: Path,
+    data: SearchData,
+    served: Signature,
+    reference: RunFn,
+    reference_open: Callable[[int], RunFn],
+    kind: Kind,
+    tolerance: Tolerance,
+    precision: str,
+    objective: str = "latency",
+    mixed_precision: bool = False,
+    threads: int = 2,
+    calib_batch: int = 1,
+    latency_budget_s: float = 6.0,
+    progress: Callable[[str], None] = print,
+    shared: dict[tuple[str, ...], tuple[Path, Built]] | None = None,
+    time_budget_s: float | None = None,
+) -> SearchResult:
+    """Run the search for one target. ``precision``: ``auto`` or the CLI precision requested
+    (then only candidates of that precision are chosen; the baseline is measured for comparison).
+    ``reference``: the FP32 source model (served inputs -> outputs) the accuracy is compared with.
+    ``shared``: builds of this ``package`` call's other targets by candidate identity (runtime,
+    name, settings): the same candidate (OpenVINO FP32 / NNCF INT8 IR on CPU for cpu and intel)
+    is built once and measured again for each target. ``time_budget_s``: once the search has run
+    this long, refinements and mixed-precision tries not started yet are skipped (and recorded)."""
+    t0 = time.perf_counter()
+    say = progress
+    auto = precision == "auto"
+    batch = fixed_batch(served) or 16
+    ref_out = run_all(reference, data.selection, batch, pad=fixed_batch(served) is not None)
+    one = pad_samples(take(data.selection, 0, fixed_batch(served) or 1), fixed_batch(served) or 1)
+    states: list[_State] = []
+    notes: list[str] = [f"selection on {data.selection_source}"]
+
+    def space(folder: Path) -> BuildSpace:
+        return BuildSpace(work_dir=folder, calib=data.calib, served=served, calib_batch=calib_batch, progress=say)
+
+    def attempt(cand: Candidate) -> _State:
+        folder = work_dir / f"{len(states):02d}-{_slug(cand.name)}"
+        folder.mkdir(parents=True)
+        st = _State(cand, folder)
+        states.append(st)
+        say(f"[{target}] candidate {len(states)}: {cand.name}")
+        started = time.perf_counter()
+        key = (cand.runtime, cand.name, *(f"{k}={v}" for k, v in sorted(cand.settings.items())))
+        try:
+            if shared is not None and key in shared:
+                st.folder, st.built = shared[key]
+                say(f"[{target}]   same build as another target's (reused)")
+            else:
+                st.built = cand.build(space(folder))
+                if shared is not None:
+                    shared[key] = (folder, st.built)
+            st.run = st.built.open(threads) if st.built.open is not None else st.built.intermediate
+            if st.run is None:
+                raise ValueError("the candidate can neither run here nor gave an intermediate to measure")
+            outputs = run_all(st.run, data.selection, batch, pad=fixed_batch(served) is not None)
+            comparison = compare(ref_out, outputs, kind, tolerance)
+        # A candidate's SDK may raise anything (ORT's quantizer raised ValueError from numpy on an
+        # int32-input model, FIELD_NOTES): that candidate failed, the search goes on.
+        except Exception as exc:
+            st.run = None
+            st.error = exc
+            reason = _reason(exc)
+            say(f"[{target}]   failed: {reason}")
+            st.outcome = _outcome(cand, "error", reason, None, st, time.perf_counter() - started)
+            return st
+        status = "passed" if comparison.passed else "failed"
+        reason = "" if comparison.passed else "; ".join(comparison.failures)
+        say(f"[{target}]   {comparison.summary()} ({status})")
+        st.outcome = _outcome(cand, status, reason, comparison, st, time.perf_counter() - started)
+        return st
+
+    for cand in plan.first:
+        attempt(cand)
+    skipped = [_skipped(name, why) for name, why in plan.skipped]
+    baseline = next((s for s in states if s.candidate.baseline), None)
+
+    # quick latency round: what dominates what
+    quick = _time(
+        states, reference_open, one, threads, repeats=6, budget_s=latency_budget_s / 2, say=say, target=target
+    )
+    base_p50 = _p50(baseline)
+
+    refined = 0
+    rescued: dict[str, str] = {}  # refined candidate -> the refinement that met the budget
+    for ref in plan.refinements:
+        of = next((s for s in states if s.candidate.name == ref.of), None)
+        why = _refine_skip(of, base_p50 if auto else None, baseline)
+        if not why and ref.of in rescued:
+            why = f"{rescued[ref.of]} (a refinement of {ref.of}) already meets the budget"
+        if not why and plan.max_refinements is not None and refined >= plan.max_refinements:
+            why = f"over the bound on refinements ({plan.bound_name or plan.max_refinements})"
+        if not why and time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+            why = f"over the search time budget ({time_budget_s:.0f} s)"
+        if why:
+            skipped.append(_skipped(ref.candidate.name, why, ref.candidate))
+            continue
+        refined += 1
+        st = attempt(ref.candidate)  # timed in the final round if it passes
+        if st.outcome is not None and st.outcome.status == "passed":
+            rescued[ref.of] = ref.candidate.name
+
+    if (auto or mixed_precision) and time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+        notes.append(f"mixed precision not tried: over the search time budget ({time_budget_s:.0f} s)")
+    elif auto or mixed_precision:
+        _mixed(states, attempt, space, auto, precision, base_p50, notes, say, target)
+
+    # final round: everything that passed, with full repeats
+    passing = [s for s in states if s.outcome is not None and s.outcome.status == "passed"]
+    if baseline is not None and baseline not in passing and baseline.run is not None:
+        passing.append(baseline)
+    final = _time(passing, reference_open, one, threads, repeats=20, budget_s=latency_budget_s, say=say, target=target)
+    reference_latency = final.get(REFERENCE) or quick.get(REFERENCE)
+
+    outcomes = [s.outcome for s in states if s.outcome is not None]
+    choosable = [o for o in outcomes if auto or o.precision == precision]
+    if not any(o.comparison is not None for o in choosable):
+        _raise_none_built(states, precision, target)
+    base_out = baseline.outcome if baseline is not None else None
+    chosen, why = choose(choosable, objective, auto, base_out)
+    chosen_state = next(s for s in states if s.outcome is chosen)
+    if chosen_state.built is None:
+        raise ValueError(f"{chosen.name} was chosen but has no build")  # choose() only returns built ones
+    slower = bool(
+        base_out is not None
+        and base_out.p50_ms is not None
+        and chosen.p50_ms is not None
+        and chosen is not base_out
+        and chosen.p50_ms > base_out.p50_ms
+    )
+    records = tuple(dataclasses.replace(o, status="chosen") if o is chosen else o for o in (*outcomes, *skipped))
+    return SearchResult(
+        chosen=dataclasses.replace(chosen, status="chosen"),
+        built=chosen_state.built,
+        built_dir=chosen_state.folder,
+        why=why,
+        outcomes=records,
+        reference_latency=reference_latency,
+        baseline=base_out,
+        slower_than_fp32=slower,
+        objective=objective,
+        data=data,
+        threads=threads,
+        notes=tuple(notes),
+        elapsed_s=time.perf_counter() - t0,
+    )
+
+
+# -- steps -----------------------------------------------------------------------------------
+
+
+def _time(
+    states: list[_State],
+    reference_open: Callable[[int], RunFn],
+    one: dict[str, np.ndarray],
+    threads: int,
+    *,
+    repeats: int,
+    budget_s: float,
+    say: Callable[[str], None],
+    target: str,
+) -> dict[str, LatencyStats]:
+    """Side-by-side latency of the runnable built states (and the reference); updates outcomes."""
+    runnable = [s for s in states if s.run is not None and s.built is not None and s.built.open is not None]
+    if not runnable:
+        return {}
+    fns: dict[str, Callable[[], object]] = {REFERENCE: call_with(reference_open(threads), one)}
+    for s in runnable:
+        if s.run is not None:
+            fns[s.candidate.name] = call_with(s.run, one)
+    say(f"[{target}] timing {len(runnable)} candidate(s) side by side ({threads} threads, batch 1)")
+    stats = stats_side_by_side(fns, repeats=repeats, budget_s=budget_s, min_repeats=3, discard=1)
+    for s in runnable:
+        if s.outcome is not None:
+            s.outcome = dataclasses.replace(s.outcome, latency=stats[s.candidate.name])
+    return stats
+
+
+def _refine_skip(of: _State | None, base_p50: float | None, baseline: _State | None) -> str:
+    if of is None or of.outcome is None:
+        return "the candidate it refines was not built"
+    o = of.outcome
+    if o.status == "error":
+        return f"{o.name} failed to build; a calibration change does not fix that"
+    if o.status == "passed":
+        return f"{o.name} is already within the budget"
+    if base_p50 is not None and o.p50_ms is not None and o.p50_ms > base_p50 * (1 + SPEED_TIE) and baseline:
+        return (
+            f"dominated: {o.name} measured {o.p50_ms:.3f} ms, slower than {baseline.candidate.name} "
+            f"({base_p50:.3f} ms); calibration changes accuracy, not speed"
+        )
+    return ""
+
+
+def _mixed(
+    states: list[_State],
+    attempt: Callable[[Candidate], _State],
+    space: Callable[[Path], BuildSpace],
+    auto: bool,
+    precision: str,
+    base_p50: float | None,
+    notes: list[str],
+    say: Callable[[str], None],
+    target: str,
+) -> None:
+    """Mixed-precision rescue of the fastest quantized candidate that missed the budget."""
+
+    def eligible(s: _State) -> bool:
+        o = s.outcome
+        return bool(
+            o is not None
+            and s.built is not None
+            and s.candidate.exclude is not None
+            and s.candidate.rank_layers is not None
+            and (auto or s.candidate.precision == precision)
+        )
+
+    quantized = [s for s in states if eligible(s) and s.outcome is not None]
+    if not quantized:
+        return
+    fastest = min(quantized, key=lambda s: _p50(s) or float("inf"))
+    o = fastest.outcome
+    if o is None or o.status != "failed":
+        return
+    passing_faster = [
+        s
+        for s in states
+        if s.outcome is not None
+        and s.outcome.status == "passed"
+        and (auto or s.candidate.precision == precision)
+        and (_p50(s) or float("inf")) <= (_p50(fastest) or 0)
+    ]
+    if passing_faster:
+        return  # a candidate at least as fast already meets the budget
+    if auto and base_p50 is not None and o.p50_ms is not None and o.p50_ms > base_p50 * (1 + SPEED_TIE):
+        notes.append(f"mixed precision skipped: {o.name} is slower than fp32, keeping layers in float only slows it")
+        return
+    assert fastest.built is not None and fastest.candidate.rank_layers is not None
+    say(f"[{target}] {o.name} missed the budget; ranking its layers by sensitivity")
+    try:
+        ranked = fastest.candidate.rank_layers(space(fastest.folder), fastest.built)
+    except Exception as exc:
+        notes.append(f"mixed precision: ranking the layers of {o.name} failed ({_reason(exc)})")
+        return
+    if not ranked:
+        notes.append(f"mixed precision: {o.name} has no quantized layers to keep in float")
+        return
+    notes.append(
+        "layer sensitivity (most sensitive first): " + ", ".join(f"{'+'.join(g)} {s:.3g}" for g, s in ranked[:8])
+    )
+
+    def top(k: int) -> tuple[str, ...]:  # the union of the k most sensitive groups, in rank order
+        return tuple(dict.fromkeys(n for group, _ in ranked[:k] for n in group))
+
+    exclude = fastest.candidate.exclude
+    if exclude is None:
+        return
+    every = set(top(len(ranked)))
+    # keeping every quantized layer in float is FP32 under another name: never a candidate
+    usable = next((k for k in range(1, len(ranked) + 1) if set(top(k)) >= every), len(ranked) + 1) - 1
+    lo, hi, tries = 0, None, 0
+    k = 1
+    while tries < MAX_MIXED_TRIES and k <= usable:  # 1, 2, 4, ... groups until one passes
+        tries += 1
+        st = attempt(exclude(top(k)))
+        if st.outcome is not None and st.outcome.status == "passed":
+            hi = k
+            break
+        lo = k
+        if k == usable:
+            break
+        k = min(2 * k, usable)
+    while hi is not None and hi - lo > 1 and tries < MAX_MIXED_TRIES:  # the fewest that pass
+        tries += 1
+        mid = (lo + hi) // 2
+        st = attempt(exclude(top(mid)))
+        if st.outcome is not None and st.outcome.status == "passed":
+            hi = mid
+        else:
+            lo = mid
+    if hi is None:
+        notes.append(f"mixed precision: keeping up to {len(top(lo))} layers in float did not meet the budget")
+
+
+def _raise_none_built(states: list[_State], precision: str, target: str) -> None:
+    """Every candidate of the requested precision raised: the first one's own error where it is
+    ours (it says what to do), else one error listing the reasons."""
+    errors = [s for s in states if s.error is not None and (precision == "auto" or s.candidate.precision == precision)]
+    for s in errors:
+        if isinstance(s.error, EdgekitError):
+            raise s.error
+    reasons = "; ".join(f"{s.candidate.name}: {_reason(s.error)}" for s in errors if s.error is not None)
+    raise OptimizationError(
+        f"{target}: no {precision} candidate could be built ({reasons or 'none described'}); "
+        "try another --precision for this target"
+    )
+
+
+def _p50(s: _State | None) -> float | None:
+    return None if s is None or s.outcome is None else s.outcome.p50_ms
+
+
+def _outcome(
+    cand: Candidate, status: str, reason: str, comparison: Comparison | None, st: _State, build_s: float
+) -> Outcome:
+    built = st.built
+    size = 0
+    if built is not None:
+        size = sum((st.folder / p).stat().st_size for p, role in built.files.items() if role == "artifact")
+    prec: Precision | None = built.precision if built is not None else None
+    return Outcome(
+        name=cand.name,
+        precision=cand.precision,
+        runtime=cand.runtime,
+        settings=dict(cand.settings),
+        status=status,
+        reason=reason,
+        comparison=comparison,
+        size_bytes=size,
+        build_s=build_s,
+        label=prec.label if prec else "",
+        method=prec.method if prec else "",
+        excluded_nodes=built.excluded_nodes if built is not None else (),
+        baseline=cand.baseline,
+    )
+
+
+def _skipped(name: str, why: str, cand: Candidate | None = None) -> Outcome:
+    return Outcome(
+        name=name,
+        precision=cand.precision if cand else "",
+        runtime=cand.runtime if cand else "",
+        settings=dict(cand.settings) if cand else {},
+        status="skipped",
+        reason=why,
+    )
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40] or "candidate"

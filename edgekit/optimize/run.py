@@ -1,0 +1,120 @@
+"""An engine target's build: its candidate plan through the search, then its ``finish``.
+
+``optimise`` is what the packager calls per engine target (with the run's FP32 reference, gate
+and settings) and what a target's own ``build`` calls outside the packager (defaults: the
+default gate, selection on the calibration data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgekit.bundle.manifest import Tolerance
+from edgekit.errors import ConfigError
+from edgekit.optimize.candidates import OBJECTIVES, RunFn
+from edgekit.optimize.data import DEFAULT_CALIB_SAMPLES, search_data
+from edgekit.optimize.engine import SearchResult, search
+from edgekit.targets.base import BuildContext, BuildResult
+from edgekit.validate.calib import fixed_batch, sample_count
+from edgekit.validate.metrics import output_kind, run_all
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the engine searches (the same for every target of one ``package`` call)."""
+
+    objective: str = "latency"  # or "size"
+    mixed_precision: bool = False  # for explicit --precision int8; auto always may keep layers in float
+    threads: int = 0  # the device runtime's thread count; 0 = the runtime's default
+    calib_samples: int = DEFAULT_CALIB_SAMPLES  # calibration subset size, every target
+    tolerance: Tolerance = dataclasses.field(default_factory=Tolerance)
+    latency_budget_s: float = 6.0  # per side-by-side round
+    # per target: refinements and mixed precision not started by then are skipped (and recorded);
+    # the first wave always runs
+    time_budget_s: float | None = 420.0
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"--objective {self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
+        if self.calib_samples < 1:
+            raise ConfigError(f"--calib-samples must be >= 1, got {self.calib_samples}")
+        if self.threads < 0:
+            raise ConfigError(f"threads must be >= 0, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class Optimised:
+    build: BuildResult
+    search: SearchResult
+
+
+def optimise(
+    target: Any,
+    ctx: BuildContext,
+    settings: EngineSettings | None = None,
+    reference_path: Path | None = None,
+    shared: dict[Any, Any] | None = None,
+) -> Optimised:
+    """Search ``target``'s candidates for ``ctx.precision`` and finish the chosen one into
+    ``ctx.out_dir``. ``reference_path``: the FP32 model accuracy is compared with and latency
+    referred to (the source model; default ``ctx.source_path`` or ``ctx.model_path``). ``shared``:
+    one dict per ``package`` call, so targets reuse each other's identical builds."""
+    from edgekit.targets.cpu import ort_open
+
+    settings = settings or EngineSettings()
+    ref_path = reference_path or ctx.source_path or ctx.model_path
+    reference_open = ort_open(ref_path)
+    reference: RunFn = reference_open(0)
+    kind = output_kind(ctx.served)
+    batch = fixed_batch(ctx.served) or 16
+    classes = None
+    if kind == "classifier":
+        first = ctx.served.outputs[0].name
+        scores = run_all(reference, dict(ctx.calib), batch, pad=fixed_batch(ctx.served) is not None)[first]
+        classes = np.asarray(scores).reshape(sample_count(ctx.calib), -1).argmax(-1)
+    data = search_data(ctx.calib, settings.calib_samples, classes)
+    calib_batch = fixed_batch(ctx.served) or min(16, sample_count(data.calib))
+    plan = target.candidates(ctx)
+    result = search(
+        plan,
+        target=target.name,
+        work_dir=ctx.work_dir / "candidates",
+        data=data,
+        served=ctx.served,
+        reference=reference,
+        reference_open=reference_open,
+        kind=kind,
+        tolerance=settings.tolerance,
+        precision=ctx.precision,
+        objective=settings.objective,
+        mixed_precision=settings.mixed_precision,
+        threads=settings.threads,
+        calib_batch=calib_batch,
+        latency_budget_s=settings.latency_budget_s,
+        progress=ctx.progress,
+        shared=shared,
+        time_budget_s=settings.time_budget_s,
+    )
+    built = target.finish(ctx, result.built, result.built_dir)
+    notes = (*built.notes, *summary_notes(result))
+    return Optimised(build=dataclasses.replace(built, notes=notes), search=result)
+
+
+def summary_notes(result: SearchResult) -> tuple[str, ...]:
+    """One line per candidate (``tried ...``), what was skipped and why, and the choice."""
+    lines = list(result.notes)
+    for o in result.outcomes:
+        if o.status == "skipped":
+            lines.append(f"skipped {o.name}: {o.reason}")
+            continue
+        speed = f", p50 {o.p50_ms:.3f} ms" if o.p50_ms is not None else ""
+        acc = o.comparison.summary() if o.comparison is not None else ""
+        verdict = "passed" if o.comparison is not None and o.comparison.passed else "failed: " + o.reason
+        lines.append(f"tried {o.name}: {acc}{speed} ({verdict})".replace(": ,", ":").replace(":  (", ": ("))
+    lines.append(f"chose {result.chosen.name}: {result.why}")
+    return tuple(lines)

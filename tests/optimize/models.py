@@ -1,0 +1,140 @@
+"""Tiny models for the optimisation-engine tests, built in code with seeded weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tests.factories import _save
+
+
+def outlier_mlp(path: Path, seed: int = 0) -> Path:
+    """x [N,16] -> MatMul a (16x32) -> Relu -> MatMul b (32x8) -> Relu -> MatMul c (8x8) -> y.
+
+    Column 0 of ``a`` is scaled by 1000 and row 0 of ``b`` by 1e-3: the tensor between ``a`` and
+    ``b`` has one outlier channel that sets its INT8 range, so every other channel rounds to
+    nearly nothing and plain INT8 misses the dense gate, while the outlier's own contribution to
+    ``y`` stays small. Keeping ``b`` in float (one layer) restores the output.
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((16, 32)).astype(np.float32) * 0.3
+    a[:, 0] *= 1000.0
+    b = rng.standard_normal((32, 8)).astype(np.float32) * 0.3
+    b[0, :] *= 1e-3
+    c = rng.standard_normal((8, 8)).astype(np.float32) * 0.3
+    nodes = [
+        helper.make_node("MatMul", ["x", "a"], ["h1"], name="layer_a"),
+        helper.make_node("Relu", ["h1"], ["r1"], name="relu_a"),
+        helper.make_node("MatMul", ["r1", "b"], ["h2"], name="layer_b"),
+        helper.make_node("Relu", ["h2"], ["r2"], name="relu_b"),
+        helper.make_node("MatMul", ["r2", "c"], ["h3"], name="layer_c"),
+        helper.make_node("Unsqueeze", ["h3", "axes"], ["y"], name="as_map"),  # rank 3: a dense output
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "outlier_mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, 1])],
+        [numpy_helper.from_array(v, n) for n, v in (("a", a), ("b", b), ("c", c))]
+        + [numpy_helper.from_array(np.array([2], dtype=np.int64), "axes")],
+    )
+    return _save(graph, path, 13)
+
+
+def token_classifier(path: Path, seed: int = 0, length: int = 16, classes: int = 4) -> Path:
+    """A byte-token classifier with an int32 input: ids [N, L] -> Gather (embedding) -> ReduceMean
+    -> Gemm with a 2-D bias [1, C] -> Softmax. ORT's per-channel static quantization raises on
+    it (``_adjust_weight_scale_for_int32_bias`` indexes the bias as if it were 1-D)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((256, 32)) * 0.5).astype(np.float32), "emb"),
+        numpy_helper.from_array((rng.standard_normal((32, classes)) * 2.0).astype(np.float32), "w"),
+        numpy_helper.from_array((rng.standard_normal((1, classes)) * 0.1).astype(np.float32), "bias"),
+        numpy_helper.from_array(np.array([1], dtype=np.int64), "axes"),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["emb", "tokens"], ["e"], name="embed"),
+        helper.make_node("ReduceMean", ["e", "axes"], ["m"], keepdims=0, name="pool"),
+        helper.make_node("Gemm", ["m", "w", "bias"], ["logits"], name="fc"),
+        helper.make_node("Softmax", ["logits"], ["probs"], axis=1, name="softmax"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "token_classifier",
+        [helper.make_tensor_value_info("tokens", TensorProto.INT32, ["batch", length])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", classes])],
+        inits,
+    )
+    return _save(graph, path, 18)
+
+
+def mobilenet_v3_block(path: Path, seed: int = 0, size: int = 32, classes: int = 4) -> Path:
+    """A MobileNetV3-style classifier: Conv -> HardSwish -> depthwise Conv -> HardSwish ->
+    squeeze-excite (GlobalAveragePool -> 1x1 Conv -> Relu -> 1x1 Conv -> HardSigmoid -> Mul) ->
+    1x1 Conv -> HardSwish -> GlobalAveragePool -> Flatten -> Gemm -> Softmax."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+
+    def init(name: str, shape: tuple[int, ...], scale: float) -> object:
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+    c, e, s = 16, 32, 8
+    nodes = [
+        helper.make_node("Conv", ["input", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], strides=[2, 2], name="stem"),
+        helper.make_node("HardSwish", ["c1"], ["h1"], name="stem_hswish"),
+        helper.make_node("Conv", ["h1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], group=c, name="dw"),
+        helper.make_node("HardSwish", ["c2"], ["h2"], name="dw_hswish"),
+        helper.make_node("GlobalAveragePool", ["h2"], ["sq"], name="se_pool"),
+        helper.make_node("Conv", ["sq", "w3", "b3"], ["s1"], name="se_reduce"),
+        helper.make_node("Relu", ["s1"], ["s2"], name="se_relu"),
+        helper.make_node("Conv", ["s2", "w4", "b4"], ["s3"], name="se_expand"),
+        helper.make_node("HardSigmoid", ["s3"], ["gate"], alpha=1.0 / 6, beta=0.5, name="se_hsigmoid"),
+        helper.make_node("Mul", ["h2", "gate"], ["se"], name="se_scale"),
+        helper.make_node("Conv", ["se", "w5", "b5"], ["c5"], name="project"),
+        helper.make_node("HardSwish", ["c5"], ["h5"], name="project_hswish"),
+        helper.make_node("GlobalAveragePool", ["h5"], ["p"], name="pool"),
+        helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "w6", "b6"], ["logits"], transB=1, name="classifier"),
+        helper.make_node("Softmax", ["logits"], ["probs"], axis=1, name="softmax"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mobilenet_v3_block",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 3, size, size])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", classes])],
+        [
+            init("w1", (c, 3, 3, 3), 0.4),
+            init("b1", (c,), 0.1),
+            init("w2", (c, 1, 3, 3), 0.4),
+            init("b2", (c,), 0.1),
+            init("w3", (s, c, 1, 1), 0.4),
+            init("b3", (s,), 0.1),
+            init("w4", (c, s, 1, 1), 0.4),
+            init("b4", (c,), 0.1),
+            init("w5", (e, c, 1, 1), 0.3),
+            init("b5", (e,), 0.1),
+            init("w6", (classes, e), 3.0),
+            init("b6", (classes,), 0.1),
+        ],
+    )
+    return _save(graph, path, 14)
+
+
+def confident(model: Path, inputs: np.ndarray, n: int, margin: float = 0.15) -> np.ndarray:
+    """The first ``n`` of ``inputs`` on which the FP32 model's top-1 leads the second by ``margin``."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    probs = session.run(None, {name: inputs})[0]
+    top2 = np.sort(probs, axis=1)[:, -2:]
+    keep = inputs[(top2[:, 1] - top2[:, 0]) > margin]
+    if len(keep) < n:
+        raise ValueError(f"only {len(keep)} of {len(inputs)} samples lead by {margin}")
+    return keep[:n]

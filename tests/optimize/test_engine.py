@@ -1,0 +1,104 @@
+"""The optimisation engine end to end through ``edgekit.package``: failed candidates are recorded,
+mixed precision rescues an INT8 model that misses the gate, NNCF gets the original graph."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgekit.packager import PackageValidationError, package
+from tests.optimize.models import confident, mobilenet_v3_block, outlier_mlp, token_classifier
+
+ORT_ONLY = {"quant_format": "qdq", "activations": "uint8", "per_channel": "on"}
+
+
+def _report(result, target: str = "cpu") -> dict:
+    return json.loads(result.reports[target].with_name(result.reports[target].name.replace(".md", ".json")).read_text())
+
+
+def test_engine_mixed_precision_rescues_int8_that_misses_the_dense_gate(keypair, tmp_path: Path) -> None:
+    model = outlier_mlp(tmp_path / "outlier.onnx")
+    x = np.random.default_rng(1).standard_normal((80, 16)).astype(np.float32)
+    result = package(
+        model, ["cpu"], "int8", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
+        options={"cpu": ORT_ONLY}, mixed_precision=True,
+    )  # fmt: skip
+    m = result.manifests["cpu"]
+    assert m.validation.passed and m.precision.method.endswith("layer(s) in float")
+    report = _report(result)
+    plain = next(c for c in report["candidates"] if c["name"] == "ort-static qdq u8s8 per-channel minmax")
+    assert plain["status"] == "failed" and "cosine" in plain["reason"]
+    chosen = next(c for c in report["candidates"] if c["status"] == "chosen")
+    # the outlier tensor sits between layer_a and layer_b: both stay float, layer_c stays int8
+    assert chosen["excluded_nodes"] == ["layer_b", "layer_a"]
+    assert m.precision.excluded_nodes == ("layer_b", "layer_a") and "sensitivity" in m.precision.excluded_reason
+    assert m.candidates is not None and m.candidates.chosen == chosen["name"]
+    assert m.calibration is not None and m.calibration.samples == 64 and len(m.calibration.sha256) == 64
+    assert any(n.startswith("layer sensitivity (most sensitive first): layer_b+layer_a") for n in report["notes"])
+
+
+def test_engine_plain_int8_never_keeps_layers_in_float(keypair, tmp_path: Path) -> None:
+    model = outlier_mlp(tmp_path / "outlier.onnx")
+    x = np.random.default_rng(1).standard_normal((80, 16)).astype(np.float32)
+    with pytest.raises(PackageValidationError) as info:
+        package(model, ["cpu"], "int8", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
+                options={"cpu": ORT_ONLY})  # fmt: skip
+    assert info.value.result.bundles == {}
+    report = _report(info.value.result)
+    assert all(not c["excluded_nodes"] for c in report["candidates"])
+    # chosen (for the gate to report) is the most accurate of those that missed the budget
+    assert {c["name"] for c in report["candidates"] if "cosine" in c["reason"]} == {
+        "ort-static qdq u8s8 per-channel minmax",
+        "ort-static qdq u8s8 per-channel percentile 99.999",
+        "ort-static qdq u8s8 per-channel entropy",
+    }
+
+
+def test_engine_int32_input_model_records_the_raising_ort_candidate_and_ships_another(keypair, tmp_path: Path) -> None:
+    model = token_classifier(tmp_path / "tokens.onnx")
+    tokens = np.random.default_rng(2).integers(0, 256, (400, 16)).astype(np.int32)
+    calib = confident(model, tokens, 60, margin=0.1)
+    result = package(
+        model, ["cpu"], "auto", calib={"tokens": calib}, key=keypair[0], out_dir=tmp_path / "out",
+        options={"cpu": {"openvino": False}},
+    )  # fmt: skip
+    m = result.manifests["cpu"]
+    assert m.validation.passed and result.bundles["cpu"].is_file()
+    report = _report(result)
+    by_name = {c["name"]: c for c in report["candidates"]}
+    raised = by_name["ort-static qdq u8s8 per-channel minmax"]
+    assert raised["status"] == "error" and raised["reason"].startswith("ValueError: The truth value of an array")
+    assert by_name[report["chosen"]]["status"] == "chosen"
+    recorded = {c.id: c for c in m.candidates.candidates}  # the same record, in the signed manifest
+    assert recorded["ort-static qdq u8s8 per-channel minmax"].status == "error"
+    assert recorded["ort-static qdq u8s8 per-channel minmax"].reason == raised["reason"]
+    assert m.validation.latency_p90_ms is not None and m.validation.latency_iqr_ms is not None
+    assert m.validation.slower_than_fp32 is not None
+    assert any(
+        n.startswith("tried ort-static qdq u8s8 per-channel minmax: (failed: ValueError") for n in m.validation.notes
+    )
+
+
+@pytest.mark.slow  # three NNCF builds, one with accuracy control: about a minute on a busy 2-core host
+def test_engine_mobilenet_v3_style_graph_gets_intel_int8_within_the_gate(keypair, tmp_path: Path) -> None:
+    model = mobilenet_v3_block(tmp_path / "mnv3.onnx")
+    rng = np.random.default_rng(3)
+    # noise around a per-sample colour: what global pooling keeps apart
+    x = (rng.standard_normal((3000, 3, 32, 32)) + 2 * rng.standard_normal((3000, 3, 1, 1))).astype(np.float32)
+    data = confident(model, x, 200, margin=0.5)
+    result = package(
+        model, ["intel"], "int8", calib={"input": data[:100]}, eval={"input": data[100:]}, key=keypair[0],
+        out_dir=tmp_path / "out",
+    )  # fmt: skip
+    m = result.manifests["intel"]
+    assert m.validation.passed and m.validation.samples == 100 and m.validation.top1_agreement == 1.0
+    assert m.precision.method.startswith("nncf ") and m.compatibility.runtime == "openvino"
+    report = _report(result, "intel")
+    assert report["candidates"][0]["name"] == "openvino fp32 ir" and report["candidates"][0]["baseline"]
+    # NNCF's defaults miss the gate on this graph; its accuracy-control refinement meets it
+    statuses = {c["name"]: c["status"] for c in report["candidates"]}
+    assert statuses["nncf int8 preset=performance bias_correction=fast"] == "failed"
+    assert statuses["nncf int8 preset=performance bias_correction=fast accuracy-control"] == "chosen"

@@ -1,0 +1,70 @@
+"""The candidate report next to a bundle: json, markdown, the plot, and the inspect summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from edgekit.bundle.manifest import Precision
+from edgekit.optimize.candidates import Built
+from edgekit.optimize.data import search_data
+from edgekit.optimize.engine import SearchResult
+from edgekit.optimize.report import pareto, summarise, write_report
+from edgekit.validate.latency import LatencyStats
+from tests.optimize.test_choose import _o
+
+
+def _result(tmp_path: Path) -> SearchResult:
+    fp32 = _o("ort fp32", 1.0, 1000, precision="fp32", baseline=True)
+    chosen = dataclasses.replace(_o("int8 a", 0.5, 250), status="chosen", excluded_nodes=("conv3",))
+    failed = dataclasses.replace(_o("int8 b", 0.4, 250, 0.5, passed=False), reason="top-1 agreement 0.5")
+    skipped = dataclasses.replace(_o("int8 c", None, 0), status="skipped", reason="dominated", comparison=None)
+    built = Built(files={}, runtime="onnxruntime", precision=Precision("int8", "uint8"), open=None)
+    data = search_data({"x": np.zeros((40, 3), np.float32)}, 16)
+    return SearchResult(
+        chosen=chosen, built=built, built_dir=tmp_path, why="fastest within the budget",
+        outcomes=(fp32, chosen, failed, skipped),
+        reference_latency=LatencyStats(1.0, 1.2, 0.1, 100), baseline=fp32, slower_than_fp32=False, objective="latency",
+        data=data, threads=2, notes=("selection on 24 calibration samples",), elapsed_s=3.0,
+    )  # fmt: skip
+
+
+def test_report_writes_json_markdown_and_plot_next_to_the_bundle(tmp_path: Path) -> None:
+    md = write_report(_result(tmp_path), tmp_path / "m-cpu-v1", "cpu", gate_passed=True)
+    assert md == tmp_path / "m-cpu-v1.report.md"
+    data = json.loads((tmp_path / "m-cpu-v1.report.json").read_text())
+    assert [c["status"] for c in data["candidates"]] == ["passed", "chosen", "failed", "skipped"]
+    assert data["candidates"][1]["speed_vs_fp32"] == 2.0 and data["candidates"][1]["excluded_nodes"] == ["conv3"]
+    text = md.read_text()
+    assert (
+        "| int8 b | failed: top-1 agreement 0.5 |" in text and "Layers kept in float (mixed precision): conv3" in text
+    )
+    png = tmp_path / "m-cpu-v1.report.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "![accuracy vs latency](m-cpu-v1.report.png)" in text
+    assert summarise(tmp_path / "m-cpu-v1.report.json").splitlines() == [
+        "candidates (cpu, objective latency): 1 chosen, 1 failed, 1 passed, 1 skipped",
+        "chosen: int8 a (fastest within the budget), 2.00x ORT fp32",
+    ]
+
+
+def test_report_pareto_front_keeps_only_undominated_points() -> None:
+    points = [(1.0, 0.99), (0.5, 0.98), (0.6, 0.97), (2.0, 1.0), (0.4, 0.90)]
+    assert pareto(points) == [(0.4, 0.90), (0.5, 0.98), (1.0, 0.99), (2.0, 1.0)]
+
+
+def test_report_summary_lines_from_the_manifest_candidate_report(tmp_path: Path) -> None:
+    from edgekit.bundle.manifest import Tolerance
+    from edgekit.optimize.record import candidate_report, summary_lines
+
+    report = candidate_report(_result(tmp_path), Tolerance())
+    assert report.chosen == "int8 a" and report.latency_measured
+    assert [c.speedup_vs_fp32 for c in report.candidates][:2] == [1.0, 2.0]
+    assert summary_lines(report) == [
+        "candidates (objective latency, 24 selection samples): 1 chosen, 1 failed, 1 passed, 1 skipped",
+        "chosen: int8 a, 2.00x ORT fp32",
+        "  failed int8 b: top-1 agreement 0.5",
+        "  skipped int8 c: dominated",
+    ]

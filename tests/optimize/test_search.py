@@ -1,0 +1,149 @@
+"""The search loop on candidates built in Python (no SDK): failures recorded, dominated
+refinements skipped and said so, explicit precisions chosen among their own candidates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from edgekit.bundle.manifest import Precision, Signature, TensorSpec, Tolerance
+from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, Refinement
+from edgekit.optimize.data import search_data
+from edgekit.optimize.engine import search
+
+SERVED = Signature(inputs=(TensorSpec("x", "float32", ("n", 8)),), outputs=(TensorSpec("y", "float32", ("n", 8, 1)),))
+HEAVY = np.random.default_rng(0).standard_normal((200, 200)).astype(np.float32)
+
+
+def _exact(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {"y": feed["x"][..., None] * 2.0}
+
+
+def _slow_and_wrong(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    for _ in range(3):  # a thousand times the work of the exact one: measurably slower
+        HEAVY @ HEAVY
+    return {"y": -feed["x"][..., None]}
+
+
+def _candidate(name: str, precision: str, fn, baseline: bool = False, raises: Exception | None = None) -> Candidate:
+    def build(space: BuildSpace) -> Built:
+        if raises is not None:
+            raise raises
+        (space.work_dir / "a.bin").write_bytes(b"x" * (100 if precision == "int8" else 400))
+        return Built({"a.bin": "artifact"}, "python", Precision("fp32", "fp32", name), open=lambda threads: fn)
+
+    return Candidate(name, precision, "python", build, {"recipe": name}, family=name, baseline=baseline)
+
+
+def _search(tmp_path: Path, plan: CandidatePlan, precision: str):
+    data = search_data({"x": np.random.default_rng(1).standard_normal((40, 8)).astype(np.float32)}, 16)
+    return search(
+        plan, target="test", work_dir=tmp_path / "c", data=data, served=SERVED, reference=_exact,
+        reference_open=lambda threads: _exact, kind="dense", tolerance=Tolerance(), precision=precision,
+        latency_budget_s=1.0, progress=lambda _m: None,
+    )  # fmt: skip
+
+
+def test_search_skips_a_refinement_of_a_layout_slower_than_fp32_under_auto(tmp_path: Path) -> None:
+    plan = CandidatePlan(
+        first=(_candidate("fp32", "fp32", _exact, baseline=True), _candidate("int8 slow", "int8", _slow_and_wrong)),
+        refinements=(Refinement(_candidate("int8 slow percentile", "int8", _slow_and_wrong), of="int8 slow"),),
+    )
+    result = _search(tmp_path, plan, "auto")
+    by_name = {o.name: o for o in result.outcomes}
+    assert by_name["int8 slow"].status == "failed" and "cosine" in by_name["int8 slow"].reason
+    skipped = by_name["int8 slow percentile"]
+    assert skipped.status == "skipped" and skipped.reason.startswith("dominated: int8 slow measured")
+    assert result.chosen.name == "fp32" and not result.slower_than_fp32
+
+
+def test_search_records_a_raising_build_and_chooses_among_the_requested_precision(tmp_path: Path) -> None:
+    plan = CandidatePlan(
+        first=(
+            _candidate("fp32", "fp32", _exact, baseline=True),
+            _candidate("int8 broken", "int8", _exact, raises=ValueError("The truth value of an array is ambiguous")),
+            _candidate("int8 ok", "int8", _exact),
+        ),
+        # an explicit int8 refines what missed regardless of speed; this one did not miss
+        refinements=(Refinement(_candidate("int8 ok entropy", "int8", _exact), of="int8 ok"),),
+    )
+    result = _search(tmp_path, plan, "int8")
+    by_name = {o.name: o for o in result.outcomes}
+    assert by_name["int8 broken"].status == "error"
+    assert by_name["int8 broken"].reason == "ValueError: The truth value of an array is ambiguous"
+    assert by_name["int8 ok entropy"].reason == "int8 ok is already within the budget"
+    assert result.chosen.name == "int8 ok" and result.chosen.size_bytes == 100
+    assert result.reference_latency is not None and result.chosen.latency is not None
+
+
+def test_search_builds_an_identical_candidate_once_across_targets(tmp_path: Path) -> None:
+    builds: list[str] = []
+
+    def counted(name: str) -> Candidate:
+        inner = _candidate(name, "fp32", _exact, baseline=True)
+
+        def build(space: BuildSpace) -> Built:
+            builds.append(str(space.work_dir))
+            return inner.build(space)
+
+        return Candidate(name, "fp32", "python", build, {"recipe": name, "device": "CPU"}, baseline=True)
+
+    shared: dict = {}
+    data = search_data({"x": np.random.default_rng(1).standard_normal((40, 8)).astype(np.float32)}, 16)
+    results = [
+        search(
+            CandidatePlan(first=(counted("ir fp32"),)),
+            target=t,
+            work_dir=tmp_path / t,
+            data=data,
+            served=SERVED,
+            reference=_exact,
+            reference_open=lambda threads: _exact,
+            kind="dense",
+            tolerance=Tolerance(),
+            precision="fp32",
+            latency_budget_s=0.5,
+            progress=lambda _m: None,
+            shared=shared,
+        )
+        for t in ("cpu", "intel")
+    ]
+    assert len(builds) == 1  # the second target measured the first one's build
+    assert results[0].built_dir == results[1].built_dir and results[1].chosen.status == "chosen"
+
+
+def test_search_skips_refinements_over_the_time_budget_and_says_so(tmp_path: Path) -> None:
+    def wrong(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"y": -feed["x"][..., None]}
+
+    plan = CandidatePlan(
+        first=(_candidate("fp32", "fp32", _exact, baseline=True), _candidate("int8", "int8", wrong)),
+        refinements=(Refinement(_candidate("int8 entropy", "int8", _exact), of="int8"),),
+    )
+    data = search_data({"x": np.random.default_rng(1).standard_normal((40, 8)).astype(np.float32)}, 16)
+    result = search(
+        plan, target="test", work_dir=tmp_path / "c", data=data, served=SERVED, reference=_exact,
+        reference_open=lambda threads: _exact, kind="dense", tolerance=Tolerance(), precision="int8",
+        mixed_precision=True, latency_budget_s=0.5, progress=lambda _m: None, time_budget_s=0.0,
+    )  # fmt: skip
+    skipped = next(o for o in result.outcomes if o.name == "int8 entropy")
+    assert (skipped.status, skipped.reason) == ("skipped", "over the search time budget (0 s)")
+    assert "mixed precision not tried: over the search time budget (0 s)" in result.notes
+
+
+def test_search_stops_refining_a_layout_once_one_refinement_meets_the_budget(tmp_path: Path) -> None:
+    def wrong(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"y": -feed["x"][..., None]}
+
+    plan = CandidatePlan(
+        first=(_candidate("fp32", "fp32", _exact, baseline=True), _candidate("int8 minmax", "int8", wrong)),
+        refinements=(
+            Refinement(_candidate("int8 percentile", "int8", _exact), of="int8 minmax"),
+            Refinement(_candidate("int8 entropy", "int8", _exact), of="int8 minmax"),
+        ),
+    )
+    result = _search(tmp_path, plan, "int8")
+    by_name = {o.name: o for o in result.outcomes}
+    assert by_name["int8 percentile"].status == "chosen"
+    assert by_name["int8 entropy"].reason == "int8 percentile (a refinement of int8 minmax) already meets the budget"
