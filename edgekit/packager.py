@@ -49,6 +49,7 @@ from edgekit.bundle.manifest import (
     utc_now,
 )
 from edgekit.errors import CalibrationDataError, ConfigError, EdgekitError, ValidationFailedError
+from edgekit.optimize.data import DEFAULT_CALIB_SAMPLES
 from edgekit.package_checks import (
     check_data_sources,
     check_input_shapes,
@@ -74,7 +75,6 @@ from edgekit.validate.calib import (
     split_holdout,
     take,
 )
-from edgekit.optimize.data import DEFAULT_CALIB_SAMPLES
 from edgekit.validate.latency import LatencyStats, call_with, stats_side_by_side
 from edgekit.validate.metrics import MEASURES, Comparison, Kind, RunFn, compare, output_kind, run_all, tolerance_with
 from edgekit.validate.ort_runner import ort_cpu_runner
