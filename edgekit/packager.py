@@ -243,7 +243,11 @@ def package(
     from edgekit.optimize.run import EngineSettings
 
     engine = EngineSettings(
-        objective=objective, mixed_precision=mixed_precision, threads=threads, calib_samples=calib_samples, tolerance=tol
+        objective=objective,
+        mixed_precision=mixed_precision,
+        threads=threads,
+        calib_samples=calib_samples,
+        tolerance=tol,
     )
     if key is None:
         raise ConfigError("package: a signing key is required (--signing-key); make one with `edgekit keygen`")
