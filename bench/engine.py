@@ -180,7 +180,8 @@ def _edgekit(
     t0 = time.perf_counter()
     result = edgekit.package(
         path, targets=["cpu", "intel"], precision="auto", calib=calib, eval=held_out, labels=labels,
-        key=ctx.key, name=name.replace(".", "-"), out_dir=work / "out", force=True, progress=ctx.progress,
+        key=ctx.key, name=name.replace(".", "-"), out_dir=work / "out", overwrite=True, allow_failed=True,
+        progress=ctx.progress,
     )  # fmt: skip
     elapsed = time.perf_counter() - t0
     rows = [Measurement(name, "edgekit auto cpu+intel", "search time", "s", "edgekit", "edgekit", elapsed, elapsed,

@@ -42,6 +42,12 @@ def package(
     options: Mapping[str, Any] | None = None,
     preprocess: Preprocess | str | None = None,
     log_dir: str | Path | None = None,
+    *,
+    objective: str = "latency",
+    mixed_precision: bool = False,
+    threads: int = 0,
+    calib_samples: int = 128,  # = edgekit.optimize.data.DEFAULT_CALIB_SAMPLES (tested)
+    max_drop: float | None = None,
 ) -> PackageResult:
     """Convert, quantize and validate ``model`` (ONNX) for each of ``targets`` and write one signed
     bundle per target into ``out_dir`` (``NAME-TARGET-vVERSION.ekb``).
@@ -54,6 +60,11 @@ def package(
     ``key``: the private signing key (``edgekit keygen``). ``tolerance``: gate overrides such as
     ``{"min_top1_agreement": 0.97}``. ``overwrite``: replace existing bundles; ``allow_failed``:
     also write bundles that miss the gate (marked failed; ``result.passed`` is false).
+    ``precision="auto"`` (cpu, intel): the optimisation engine chooses among every candidate by
+    ``objective`` (``latency`` or ``size``) within the gate (``max_drop``: the allowed top-1 drop
+    for classifiers), never slower than FP32; ``mixed_precision`` lets an explicit ``int8`` keep
+    its most sensitive layers in float; ``threads``: the device runtime's thread count candidates
+    are timed at; ``calib_samples``: the stratified calibration subset's size.
 
     Returns a ``PackageResult``: ``bundles`` (target -> path), ``rows`` (the validation table),
     ``passed``, ``table()``, ``to_dict()``. Raises ``edgekit.errors.ConfigError`` and friends for
@@ -82,6 +93,11 @@ def package(
         options=options,
         preprocess=preprocess,
         log_dir=log_dir,
+        objective=objective,
+        mixed_precision=mixed_precision,
+        threads=threads,
+        calib_samples=calib_samples,
+        max_drop=max_drop,
     )
 
 

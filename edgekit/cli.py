@@ -183,6 +183,38 @@ def _register_package(sub: Any) -> None:
         help="override a validation gate: classifiers min_top1_agreement (0.98), max_top1_drop (0.01); dense "
         "outputs min_cosine (0.96), max_relative_error (0.2); 'none' turns one off",
     )
+    p.add_argument(
+        "--max-drop",
+        type=float,
+        metavar="D",
+        help="accuracy budget: with --labels the allowed top-1 drop (0.01 = one point; max_top1_drop); dense "
+        "outputs keep their default gate",
+    )
+    p.add_argument(
+        "--objective",
+        choices=("latency", "size"),
+        default="latency",
+        help="what cpu/intel candidates are chosen by within the budget (default latency)",
+    )
+    p.add_argument(
+        "--mixed-precision",
+        action="store_true",
+        help="let an explicit int8 keep its most sensitive layers in float to meet the budget (auto always may)",
+    )
+    p.add_argument(
+        "--calib-samples",
+        type=int,
+        default=128,
+        metavar="N",
+        help="calibration subset size, stratified (default 128; every target)",
+    )
+    p.add_argument(
+        "--runtime-threads",
+        type=int,
+        default=0,
+        metavar="N",
+        help="thread count candidates are timed at: the device runtime's (default 0 = the runtime's own)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace bundles of the same name and version")
     p.add_argument(
         "--allow-failed",
@@ -263,6 +295,11 @@ def _package_or_raise(args: argparse.Namespace) -> int:
             options=parse_option_args(args.option, targets),
             preprocess=args.preprocess,
             log_dir=args.log_dir,
+            objective=args.objective,
+            mixed_precision=args.mixed_precision,
+            threads=args.runtime_threads,
+            calib_samples=args.calib_samples,
+            max_drop=args.max_drop,
         )
     except PackageValidationError as exc:
         error, result = exc, exc.result

@@ -201,6 +201,7 @@ def package(
     mixed_precision: bool = False,
     threads: int = 0,
     calib_samples: int = DEFAULT_CALIB_SAMPLES,
+    max_drop: float | None = None,
 ) -> PackageResult:
     """Package ``model`` (ONNX) for ``targets`` and write one signed bundle per target.
 
@@ -224,7 +225,9 @@ def package(
     ``objective`` (``latency`` or ``size``) orders the candidates within the gate,
     ``mixed_precision`` lets an explicit ``int8`` keep its most sensitive layers in float (``auto``
     always may), ``threads`` is the device runtime's thread count latency is measured at (0: the
-    runtime's default), ``calib_samples`` bounds the stratified calibration subset. Every candidate
+    runtime's default), ``calib_samples`` bounds the stratified calibration subset. ``max_drop``: the
+    accuracy budget as a top-1 drop (``Tolerance.max_top1_drop``) for classifiers; dense outputs keep
+    their default gate (cosine, relative error). Every candidate
     is recorded in the manifest and in ``OUTDIR/<name>-<target>-v<version>.report.{md,json,png}``.
 
     Raises ``ConfigError`` (arguments, exit 2), ``ModelFormatError``, ``CalibrationDataError``,
@@ -279,6 +282,16 @@ def package(
         say(f"preparing {model.name}")
         prepared = prepare_model(model, work / "prepared", say)
         kind = output_kind(prepared.served)
+        if max_drop is not None:
+            if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) or not 0 <= max_drop <= 1:
+                raise ConfigError(
+                    f"--max-drop must be a number in [0, 1] (0.01 = one point of top-1), got {max_drop!r}"
+                )
+            if kind == "classifier":
+                tol = dataclasses.replace(tol, max_top1_drop=float(max_drop))
+                engine = dataclasses.replace(engine, tolerance=tol)
+            else:
+                say(f"--max-drop {max_drop}: dense outputs keep their gate (cosine, relative error)")
         if tolerance is not None and not isinstance(tolerance, Tolerance):
             check_tolerance_kind(tolerance, kind, prepared.served)
         if input_shapes:
@@ -586,7 +599,9 @@ def _validate_and_describe(
     # slower than FP32 on the artifact's own runtime (the engine's baseline), else than the FP32 source
     slower: bool | None = None
     slower_note: tuple[str, ...] = ()
-    if searched is not None and searched.baseline is not None and searched.chosen.latency is not None:
+    if not comparison.passed:
+        pass  # "slower" is said of an artifact that passed; a failed one is failed
+    elif searched is not None and searched.baseline is not None and searched.chosen.latency is not None:
         slower = searched.slower_than_fp32
         if slower:
             slower_note = (

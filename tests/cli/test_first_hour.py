@@ -266,7 +266,10 @@ def test_cli_package_fp16_needs_no_calibration_data(capsys, ws, tmp_path: Path) 
     np.savez(tmp_path / "eval.npz", input=confident_inputs(ws["model"], 8))
     code, out, err = _package(capsys, ws, tmp_path, "--precision", "fp16", "--eval", tmp_path / "eval.npz", "-q")
     assert (code, err) == (0, "")
-    assert out.splitlines()[2].startswith("cpu ") and out.splitlines()[2].endswith("passed")
+    # fp16 of a tiny model may run slower than fp32 here: shipped all the same, and said so
+    assert out.splitlines()[2].startswith("cpu ") and out.splitlines()[2].endswith(
+        ("passed", "passed, slower than fp32")
+    )
     code, _, err = _package(capsys, ws, tmp_path / "b", "--precision", "int8", "-q")
     assert (code, err) == (
         2,
@@ -390,12 +393,12 @@ def test_cli_package_from_an_image_folder_with_preprocess(capsys, ws, tmp_path: 
         (
             ["--precision", "INT8"],
             "edgekit: error: --precision 'INT8' is not one of fp32, fp16, int8, int8-weights, int4-weights, "
-            "palettize6, palettize4; did you mean 'int8'?",
+            "palettize6, palettize4, auto; did you mean 'int8'?",
         ),
         (
             ["--precision", "w8a8"],
             "edgekit: error: --precision 'w8a8' is not one of fp32, fp16, int8, int8-weights, int4-weights, "
-            "palettize6, palettize4; did you mean 'int8'?",
+            "palettize6, palettize4, auto; did you mean 'int8'?",
         ),
         (["--targt", "cpu"], "edgekit package: error: unrecognized argument --targt; did you mean --target?"),
         (["--nme", "x"], "edgekit package: error: unrecognized argument --nme; did you mean --name?"),

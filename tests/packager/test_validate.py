@@ -154,19 +154,14 @@ def test_calib_iter_batches_covers_every_sample() -> None:
 def test_latency_side_by_side_interleaves_with_rotating_start() -> None:
     calls: list[str] = []
     fns = {n: (lambda n=n: calls.append(n)) for n in "abc"}
-    p50 = p50_side_by_side(fns, repeats=3, warmup=1, block=2, discard=0)
+    p50 = p50_side_by_side(fns, repeats=3, warmup=1, block=2)
     assert calls == list("abc") + list("aabbcc") + list("bbccaa") + list("ccaabb")
-    calls.clear()  # the default discards (calls but does not time) the first call of each block
-    p50_side_by_side(fns, repeats=1, warmup=0, block=2)
-    assert calls == list("aaabbbccc")
     assert set(p50) == {"a", "b", "c"} and all(v >= 0 for v in p50.values())
 
 
 def test_latency_stops_at_budget_after_min_repeats() -> None:
     calls: list[str] = []
-    p50_side_by_side(
-        {"a": lambda: calls.append("a")}, repeats=1000, warmup=0, budget_s=0.0, min_repeats=4, block=3, discard=0
-    )
+    p50_side_by_side({"a": lambda: calls.append("a")}, repeats=1000, warmup=0, budget_s=0.0, min_repeats=4, block=3)
     assert len(calls) == 4 * 3
 
 
