@@ -161,7 +161,8 @@ def test_doctor_exits_nonzero_only_for_a_config_that_cannot_run_here(
         config = write_config(
             tmp_path / "good",
             keypair[1],
-            f'[updates]\nbroker = "mqtt://127.0.0.1:{port}"\nfleet = "f"\ndevice_id = "d"\n',
+            f'[updates]\nbroker = "mqtt://127.0.0.1:{port}"\nfleet = "f"\ndevice_id = "d"\n'
+            f'notice_keys = ["{keypair[1]}"]\n',
         )
         done = doctor("--config", str(config))
     assert done.returncode == 0, done.stdout + done.stderr
