@@ -16,6 +16,10 @@ FAULT_ENV = "EDGEKIT_FAULT"
 # Where each point sits: see ModelManager.install (stage..cleanup), the self-test child
 # (selftest_child) and the update client (download).
 FAULT_POINTS = ("verify", "stage", "selftest", "selftest_child", "switch", "commit", "cleanup", "download")
+# Misbehaviours a test can switch on the same way (``EDGEKIT_FAULT=<name>``); the code at the
+# point does what the name says instead of dying. ``selftest_flood``: the self-test child starts
+# grandchildren (one in a session of its own) and floods its stdout and stderr, forever.
+FAULT_BEHAVIOURS = ("selftest_flood",)
 
 
 def fault_point(name: str) -> None:
@@ -24,3 +28,11 @@ def fault_point(name: str) -> None:
         raise ValueError(f"unknown fault point {name!r}; add it to FAULT_POINTS ({', '.join(FAULT_POINTS)})")
     if os.environ.get(FAULT_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fault_active(name: str) -> bool:
+    """True if ``EDGEKIT_FAULT`` names this misbehaviour."""
+    if name not in FAULT_BEHAVIOURS:
+        known = ", ".join(FAULT_BEHAVIOURS)
+        raise ValueError(f"unknown fault behaviour {name!r}; add it to FAULT_BEHAVIOURS ({known})")
+    return os.environ.get(FAULT_ENV) == name

@@ -4,14 +4,20 @@ A crashing, hanging or memory-hungry runtime cannot take the daemon down: the pa
 (``run_selftest``) starts ``python -m device_agents.selftest``, kills it after
 ``selftest.timeout_s`` or when its RSS goes over ``selftest.memory_mb`` (watched with psutil:
 ``RLIMIT_AS`` breaks ONNX Runtime, OpenVINO and TensorFlow, which reserve address space), and
-reads its JSON report. The child loads the model with its runtime, runs the golden vectors
-(``manifest.golden``: cosine, atol/rtol, top-1 agreement) and measures p50 latency on one sample (one static batch).
+reads its JSON report. The child leads its own session: on any end (report, crash, timeout,
+memory) its whole process group and every descendant seen are SIGKILLed, and of its output only
+the last ``LOG_CAP_BYTES`` are kept, in memory (nothing on disk grows); RSS is summed over the
+child and its descendants. The child loads the model with its runtime, runs the golden vectors
+(``manifest.golden``: cosine, atol/rtol, top-1 agreement) and measures p50 latency on one
+sample (one static batch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -20,11 +26,11 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
-from device_agents.faults import fault_point
+from device_agents.faults import fault_active, fault_point
 from device_agents.runtimes.options import RuntimesConfig
 from edgekit.bundle.codec import from_data, to_data
 from edgekit.bundle.errors import SelfTestError
@@ -34,6 +40,11 @@ REPORT_NAME = "selftest.json"  # written next to the model's files by the manage
 _POLL_S = 0.02
 _LATENCY_RUNS = 50
 _LATENCY_BUDGET_S = 1.0
+LOG_CAP_BYTES = 1 << 20  # of the child's output kept (the tail)
+REPORT_LOG_BYTES = 4096  # of that tail recorded in a failed report
+_LOG_READ_PER_TICK = 256 * 1024  # per poll: a child writing faster waits on the pipe
+_SCAN_EVERY = 10  # polls between looks for new descendants (a /proc scan)
+_KILL_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,7 @@ class SelfTestReport:
     runtime: dict[str, Any] = field(default_factory=dict)
     peak_rss_mb: float = 0.0
     duration_s: float = 0.0
+    log_tail: str = ""  # the end of the child's output, when it failed
 
     def to_json(self) -> bytes:
         return json.dumps(to_data(self), indent=1).encode() + b"\n"
@@ -73,12 +85,13 @@ def run_selftest(
     options: RuntimesConfig,
     work_dir: Path,
 ) -> SelfTestReport:
-    """Self-test the extracted bundle in ``model_dir`` in a child process; never raises for a bad model."""
-    import psutil
+    """Self-test the extracted bundle in ``model_dir`` in a child process; never raises for a bad model.
 
+    The child runs in its own session (process group); whatever happens, the whole group and
+    every descendant seen is SIGKILLed before this returns, and only the last ``LOG_CAP_BYTES``
+    of its output are kept (in memory; a flooding child blocks on the pipe)."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:12]
-    result_path, log_path = work_dir / f"selftest-{tag}.json", work_dir / f"selftest-{tag}.log"
+    result_path = work_dir / f"selftest-{uuid.uuid4().hex[:12]}.json"
     cmd = [
         sys.executable,
         "-m",
@@ -88,39 +101,155 @@ def run_selftest(
         str(result_path),
     ]
     start = time.monotonic()
-    peak = 0
     try:
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
-        try:
-            ps = psutil.Process(proc.pid)
-            while proc.poll() is None:
-                elapsed = time.monotonic() - start
-                try:
-                    peak = max(peak, ps.memory_info().rss)
-                except psutil.Error:
-                    pass  # exited between poll() and the read
-                if peak > memory_mb * 1024 * 1024:
-                    return _failed(f"used {peak / 2**20:.0f} MB, over selftest.memory_mb = {memory_mb}", peak, elapsed)
-                if elapsed > timeout_s:
-                    return _failed(f"did not finish within selftest.timeout_s = {timeout_s:g} s", peak, elapsed)
-                time.sleep(_POLL_S)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+        child = ContainedChild(cmd)
+    except OSError as exc:
+        raise SelfTestError(f"cannot start the self-test process: {exc}") from exc
+    try:
+        while child.poll() is None:
+            elapsed = time.monotonic() - start
+            if child.peak_rss > memory_mb * 1024 * 1024:
+                used = child.peak_rss / 2**20
+                return child.failed(f"used {used:.0f} MB, over selftest.memory_mb = {memory_mb}", elapsed)
+            if elapsed > timeout_s:
+                return child.failed(f"did not finish within selftest.timeout_s = {timeout_s:g} s", elapsed)
+            time.sleep(_POLL_S)
+        child.kill_all()  # helpers the runtime left behind
         elapsed = time.monotonic() - start
         try:
             report = SelfTestReport.from_json(result_path.read_bytes())
         except (OSError, ValueError, SelfTestError):
-            how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exited {proc.returncode}"
-            return _failed(f"the self-test process {how} without a report{_log_tail(log_path)}", peak, elapsed)
-        return _replace_usage(report, peak, elapsed)
-    except OSError as exc:
-        raise SelfTestError(f"cannot start the self-test process: {exc}") from exc
+            code = child.returncode
+            how = f"was killed by signal {-code}" if code < 0 else f"exited {code}"
+            return child.failed(f"the self-test process {how} without a report", elapsed)
+        return replace(report, peak_rss_mb=round(child.peak_rss / 2**20, 1), duration_s=round(elapsed, 3))
     finally:
+        child.kill_all()
+        child.close()
         result_path.unlink(missing_ok=True)
-        log_path.unlink(missing_ok=True)
+        result_path.with_name(result_path.name + ".tmp").unlink(missing_ok=True)
+
+
+class ContainedChild:
+    """A child process in its own session, its output's tail, and the descendants it starts.
+
+    ``poll`` reads at most ``_LOG_READ_PER_TICK`` bytes of output per call (the child blocks on
+    the full pipe beyond that), keeps the last ``LOG_CAP_BYTES``, samples RSS summed over the
+    child and its descendants, and every ``_SCAN_EVERY`` calls looks for new descendants.
+    ``kill_all`` SIGKILLs the process group and every descendant seen (one that left the group
+    with ``setsid`` too) and reaps the child."""
+
+    def __init__(self, cmd: list[str]) -> None:
+        import psutil
+
+        read_fd, write_fd = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd, start_new_session=True
+            )
+        except OSError:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        os.set_blocking(read_fd, False)
+        self._fd: int | None = read_fd
+        self._root = psutil.Process(self.proc.pid)
+        self._seen: dict[int, Any] = {self.proc.pid: self._root}
+        self._ticks = 0
+        self.log = bytearray()
+        self.log_bytes = 0  # everything read, kept or not
+        self.peak_rss = 0
+
+    @property
+    def returncode(self) -> int:
+        return self.proc.returncode if self.proc.returncode is not None else 0
+
+    def poll(self) -> int | None:
+        import psutil
+
+        self._pump(_LOG_READ_PER_TICK)
+        if self._ticks % _SCAN_EVERY == 0:
+            try:
+                for p in self._root.children(recursive=True):
+                    self._seen.setdefault(p.pid, p)
+            except psutil.Error:
+                pass  # the child exited between two reads
+        self._ticks += 1
+        rss = 0
+        for p in list(self._seen.values()):
+            try:
+                rss += p.memory_info().rss
+            except psutil.Error:
+                pass  # exited
+        self.peak_rss = max(self.peak_rss, rss)
+        return self.proc.poll()
+
+    def kill_all(self) -> None:
+        import psutil
+
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # pgid == pid: start_new_session
+        with contextlib.suppress(psutil.Error):
+            for p in self._root.children(recursive=True):
+                self._seen.setdefault(p.pid, p)
+        others = [p for pid, p in self._seen.items() if pid != self.proc.pid]
+        for p in others:
+            with contextlib.suppress(psutil.Error):
+                p.kill()  # psutil checks the pid was not reused
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        # SIGKILL lands asynchronously; wait (briefly) until the others are gone or zombies.
+        deadline = time.monotonic() + _KILL_WAIT_S
+        while others and time.monotonic() < deadline:
+            others = [p for p in others if _running(p)]
+            if others:
+                time.sleep(0.01)
+
+    def failed(self, reason: str, elapsed: float) -> SelfTestReport:
+        """A failed report for ``reason`` plus the last lines of output."""
+        self.kill_all()
+        self._pump(LOG_CAP_BYTES)
+        return SelfTestReport(
+            passed=False,
+            reason=reason + self.tail_lines(),
+            peak_rss_mb=round(self.peak_rss / 2**20, 1),
+            duration_s=round(elapsed, 3),
+            log_tail=bytes(self.log[-REPORT_LOG_BYTES:]).decode(errors="replace"),
+        )
+
+    def tail_lines(self, lines: int = 3, width: int = 200) -> str:
+        text = bytes(self.log[-8 * width :]).decode(errors="replace").strip().splitlines()
+        return (": " + " | ".join(t[:width] for t in text[-lines:])) if text else ""
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _pump(self, budget: int) -> None:
+        while budget > 0 and self._fd is not None:
+            try:
+                block = os.read(self._fd, min(65536, budget))
+            except BlockingIOError:
+                return
+            if not block:
+                return  # EOF: every writer is gone
+            budget -= len(block)
+            self.log_bytes += len(block)
+            self.log += block
+            if len(self.log) > LOG_CAP_BYTES:
+                del self.log[: len(self.log) - LOG_CAP_BYTES]
+
+
+def _running(p: Any) -> bool:
+    import psutil
+
+    try:
+        return bool(p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
 
 
 def latency_verdict(p50_ms: float | None, baseline_ms: float | None, slack: float, floor_ms: float) -> str:
@@ -158,22 +287,6 @@ def compare_outputs(got: dict[str, np.ndarray], expected: dict[str, np.ndarray],
     return checks
 
 
-def _failed(reason: str, peak_rss: int, duration_s: float) -> SelfTestReport:
-    return SelfTestReport(passed=False, reason=reason, peak_rss_mb=peak_rss / 2**20, duration_s=duration_s)
-
-
-def _replace_usage(report: SelfTestReport, peak_rss: int, duration_s: float) -> SelfTestReport:
-    return replace(report, peak_rss_mb=round(peak_rss / 2**20, 1), duration_s=round(duration_s, 3))
-
-
-def _log_tail(path: Path, lines: int = 3) -> str:
-    try:
-        text = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return ""
-    return (": " + " | ".join(text[-lines:])) if text else ""
-
-
 # -- the child ----------------------------------------------------------------------------
 
 
@@ -182,6 +295,8 @@ def _child(model_dir: Path, options: RuntimesConfig) -> SelfTestReport:
 
     manifest = Manifest.from_json((model_dir / "manifest.json").read_bytes())
     fault_point("selftest_child")
+    if fault_active("selftest_flood"):
+        _flood()
     model = load_model(model_dir, manifest, options.options_for(manifest.compatibility.runtime))
     try:
         with np.load(model_dir / manifest.golden.file, allow_pickle=False) as golden:
@@ -241,13 +356,25 @@ def _p50_ms(model: Any, manifest: Manifest, inputs: dict[str, np.ndarray]) -> fl
     return round(statistics.median(times), 4)
 
 
+def _flood() -> NoReturn:
+    """What a runaway runtime might do (fault ``selftest_flood``): start helpers that outlive
+    it, one of them in a session of its own, and write without end. Each line names them."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    helpers = [subprocess.Popen(sleeper), subprocess.Popen(sleeper, start_new_session=True)]
+    line = (f"flood helpers={','.join(str(h.pid) for h in helpers)} " + "x" * 150 + "\n").encode()
+    while True:
+        os.write(1, line)
+        os.write(2, line)
+
+
 def _exit_with_parent() -> None:
-    """Stop when the daemon that started us dies (we run in our own session)."""
+    """Stop, with our whole process group, when the daemon that started us dies (we lead our own
+    session, so nothing else would stop runtime helpers we started)."""
     parent = os.getppid()
     while True:
         time.sleep(0.5)
         if os.getppid() != parent:
-            os._exit(3)
+            os.killpg(0, signal.SIGKILL)
 
 
 def main(argv: list[str]) -> int:

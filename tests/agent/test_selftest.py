@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from device_agents.runtimes.options import OnnxRuntimeOptions, RuntimesConfig
-from device_agents.selftest import SelfTestReport, compare_outputs, latency_verdict, run_selftest
+from device_agents.selftest import (
+    LOG_CAP_BYTES,
+    REPORT_LOG_BYTES,
+    ContainedChild,
+    SelfTestReport,
+    compare_outputs,
+    latency_verdict,
+    run_selftest,
+)
 from device_agents.store import Store
 from edgekit.bundle import TrustStore
 from edgekit.bundle.manifest import Golden
@@ -100,3 +110,48 @@ def test_compare_outputs_checks_cosine_tolerance_and_top1() -> None:
     assert not swapped.passed and swapped.top1_agreement == 0.0
     (wrong_shape,) = compare_outputs({"p": want[:1]}, {"p": want}, golden)
     assert not wrong_shape.passed
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_selftest_flooding_child_keeps_a_capped_log_and_leaves_no_orphans(
+    tmp_path: Path, bundles: Bundles, keypair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import re
+
+    monkeypatch.setenv("EDGEKIT_FAULT", "selftest_flood")  # grandchildren (one setsid'd), then endless output
+    report = _run(_extracted(tmp_path, bundles.v1, keypair[1]), tmp_path, timeout_s=3)
+    assert not report.passed
+    assert "did not finish within selftest.timeout_s = 3 s" in report.reason
+    found = re.search(r"flood helpers=(\d+),(\d+)", report.reason)
+    assert found, report.reason  # the output's tail reached the report
+    for pid in map(int, found.groups()):
+        assert not _alive(pid), f"grandchild {pid} outlived the self-test"
+    assert len(report.log_tail.encode()) <= REPORT_LOG_BYTES
+    assert list((tmp_path / "work").iterdir()) == []  # no log file grows on disk
+
+
+def test_contained_child_keeps_only_the_tail_of_its_output(tmp_path: Path) -> None:
+    flood = "import os\nfor i in range(400): os.write(1, (str(i).rjust(8) + 'y' * 8183 + '\\n').encode())\n"
+    child = ContainedChild([sys.executable, "-c", flood])
+    try:
+        while child.poll() is None:
+            time.sleep(0.01)
+        child.kill_all()
+        while child.log_bytes < 400 * 8192:  # what was left in the pipe
+            before = child.log_bytes
+            child.poll()
+            if child.log_bytes == before:
+                break
+    finally:
+        child.close()
+    assert child.log_bytes == 400 * 8192
+    assert len(child.log) == LOG_CAP_BYTES
+    assert bytes(child.log).endswith(b"     399" + b"y" * 8183 + b"\n")
