@@ -90,6 +90,12 @@ BENCHMARKS: tuple[Entry, ...] = (
         "50 devices converge and reconnect after a broker restart (jitter vs paho's fixed backoff)",
     ),
     Entry(
+        "selftest.load",
+        "bench.selftest_load:run",
+        "self-test latency check under steady client load: an identical candidate vs the serving version, "
+        "side by side in the self-test child (and vs the idle baseline the check used before)",
+    ),
+    Entry(
         "agent.roundtrip",
         "bench.agent_roundtrip:run",
         "edgekit-agent v2 HTTP infer (tritonclient, 1 KB tensor) vs in-process onnxruntime session.run",

@@ -51,6 +51,7 @@ log = logging.getLogger("edgekit.agent")
 # Statuses set here in addition to the store's: "healthy" = ran through its health window.
 INTERRUPTED = ("staged", "testing", "switching")
 _IDLE_WAIT_S = 30.0
+_MIN_LIVE_SAMPLES = 5  # live requests in the self-test's window that make a baseline
 
 
 @dataclass(frozen=True)
@@ -249,33 +250,57 @@ class ModelManager:
 
     def _selftest(self, name: str, slot: Slot, host_p50_ms: float | None) -> SelfTestReport:
         cfg = self.config.selftest
+        active = self.store.model_state(name).active
         report = run_selftest(
             self.store.model_dir(slot),
             timeout_s=cfg.timeout_s,
             memory_mb=cfg.memory_mb,
             options=self.config.runtimes_for(name),
             work_dir=self.store.root / "tmp",
+            baseline_dir=self.store.model_dir(active) if active is not None and active != slot else None,
         )
-        prev = self.selftest_report(name)  # the active (about to be previous) version's, on this device
-        baseline = prev.latency_p50_ms if prev is not None and prev.latency_p50_ms else host_p50_ms
+        report = self._with_baseline(name, report, host_p50_ms)
         if report.passed:
-            verdict = latency_verdict(report.latency_p50_ms, baseline, cfg.latency_slack, cfg.latency_floor_ms)
-            report = replace(report, passed=not verdict, reason=verdict, baseline_p50_ms=baseline)
-        else:
-            report = replace(report, baseline_p50_ms=baseline)
+            verdict = latency_verdict(
+                report.latency_p50_ms, report.baseline_p50_ms, cfg.latency_slack, cfg.latency_floor_ms
+            )
+            if verdict:
+                verdict += f" ({report.baseline_source or 'no'} baseline)"
+            report = replace(report, passed=not verdict, reason=verdict)
         atomic_write(self.store.model_dir(slot) / REPORT_NAME, report.to_json())
         self.metrics.selftests.labels(name, "passed" if report.passed else "failed").inc()
         if report.latency_p50_ms is not None:
             self.metrics.selftest_p50_seconds.labels(name).set(report.latency_p50_ms / 1000)
         log.info(
-            "%s v%d self-test %s (p50 %s ms, %.1f s)%s",
+            "%s v%d self-test %s (p50 %s ms, baseline %s ms %s, %.1f s)%s",
             name,
             slot.version,
             "passed" if report.passed else "FAILED",
             report.latency_p50_ms,
+            report.baseline_p50_ms,
+            report.baseline_source or "none",
             report.duration_s,
             f": {report.reason}" if report.reason else "",
         )
+        return report
+
+    def _with_baseline(self, name: str, report: SelfTestReport, host_p50_ms: float | None) -> SelfTestReport:
+        """What the candidate's p50 is compared with, best first: the serving version timed side
+        by side in the child; the serving version's live requests over the same window (when
+        the child could not hold both); its self-test p50 recorded at install; the host's."""
+        if report.baseline_source == "side_by_side" or report.latency_p50_ms is None:
+            return report
+        with self._cond:
+            entry = self._live.get(name)
+        if entry is not None and report.latency_window_s is not None:
+            p50, count = entry.model.latency.p50_between(*report.latency_window_s)
+            if p50 is not None and count >= _MIN_LIVE_SAMPLES:
+                return replace(report, baseline_p50_ms=p50, baseline_source="live")
+        prev = self.selftest_report(name)  # the active (about to be previous) version's, on this device
+        if prev is not None and prev.latency_p50_ms:
+            return replace(report, baseline_p50_ms=prev.latency_p50_ms, baseline_source="recorded")
+        if host_p50_ms:
+            return replace(report, baseline_p50_ms=host_p50_ms, baseline_source="host")
         return report
 
     def _reject(self, name: str, why: str, old: ModelState) -> NoReturn:

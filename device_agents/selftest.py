@@ -9,7 +9,8 @@ memory) its whole process group and every descendant seen are SIGKILLed, and of 
 the last ``LOG_CAP_BYTES`` are kept, in memory (nothing on disk grows); RSS is summed over the
 child and its descendants. The child loads the model with its runtime, runs the golden vectors
 (``manifest.golden``: cosine, atol/rtol, top-1 agreement) and measures p50 latency on one
-sample (one static batch).
+sample (one static batch): side by side with the serving version (both loaded, timed
+interleaved, so that load on the device weighs on both alike) when memory allows.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ REPORT_NAME = "selftest.json"  # written next to the model's files by the manage
 _POLL_S = 0.02
 _LATENCY_RUNS = 50
 _LATENCY_BUDGET_S = 1.0
+_SIDE_BY_SIDE_RUNS = 100  # per model
+_BOTH_MEMORY_FRACTION = 0.8  # of selftest.memory_mb the child may plan to use with both loaded
 LOG_CAP_BYTES = 1 << 20  # of the child's output kept (the tail)
 REPORT_LOG_BYTES = 4096  # of that tail recorded in a failed report
 _LOG_READ_PER_TICK = 256 * 1024  # per poll: a child writing faster waits on the pipe
@@ -63,6 +66,12 @@ class SelfTestReport:
     reason: str = ""  # why it failed, in one line
     latency_p50_ms: float | None = None
     baseline_p50_ms: float | None = None  # what the latency gate compared with
+    # Where that came from: "side_by_side" (the serving version, timed interleaved in the child),
+    # "live" (the serving version's own requests over latency_window_s), "recorded" (its self-test
+    # at install), "host" (the manifest's host latency), "" (nothing to compare with).
+    baseline_source: str = ""
+    baseline_note: str = ""  # why not side by side, where it was asked for
+    latency_window_s: tuple[float, float] | None = None  # CLOCK_MONOTONIC span of the candidate's timing
     outputs: tuple[OutputCheck, ...] = ()
     runtime: dict[str, Any] = field(default_factory=dict)
     peak_rss_mb: float = 0.0
@@ -84,8 +93,14 @@ def run_selftest(
     memory_mb: int,
     options: RuntimesConfig,
     work_dir: Path,
+    baseline_dir: Path | None = None,
 ) -> SelfTestReport:
     """Self-test the extracted bundle in ``model_dir`` in a child process; never raises for a bad model.
+
+    ``baseline_dir``: the serving version's extracted bundle, timed side by side with the
+    candidate in the child when both fit in ``memory_mb`` (``baseline_source`` "side_by_side");
+    otherwise the report carries ``latency_window_s`` for a comparison with live traffic and
+    leaves the verdict on latency to the caller.
 
     The child runs in its own session (process group); whatever happens, the whole group and
     every descendant seen is SIGKILLed before this returns, and only the last ``LOG_CAP_BYTES``
@@ -99,6 +114,7 @@ def run_selftest(
         str(model_dir),
         json.dumps(to_data(options)),
         str(result_path),
+        json.dumps(to_data(ChildPlan(str(baseline_dir) if baseline_dir else "", memory_mb))),
     ]
     start = time.monotonic()
     try:
@@ -290,18 +306,25 @@ def compare_outputs(got: dict[str, np.ndarray], expected: dict[str, np.ndarray],
 # -- the child ----------------------------------------------------------------------------
 
 
-def _child(model_dir: Path, options: RuntimesConfig) -> SelfTestReport:
-    from device_agents.runtimes import load_model
+@dataclass(frozen=True)
+class ChildPlan:
+    """What the parent asks of the child beyond the candidate: the serving version to time
+    side by side (its extracted dir) and the memory bound both must fit in."""
 
+    baseline_dir: str = ""
+    memory_mb: int = 0
+
+
+def _child(model_dir: Path, options: RuntimesConfig, plan: ChildPlan) -> SelfTestReport:
     manifest = Manifest.from_json((model_dir / "manifest.json").read_bytes())
     fault_point("selftest_child")
     if fault_active("selftest_flood"):
         _flood()
-    model = load_model(model_dir, manifest, options.options_for(manifest.compatibility.runtime))
+    rss_before = _rss_bytes()
+    model = _load(model_dir, manifest, options)
+    model_cost = max(0, _rss_bytes() - rss_before)
     try:
-        with np.load(model_dir / manifest.golden.file, allow_pickle=False) as golden:
-            inputs = {s.name: golden[f"in_{s.name}"] for s in manifest.signature.inputs}
-            expected = {s.name: golden[f"out_{s.name}"] for s in manifest.signature.outputs}
+        inputs, expected = _golden(model_dir, manifest)
         checks = compare_outputs(_infer_batches(model, manifest, inputs), expected, manifest.golden)
         failed = [c for c in checks if not c.passed]
         reason = ""
@@ -313,15 +336,73 @@ def _child(model_dir: Path, options: RuntimesConfig) -> SelfTestReport:
                 f"+ rtol {manifest.golden.rtol:g}"
                 + (f", top-1 agreement {c.top1_agreement:.1%}" if c.top1_agreement is not None else "")
             )
-        return SelfTestReport(
+        report = SelfTestReport(
             passed=not failed,
             reason=reason,
-            latency_p50_ms=_p50_ms(model, manifest, inputs),
             outputs=tuple(checks),
             runtime={str(k): v for k, v in model.runner.describe().items()},
         )
+        return replace(report, **_latency(model, _one_batch(manifest, inputs), options, plan, model_cost))
     finally:
         model.close()
+
+
+def _latency(
+    model: Any, one: dict[str, np.ndarray], options: RuntimesConfig, plan: ChildPlan, cost: int
+) -> dict[str, Any]:
+    """The latency fields of the report: side by side with the serving version when it loads
+    here within the memory bound, else the candidate alone with the window it was timed in."""
+    baseline, note = None, ""
+    if plan.baseline_dir:
+        base_dir = Path(plan.baseline_dir)
+        limit = plan.memory_mb * 2**20 * _BOTH_MEMORY_FRACTION
+        need = _rss_bytes() + max(cost, _artifact_bytes(base_dir))
+        if plan.memory_mb and need > limit:
+            note = (
+                f"the serving version is not loaded beside the candidate: about {need / 2**20:.0f} MB "
+                f"needed, over {_BOTH_MEMORY_FRACTION:.0%} of selftest.memory_mb = {plan.memory_mb}"
+            )
+        else:
+            try:
+                base_manifest = Manifest.from_json((base_dir / "manifest.json").read_bytes())
+                baseline = _load(base_dir, base_manifest, options)
+                base_one = _one_batch(base_manifest, _golden(base_dir, base_manifest)[0])
+            except Exception as exc:  # the serving version's trouble is never the candidate's
+                note = f"the serving version does not load beside the candidate ({type(exc).__name__}: {exc})"
+                if baseline is not None:
+                    baseline.close()
+                baseline = None
+    if baseline is None:
+        p50, window = _p50_ms(model, one)
+        return {"latency_p50_ms": p50, "latency_window_s": window, "baseline_note": note}
+    try:
+        p50, base_p50 = _p50_side_by_side(model, one, baseline, base_one)
+    finally:
+        baseline.close()
+    return {"latency_p50_ms": p50, "baseline_p50_ms": base_p50, "baseline_source": "side_by_side"}
+
+
+def _load(model_dir: Path, manifest: Manifest, options: RuntimesConfig) -> Any:
+    from device_agents.runtimes import load_model
+
+    return load_model(model_dir, manifest, options.options_for(manifest.compatibility.runtime))
+
+
+def _golden(model_dir: Path, manifest: Manifest) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    with np.load(model_dir / manifest.golden.file, allow_pickle=False) as golden:
+        inputs = {s.name: golden[f"in_{s.name}"] for s in manifest.signature.inputs}
+        expected = {s.name: golden[f"out_{s.name}"] for s in manifest.signature.outputs}
+    return inputs, expected
+
+
+def _artifact_bytes(model_dir: Path) -> int:
+    return sum(p.stat().st_size for p in model_dir.rglob("*") if p.is_file())
+
+
+def _rss_bytes() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
 
 
 def _infer_batches(model: Any, manifest: Manifest, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -339,21 +420,49 @@ def _infer_batches(model: Any, manifest: Manifest, inputs: dict[str, np.ndarray]
     return {name: np.concatenate(values) for name, values in parts.items()}
 
 
-def _p50_ms(model: Any, manifest: Manifest, inputs: dict[str, np.ndarray]) -> float:
-    """p50 of ``infer`` on one sample (the first), where the batch axis is dynamic."""
-    one = {
+def _one_batch(manifest: Manifest, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One sample (the first), or one static batch where the batch axis is fixed."""
+    return {
         s.name: inputs[s.name][: s.shape[0] if s.shape and isinstance(s.shape[0], int) else 1]
         for s in manifest.signature.inputs
     }
+
+
+def _p50_ms(model: Any, one: dict[str, np.ndarray]) -> tuple[float, tuple[float, float]]:
+    """p50 of the runtime's time on ``one``, and the monotonic window it was measured in."""
     for _ in range(3):
         model.infer(one)
-    times: list[float] = []
+    start = time.monotonic()
     deadline = time.perf_counter() + _LATENCY_BUDGET_S
-    while len(times) < _LATENCY_RUNS and (len(times) < 5 or time.perf_counter() < deadline):
-        t0 = time.perf_counter()
+    runs = 0
+    while runs < _LATENCY_RUNS and (runs < 5 or time.perf_counter() < deadline):
         model.infer(one)
-        times.append((time.perf_counter() - t0) * 1000)
-    return round(statistics.median(times), 4)
+        runs += 1
+    end = time.monotonic()
+    p50, _ = model.latency.p50_between(start, end)
+    return float(p50), (start, end)
+
+
+def _p50_side_by_side(
+    a: Any, a_one: dict[str, np.ndarray], b: Any, b_one: dict[str, np.ndarray]
+) -> tuple[float, float]:
+    """p50 of ``a`` and of ``b``, timed interleaved (ABBA...) so that whatever else loads the
+    device in those seconds weighs on both alike."""
+    for _ in range(3):
+        a.infer(a_one)
+        b.infer(b_one)
+    ta: list[float] = []
+    tb: list[float] = []
+    deadline = time.perf_counter() + 2 * _LATENCY_BUDGET_S
+    i = 0
+    while len(ta) < _SIDE_BY_SIDE_RUNS and (len(ta) < 5 or time.perf_counter() < deadline):
+        order = ((a, a_one, ta), (b, b_one, tb)) if i % 2 == 0 else ((b, b_one, tb), (a, a_one, ta))
+        for model, one, times in order:
+            t0 = time.perf_counter()
+            model.infer(one)
+            times.append((time.perf_counter() - t0) * 1000)
+        i += 1
+    return round(statistics.median(ta), 4), round(statistics.median(tb), 4)
 
 
 def _flood() -> NoReturn:
@@ -382,7 +491,8 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     try:
         options = from_data(RuntimesConfig, json.loads(options_json), "runtimes", SelfTestError)
-        report = _child(model_dir, options)
+        plan = from_data(ChildPlan, json.loads(argv[3]), "plan", SelfTestError) if len(argv) > 3 else ChildPlan()
+        report = _child(model_dir, options, plan)
     except Exception as exc:  # entry point of the child: any failure becomes the report
         report = SelfTestReport(passed=False, reason=f"{type(exc).__name__}: {exc}")
     tmp = result_path.with_name(result_path.name + ".tmp")

@@ -155,3 +155,46 @@ def test_contained_child_keeps_only_the_tail_of_its_output(tmp_path: Path) -> No
     assert child.log_bytes == 400 * 8192
     assert len(child.log) == LOG_CAP_BYTES
     assert bytes(child.log).endswith(b"     399" + b"y" * 8183 + b"\n")
+
+
+def test_selftest_times_the_serving_version_side_by_side(
+    tmp_path: Path, bundles: Bundles, keypair: tuple[Path, Path]
+) -> None:
+    store = Store(tmp_path / "store")
+    trust = TrustStore.from_files([keypair[1]])
+    serving = store.model_dir(store.stage(bundles.v1, trust).slot)
+    candidate = store.model_dir(store.stage(bundles.v2, trust).slot)
+    report = run_selftest(
+        candidate,
+        timeout_s=60,
+        memory_mb=2048,
+        options=RuntimesConfig(onnxruntime=OnnxRuntimeOptions(threads=1)),
+        work_dir=tmp_path / "work",
+        baseline_dir=serving,
+    )
+    assert report.passed, report.reason
+    assert report.baseline_source == "side_by_side", report.baseline_note
+    assert report.latency_p50_ms is not None and report.latency_p50_ms > 0
+    assert report.baseline_p50_ms is not None and report.baseline_p50_ms > 0
+    assert report.latency_window_s is None  # nothing left to compare with live traffic
+
+
+def test_selftest_without_room_for_the_serving_version_reports_its_timing_window(
+    tmp_path: Path, bundles: Bundles, keypair: tuple[Path, Path]
+) -> None:
+    broken = _extracted(tmp_path / "a", bundles.runtime_fails, keypair[1])  # does not load
+    candidate = _extracted(tmp_path / "b", bundles.v1, keypair[1])
+    report = run_selftest(
+        candidate,
+        timeout_s=60,
+        memory_mb=2048,
+        options=RuntimesConfig(onnxruntime=OnnxRuntimeOptions(threads=1)),
+        work_dir=tmp_path / "work",
+        baseline_dir=broken,
+    )
+    assert report.passed, report.reason  # the serving version's trouble is not the candidate's
+    assert report.baseline_source == "" and report.baseline_p50_ms is None
+    assert "the serving version does not load beside the candidate" in report.baseline_note
+    assert report.latency_window_s is not None
+    start, end = report.latency_window_s
+    assert start < end <= time.monotonic()  # CLOCK_MONOTONIC, shared with the parent
