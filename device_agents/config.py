@@ -323,6 +323,9 @@ class AgentConfig:
     selftest: SelfTestConfig = field(default_factory=SelfTestConfig)
     updates: UpdatesConfig | None = None
     trusted: tuple[TrustedKey, ...] = ()  # keys limited to model name patterns
+    # Installed models are verified at rest (signature with today's keys, every file's hash) at
+    # start and every verify_interval_s while serving; 0 checks only at start.
+    verify_interval_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if not self.trusted_keys and not self.trusted:
@@ -330,6 +333,8 @@ class AgentConfig:
         parse_listen(self.listen)
         if self.max_bundle_mb <= 0:
             raise ValueError("max_bundle_mb must be > 0")
+        if self.verify_interval_s < 0:
+            raise ValueError(f"verify_interval_s must be >= 0 (0: only at start), got {self.verify_interval_s}")
 
     @property
     def listen_host(self) -> str:

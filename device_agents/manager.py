@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -35,6 +35,7 @@ import numpy as np
 
 from device_agents.config import DEFAULT_CRASH_LOOP_BOOTS, DEFAULT_HEALTH_WINDOW_S, AgentConfig
 from device_agents.faults import fault_point
+from device_agents.integrity import PeriodicCheck, check_slot, retry_delays
 from device_agents.platforms.compatibility import check_compatible
 from device_agents.runtimes import ServedModel, load_model
 from device_agents.selftest import REPORT_NAME, SelfTestReport, latency_verdict, run_selftest
@@ -51,6 +52,11 @@ log = logging.getLogger("edgekit.agent")
 # Statuses set here in addition to the store's: "healthy" = ran through its health window.
 INTERRUPTED = ("staged", "testing", "switching")
 _IDLE_WAIT_S = 30.0
+# A slot that may be briefly unavailable at start (storage not mounted yet, memory pressure) is
+# tried BOOT_ATTEMPTS times, the delays doubling from BOOT_RETRY_BASE_S (equal jitter): 3.75-7.5 s.
+BOOT_ATTEMPTS = 5
+BOOT_RETRY_BASE_S = 0.5
+BOOT_RETRY_MAX_S = 8.0
 _MIN_LIVE_SAMPLES = 5  # live requests in the self-test's window that make a baseline
 
 
@@ -114,6 +120,7 @@ class ModelManager:
         self._live: dict[str, _Entry] = {}
         self._cond = threading.Condition()  # guards _live and every _Entry.inflight
         self._timers: dict[str, threading.Timer] = {}
+        self._rest_checks: PeriodicCheck | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -124,8 +131,10 @@ class ModelManager:
                 self._recover(name, ms)
             for name, ms in sorted(self.store.load_state().models.items()):
                 if ms.active is not None:
-                    self._load_active(name, ms, ms.active)
+                    self._boot(name, ms, ms.active)
         self.ready = True
+        if self.config.verify_interval_s > 0:
+            self._rest_checks = PeriodicCheck(self.config.verify_interval_s, self.check_at_rest).start()
 
     def stop(self, *, clean: bool = True) -> None:
         """Close every runtime (after its running requests finish).
@@ -135,6 +144,8 @@ class ModelManager:
         back. ``clean=False`` leaves the count as a crash would (used to simulate one).
         """
         self.ready = False
+        if self._rest_checks is not None:
+            self._rest_checks.stop()
         for timer in self._timers.values():
             timer.cancel()
         if clean:
@@ -171,23 +182,120 @@ class ModelManager:
             else:
                 self.store.update_model(name, lambda s: replace(s, boots_since_switch=boots))
 
-    def _load_active(self, name: str, ms: ModelState, active: Slot) -> None:
-        try:
-            self._serve(name, self._open(active), active.version)
-        except Exception as exc:  # any runtime failure: fall back to the previous version
-            if ms.previous is None:
-                why = f"v{active.version} does not load ({exc}) and there is no previous version"
-                log.error("%s: %s", name, why)
-                self.store.update_model(name, lambda s: replace(s, status="failed", error=why))
+    def _boot(self, name: str, ms: ModelState, active: Slot) -> None:
+        """Serve ``active`` at start. It is verified at rest first: files changed or a signer
+        revoked since the install roll back to the previous slot if that one verifies. A
+        failure that may pass (a file missing or unreadable, a runtime that does not load a
+        verified artifact: memory pressure, a device not ready) is retried with backoff, and
+        then the previous version is served *for now*, the slots untouched: a transient never
+        demotes or blacklists a version (the crash-loop guard still ends a persistent one)."""
+        why = ""
+        for delay in [*retry_delays(BOOT_ATTEMPTS, BOOT_RETRY_BASE_S, BOOT_RETRY_MAX_S), None]:
+            check = check_slot(self.store, active, self.trust)
+            if not check.ok and not check.transient:
+                self._boot_refused_at_rest(name, ms, active, check.why)
                 return
-            why = f"v{active.version} does not load ({exc}); rolled back to v{ms.previous.version}"
-            log.error("%s: %s", name, why)
-            rolled = self.store.rollback(name, why)  # no previous left: a second failure ends at "failed"
-            self.metrics.rollbacks.labels(name).inc()
-            self._load_active(name, rolled, ms.previous)
+            if check.ok:
+                try:
+                    model = self._open(active)
+                except Exception as exc:  # a runtime may raise anything; retried, then the previous serves
+                    why = f"does not load ({type(exc).__name__}: {exc})"
+                else:
+                    self._serve(name, model, active.version)
+                    if ms.status == "degraded":  # an earlier start served the previous version for now
+                        self._record(name, lambda s: replace(s, status="serving", error=""))
+                    if not ms.active_healthy:
+                        self._arm_health_timer(name, active.version)
+                    return
+            else:
+                why = f"cannot be verified ({check.why})"
+            if delay is None:
+                break
+            log.warning("%s: v%d %s; trying again in %.1f s", name, active.version, why, delay)
+            time.sleep(delay)
+        self._serve_previous_for_now(name, ms, active, f"v{active.version} {why} after {BOOT_ATTEMPTS} attempts")
+
+    def _boot_refused_at_rest(self, name: str, ms: ModelState, active: Slot, problem: str) -> None:
+        why = f"v{active.version} failed verification at rest ({problem})"
+        log.error("%s: %s", name, why)
+        self.metrics.verify_failures.labels(name).inc()
+        prev = ms.previous
+        prev_check = check_slot(self.store, prev, self.trust) if prev is not None else None
+        if prev is None or prev_check is None or not prev_check.ok:
+            also = f"v{prev.version} fails too ({prev_check.why})" if prev is not None and prev_check else "no previous"
+            why = f"{why}; {also}: nothing verified to serve; install a good version"
+            self._record(name, lambda s: replace(s, status="failed", error=why))
             return
-        if not ms.active_healthy:
-            self._arm_health_timer(name, active.version)
+        rolled = self.store.rollback(name, f"{why}; rolled back to v{prev.version}")
+        self.metrics.rollbacks.labels(name).inc()
+        self._boot(name, rolled, prev)
+
+    def _serve_previous_for_now(self, name: str, ms: ModelState, active: Slot, why: str) -> None:
+        prev = ms.previous
+        if prev is not None and check_slot(self.store, prev, self.trust).ok:
+            try:
+                self._serve(name, self._open(prev), prev.version)
+            except Exception as exc:  # a runtime may raise anything
+                why = f"{why}; v{prev.version} does not load either ({exc})"
+            else:
+                kept = f"v{active.version} stays installed: the next start tries it"
+                why = f"{why}; serving v{prev.version} for now ({kept})"
+                log.error("%s: %s", name, why)
+                self._record(name, lambda s: replace(s, status="degraded", error=why))
+                return
+        why = f"{why}; nothing else to serve (v{active.version} stays installed: the next start tries it)"
+        log.error("%s: %s", name, why)
+        self._record(name, lambda s: replace(s, status="degraded", error=why))
+
+    def check_at_rest(self) -> dict[str, str]:
+        """Verify every served model's active slot at rest; a definitive failure rolls back to
+        the previous slot (if it verifies) or stops serving the model. Returns model -> problem
+        for the slots that failed (transient ones are only logged: the loaded model serves on)."""
+        problems = {}
+        for name, version in self.models().items():
+            active = self.store.model_state(name).active
+            if active is None or active.version != version:
+                continue  # serving a previous version for now; the next start checks again
+            check = check_slot(self.store, active, self.trust)
+            if check.ok:
+                continue
+            problems[name] = check.why
+            if check.transient:
+                log.warning("%s: v%d cannot be verified at rest (%s); serving on", name, version, check.why)
+                continue
+            self._refused_at_rest_while_serving(name, active, check.why)
+        return problems
+
+    def _refused_at_rest_while_serving(self, name: str, active: Slot, problem: str) -> None:
+        why = f"v{active.version} failed verification at rest ({problem})"
+        log.error("%s: %s", name, why)
+        self.metrics.verify_failures.labels(name).inc()
+        prev = self.store.model_state(name).previous
+        if prev is not None and check_slot(self.store, prev, self.trust).ok:
+            try:
+                self.rollback(name, f"{why}; rolled back to v{prev.version}")
+                return
+            except Exception as exc:  # a runtime may raise anything; stop serving the bad slot anyway
+                why = f"{why}; rollback to v{prev.version} failed ({exc})"
+        with self._cond:
+            entry = self._live.pop(name, None)
+        if entry is not None:
+            self._close_when_idle(entry)
+        self.metrics.model_version.labels(name).set(0)
+        why = f"{why}; no longer served: install a good version"
+        log.error("%s: %s", name, why)
+        self._record(name, lambda s: replace(s, status="failed", error=why), lock=True)
+
+    def _record(self, name: str, fn: Callable[[ModelState], ModelState], *, lock: bool = False) -> None:
+        """A bookkeeping write to the store: logged when it fails, and serving goes on."""
+        try:
+            if lock:
+                with self.store.lock():
+                    self.store.update_model(name, fn)
+            else:
+                self.store.update_model(name, fn)
+        except StoreError as exc:
+            log.error("%s: could not record the state (%s); serving goes on", name, exc)
 
     # -- install ------------------------------------------------------------------------
     def install(self, bundle_path: Path, *, origin: str = "sideload") -> InstallResult:
@@ -318,6 +426,9 @@ class ModelManager:
             target = self.store.model_state(name).previous
             if target is None:
                 raise StoreError(f"{name}: no previous version to roll back to")
+            check = check_slot(self.store, target, self.trust)
+            if not check.ok:
+                raise StoreError(f"{name}: the previous version v{target.version} fails verification ({check.why})")
             model = self._open(target)  # before the state changes: a previous that fails to load changes nothing
             try:
                 ms = self.store.rollback(name, reason)

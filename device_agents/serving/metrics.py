@@ -45,6 +45,12 @@ class AgentMetrics:
             registry=r,
         )
         self.rollbacks = Counter("edgekit_rollbacks", "Rollbacks to the previous version", ["model"], registry=r)
+        self.verify_failures = Counter(
+            "edgekit_verify_failures",
+            "Installed slots whose files or signature failed verification at rest",
+            ["model"],
+            registry=r,
+        )
         # labels() costs a dict lookup under a lock; cache the children used on every request
         self._children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
         self._lock = threading.Lock()

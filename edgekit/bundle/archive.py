@@ -88,6 +88,7 @@ class VerifiedManifest:
     manifest: Manifest
     raw: bytes
     key_id: str
+    signature: bytes = b""  # the manifest.sig bytes (kept beside extracted files: verify_extracted)
 
 
 def read_verified_manifest(
@@ -116,7 +117,7 @@ def read_verified_manifest(
         )
     if compatible is not None:
         compatible(manifest)
-    return VerifiedManifest(manifest, raw, kid)
+    return VerifiedManifest(manifest, raw, kid, sig)
 
 
 def read_unverified_manifest(path: Path, *, max_bundle_bytes: int = DEFAULT_MAX_BUNDLE_BYTES) -> tuple[Manifest, str]:
@@ -163,11 +164,59 @@ def extract(path: Path, verified: VerifiedManifest, dest: Path) -> Path:
     try:
         _extract_into(Path(path), verified, tmp)
         (tmp / MANIFEST_NAME).write_bytes(verified.raw)
+        if verified.signature:
+            (tmp / SIGNATURE_NAME).write_bytes(verified.signature)
         os.replace(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def verify_extracted(model_dir: Path, trust: TrustStore, *, signature: bytes | None = None) -> VerifiedManifest:
+    """Check an extracted bundle at rest: ``manifest.sig`` (or ``signature``) over its
+    ``manifest.json`` by a key ``trust`` still accepts (not revoked, still allowed the model's
+    name), and every listed file's length and SHA-256. Expiry is not checked: it bounds how long a bundle may be *installed*.
+
+    Raises ``SignatureError`` (bad or revoked signature), ``BundleError`` (a file changed,
+    or went missing: the ``__cause__`` is then the ``OSError``)."""
+    model_dir = Path(model_dir)
+    raw = _read_capped(model_dir / MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    sig = signature if signature is not None else _read_capped(model_dir / SIGNATURE_NAME, MAX_SIGNATURE_BYTES)
+    kid = trust.verify(raw, sig)
+    manifest = Manifest.from_json(raw)
+    trust.check_name(kid, manifest.name)  # a key's names may have narrowed since the install
+    for entry in manifest.files:
+        _check_member_name(entry.path)
+        p = model_dir / entry.path
+        try:
+            if p.is_symlink():
+                raise BundleError(f"{p} is a symlink now; the files of an installed bundle are regular files")
+            size = p.stat().st_size
+            digest = sha256_file(p) if size == entry.size_bytes else ""
+        except OSError as exc:
+            raise BundleError(f"{p} cannot be read ({exc})") from exc
+        if size != entry.size_bytes:
+            raise BundleError(f"{p} is {size} bytes, its signed manifest says {entry.size_bytes}: changed at rest")
+        if digest != entry.sha256:
+            raise BundleError(f"{p}: sha256 does not match its signed manifest: changed at rest")
+    return VerifiedManifest(manifest, raw, kid, sig)
+
+
+def read_head(path: Path, *, max_bundle_bytes: int = DEFAULT_MAX_BUNDLE_BYTES) -> tuple[bytes, bytes]:
+    """The raw ``manifest.json`` and ``manifest.sig`` of a bundle, unverified (bounded reads)."""
+    return _read_head(Path(path), max_bundle_bytes)
+
+
+def _read_capped(path: Path, cap: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(cap + 1)
+    except OSError as exc:
+        raise BundleError(f"{path} cannot be read ({exc})") from exc
+    if len(data) > cap:
+        raise BundleError(f"{path} is over the {cap}-byte cap")
+    return data
 
 
 def _extract_into(path: Path, verified: VerifiedManifest, out: Path) -> None:
