@@ -117,7 +117,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         updater: Any = None
         notifier: systemd.SystemdNotifier | None = None
         try:
-            atomic_write(config.store / DAEMON_INFO, json.dumps({"pid": os.getpid(), "url": server.url}).encode())
+            _publish_address(config.store / DAEMON_INFO, server.url)
             threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
             served = ", ".join(f"{n} v{v}" for n, v in manager.models().items()) or "no models"
             log.info("listening on %s; serving %s", server.url, served)
@@ -146,6 +146,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                 (config.store / DAEMON_INFO).unlink()
     log.info("stopped")
     return 0
+
+
+def _publish_address(path: Path, url: str) -> None:
+    """Write ``daemon.json`` (pid, url) for `edgekit-agent install`; on a full disk serve anyway."""
+    try:
+        atomic_write(path, json.dumps({"pid": os.getpid(), "url": url}).encode())
+    except StoreError as exc:
+        log.error("cannot write %s (%s); serving anyway, but `install` will not find this daemon", path, exc)
 
 
 def _update_client(config: AgentConfig, manager: Any) -> Any:

@@ -128,8 +128,7 @@ class ModelManager:
         with self.store.lock():
             self.store.cleanup()
             for name, ms in sorted(self.store.load_state().models.items()):
-                self._recover(name, ms)
-            for name, ms in sorted(self.store.load_state().models.items()):
+                ms = self._recover(name, ms)
                 if ms.active is not None:
                     self._boot(name, ms, ms.active)
         self.ready = True
@@ -164,12 +163,20 @@ class ModelManager:
         except StoreError as exc:  # shutting down: a crash-loop count one too high is the safe side
             log.warning("could not record the clean stop: %s", exc)
 
-    def _recover(self, name: str, ms: ModelState) -> None:
+    def _recover(self, name: str, ms: ModelState) -> ModelState:
+        """The state after a crash: an interrupted install dropped, a crash-looping version rolled
+        back, an unconfirmed version's start counted. A write that fails (a full disk) is logged
+        and the new state used in memory: the active version serves, and the next successful
+        write records the rest."""
         if ms.status in INTERRUPTED and ms.candidate is not None:
             why = f"interrupted while {ms.status} v{ms.candidate.version} (agent stopped mid-install); install it again"
             log.warning("%s: %s", name, why)
-            self.store.reject_candidate(name, why)
-        elif ms.active is not None and not ms.active_healthy:
+            return self._write_or_keep(
+                name,
+                lambda: self.store.reject_candidate(name, why),
+                replace(ms, candidate=None, status="failed", error=why),
+            )
+        if ms.active is not None and not ms.active_healthy:
             boots = ms.boots_since_switch + 1
             if boots >= self.crash_loop_boots and ms.previous is not None:
                 why = (
@@ -177,10 +184,24 @@ class ModelManager:
                     f"restarting ({boots} starts); rolled back to v{ms.previous.version}"
                 )
                 log.error("%s: %s", name, why)
-                self.store.rollback(name, why)
                 self.metrics.rollbacks.labels(name).inc()
-            else:
-                self.store.update_model(name, lambda s: replace(s, boots_since_switch=boots))
+                # in memory as Store.rollback writes it
+                rolled = replace(ms, active=ms.previous, previous=None, candidate=None, status="rolled_back",
+                                 error=why, active_healthy=True, boots_since_switch=0)  # fmt: skip
+                return self._write_or_keep(name, lambda: self.store.rollback(name, why), rolled)
+            return self._write_or_keep(
+                name,
+                lambda: self.store.update_model(name, lambda s: replace(s, boots_since_switch=boots)),
+                replace(ms, boots_since_switch=boots),
+            )
+        return ms
+
+    def _write_or_keep(self, name: str, write: Callable[[], ModelState], in_memory: ModelState) -> ModelState:
+        try:
+            return write()
+        except StoreError as exc:
+            log.error("%s: could not record the state (%s); serving goes on with it in memory", name, exc)
+            return in_memory
 
     def _boot(self, name: str, ms: ModelState, active: Slot) -> None:
         """Serve ``active`` at start. It is verified at rest first: files changed or a signer
@@ -226,9 +247,11 @@ class ModelManager:
             why = f"{why}; {also}: nothing verified to serve; install a good version"
             self._record(name, lambda s: replace(s, status="failed", error=why))
             return
-        rolled = self.store.rollback(name, f"{why}; rolled back to v{prev.version}")
+        why = f"{why}; rolled back to v{prev.version}"
         self.metrics.rollbacks.labels(name).inc()
-        self._boot(name, rolled, prev)
+        rolled = replace(ms, active=prev, previous=None, candidate=None, status="rolled_back", error=why,
+                         active_healthy=True, boots_since_switch=0)  # fmt: skip
+        self._boot(name, self._write_or_keep(name, lambda: self.store.rollback(name, why), rolled), prev)
 
     def _serve_previous_for_now(self, name: str, ms: ModelState, active: Slot, why: str) -> None:
         prev = ms.previous
