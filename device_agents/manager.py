@@ -121,6 +121,9 @@ class ModelManager:
         self._cond = threading.Condition()  # guards _live and every _Entry.inflight
         self._timers: dict[str, threading.Timer] = {}
         self._rest_checks: PeriodicCheck | None = None
+        # The version a switch replaced, kept loaded through the new one's health window (when
+        # the update client judges it) to replay the new version's failed requests: see count_failure.
+        self._probation: dict[str, _Entry] = {}
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -151,6 +154,8 @@ class ModelManager:
             self._uncount_this_start()
         with self._cond:
             entries, self._live = list(self._live.values()), {}
+            entries += list(self._probation.values())
+            self._probation = {}
         for entry in entries:
             self._close_when_idle(entry)
 
@@ -368,7 +373,7 @@ class ModelManager:
             )
             fault_point("commit")
             if previous is not None:
-                self._close_when_idle(previous)
+                self._hold_or_close(m.name, previous)
             fault_point("cleanup")
             self.store.cleanup()
         self._arm_health_timer(m.name, m.version)
@@ -452,11 +457,19 @@ class ModelManager:
             check = check_slot(self.store, target, self.trust)
             if not check.ok:
                 raise StoreError(f"{name}: the previous version v{target.version} fails verification ({check.why})")
-            model = self._open(target)  # before the state changes: a previous that fails to load changes nothing
+            with self._cond:  # the replaced version, still loaded in the health window: instant
+                held = self._probation.pop(name, None)
+            if held is not None and held.version != target.version:
+                self._close_when_idle(held)
+                held = None
+            model = held.model if held is not None else self._open(target)  # before the state changes
             try:
                 ms = self.store.rollback(name, reason)
             except StoreError:
-                model.close()
+                if held is not None:
+                    self._hold_or_close(name, held)
+                else:
+                    model.close()
                 raise
             previous = self._serve(name, model, target.version)
         self.metrics.rollbacks.labels(name).inc()
@@ -486,6 +499,7 @@ class ModelManager:
             with self._cond:
                 entry = self._live.get(name)
             if entry is not None and entry.version == version:
+                self._end_probation(name)
                 try:
                     self.mark_healthy(name)
                 except StoreError as exc:
@@ -498,6 +512,45 @@ class ModelManager:
         timer.daemon = True
         self._timers[name] = timer
         timer.start()
+
+    def count_failure(self, name: str, version: int, inputs: Mapping[str, np.ndarray]) -> bool:
+        """Record that ``name`` v``version`` failed to run ``inputs`` (a runtime error, after the
+        request passed the served signature). It counts against the version, in
+        ``edgekit_model_failures``, unless the version it replaced, still loaded in the health
+        window, fails on the same inputs too: then the input is at fault, not the update.
+        Returns whether it counted."""
+        with self._cond:
+            held = self._probation.get(name)
+            if held is not None:
+                held.inflight += 1
+        if held is not None:
+            try:
+                held.model.infer(inputs)
+            except Exception:  # the previous version fails on these inputs too (whatever the runtime raises)
+                log.info("%s: v%d failed a request v%d fails too; not counted against it", name, version, held.version)
+                return False
+            finally:
+                self._release(held)
+        self.metrics.model_failures.labels(name).inc()
+        return True
+
+    def _hold_or_close(self, name: str, replaced: _Entry) -> None:
+        """Keep the replaced version loaded through the health window (for ``count_failure`` and
+        an instant rollback) when the update client judges the window; else close it."""
+        if self.config.updates is None:
+            self._close_when_idle(replaced)
+            return
+        with self._cond:
+            older = self._probation.pop(name, None)
+            self._probation[name] = replaced
+        if older is not None:
+            self._close_when_idle(older)
+
+    def _end_probation(self, name: str) -> None:
+        with self._cond:
+            held = self._probation.pop(name, None)
+        if held is not None:
+            self._close_when_idle(held)
 
     # -- serving ------------------------------------------------------------------------
     def models(self) -> dict[str, int]:

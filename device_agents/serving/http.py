@@ -222,6 +222,7 @@ class _Handler(BaseHTTPRequestHandler):
                     raise
                 except Exception as exc:  # runtime SDK errors have no common base
                     log.error("%s v%d failed to run: %s: %s", name, lease.version, type(exc).__name__, exc)
+                    manager.count_failure(name, lease.version, request.inputs)
                     raise _RuntimeFailure(f"model {name} v{lease.version} failed to run: {exc}") from exc
                 out, json_len = encode_response(name, lease.version, request, results, model.outputs)
             if json_len is None:

@@ -45,6 +45,13 @@ class AgentMetrics:
             registry=r,
         )
         self.rollbacks = Counter("edgekit_rollbacks", "Rollbacks to the previous version", ["model"], registry=r)
+        self.model_failures = Counter(
+            "edgekit_model_failures",
+            "Requests the serving version failed to run that count against it (the version it "
+            "replaced, replayed on the same inputs, did not fail too)",
+            ["model"],
+            registry=r,
+        )
         self.verify_failures = Counter(
             "edgekit_verify_failures",
             "Installed slots whose files or signature failed verification at rest",
