@@ -117,7 +117,8 @@ def test_requests_the_previous_version_fails_too_do_not_count_against_the_new_on
     # v2 fails far more often than v1 did, yet v1 fails on the same inputs: the input is at fault.
     fragile = {v: fragile_classifier(tmp_path / f"f{v}.onnx", seed=v) for v in (1, 2)}
     v1, v2 = (bundle(tmp_path / f"tiny-v{v}-fragile.ekb", keys.private, v, model=fragile[v]) for v in (1, 2))
-    agent = agents(broker.url(), "dev-1", seed=None).start()
+    # a window long enough for several field requests on a busy machine
+    agent = agents(broker.url(), "dev-1", seed=None, extra_updates={"health_window_s": 6.0}).start()
     watcher = Watcher(broker.port, [REPORTED])
     good = field = None
     try:
