@@ -44,7 +44,7 @@ from device_agents.store import ModelState, Slot, Store, atomic_write
 from device_agents.updates.trust import bundle_trust
 from device_agents.validation_mark import check_validation_mark
 from edgekit.bundle import TrustStore
-from edgekit.bundle.errors import ModelNotFoundError, SelfTestError, StoreError
+from edgekit.bundle.errors import InferenceInputError, ModelNotFoundError, SelfTestError, StoreError
 from edgekit.bundle.manifest import Manifest
 
 log = logging.getLogger("edgekit.agent")
@@ -301,14 +301,16 @@ class ModelManager:
         prev = self.store.model_state(name).previous
         if prev is not None and check_slot(self.store, prev, self.trust).ok:
             try:
-                self.rollback(name, f"{why}; rolled back to v{prev.version}")
+                self.rollback(name, f"{why}; rolled back to v{prev.version}", only_if_active=active)
                 return
             except Exception as exc:  # a runtime may raise anything; stop serving the bad slot anyway
                 why = f"{why}; rollback to v{prev.version} failed ({exc})"
         with self._cond:
-            entry = self._live.pop(name, None)
-        if entry is not None:
-            self._close_when_idle(entry)
+            entry = self._live.get(name)
+            if entry is None or entry.version != active.version:
+                return  # replaced meanwhile (an install): nothing of the bad slot serves
+            del self._live[name]
+        self._close_when_idle(entry)
         self.metrics.model_version.labels(name).set(0)
         why = f"{why}; no longer served: install a good version"
         log.error("%s: %s", name, why)
@@ -448,10 +450,16 @@ class ModelManager:
         raise SelfTestError(f"{name}: {why}; {keeps}")
 
     # -- rollback and health ------------------------------------------------------------
-    def rollback(self, name: str, reason: str) -> ModelState:
-        """Serve the previous version again (e.g. after a failed health check)."""
+    def rollback(self, name: str, reason: str, *, only_if_active: Slot | None = None) -> ModelState:
+        """Serve the previous version again (e.g. after a failed health check).
+
+        ``only_if_active``: do nothing (return the state) unless that slot is still the active
+        one (a check that ran without the lock, like verification at rest, and an install since)."""
         with self.store.lock():
-            target = self.store.model_state(name).previous
+            current = self.store.model_state(name)
+            if only_if_active is not None and current.active != only_if_active:
+                return current
+            target = current.previous
             if target is None:
                 raise StoreError(f"{name}: no previous version to roll back to")
             check = check_slot(self.store, target, self.trust)
@@ -526,6 +534,8 @@ class ModelManager:
         if held is not None:
             try:
                 held.model.infer(inputs)
+            except InferenceInputError:
+                pass  # the previous version takes other inputs: nothing to compare, so it counts
             except Exception:  # the previous version fails on these inputs too (whatever the runtime raises)
                 log.info("%s: v%d failed a request v%d fails too; not counted against it", name, version, held.version)
                 return False
