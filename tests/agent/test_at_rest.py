@@ -174,3 +174,16 @@ def test_verify_interval_must_not_be_negative(tmp_path: Path, keypair: tuple[Pat
     config.write_text(f"verify_interval_s = {interval}\n" + config.read_text())
     with pytest.raises(ConfigError, match="verify_interval_s must be >= 0"):
         load_config(config)
+
+
+def test_a_degraded_start_is_reported_as_a_failure(tmp_path: Path, keypair: tuple[Path, Path]) -> None:
+    from dataclasses import replace
+
+    from device_agents.updates.client import UpdateClient
+
+    updates = '[updates]\nbroker = "mqtt://127.0.0.1:1"\nfleet = "f"\ndevice_id = "d"\n'
+    config = write_config(tmp_path / "agent", keypair[1], updates)
+    m = ModelManager(load_config(config))
+    m.store.update_model("tiny", lambda s: replace(s, status="degraded", error="v2 does not load after 5 attempts"))
+    report = UpdateClient(load_config(config), m)._initial_report()  # what the device reports once connected
+    assert (report.state, report.error) == ("failed", "v2 does not load after 5 attempts")
