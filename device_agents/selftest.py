@@ -476,28 +476,43 @@ def _flood() -> NoReturn:
         os.write(2, line)
 
 
-def _exit_with_parent() -> None:
-    """Stop, with our whole process group, when the daemon that started us dies (we lead our own
-    session, so nothing else would stop runtime helpers we started)."""
-    parent = os.getppid()
+def _exit_with_parent(parent: int) -> None:
+    """Stop, with everything we started, when the daemon that started us dies (we lead our own
+    session: nothing else would stop runtime helpers)."""
     while True:
         time.sleep(0.5)
         if os.getppid() != parent:
-            os.killpg(0, signal.SIGKILL)
+            _stop_helpers(parent)
+
+
+def _stop_helpers(parent: int) -> None:
+    """Kill our descendants (those that left the group too); with the daemon gone, the whole
+    group, this process included: nobody is left to do it."""
+    import psutil
+
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    if os.getppid() != parent:
+        os.killpg(0, signal.SIGKILL)
 
 
 def main(argv: list[str]) -> int:
     model_dir, options_json, result_path = Path(argv[0]), argv[1], Path(argv[2])
-    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    parent = os.getppid()
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     try:
         options = from_data(RuntimesConfig, json.loads(options_json), "runtimes", SelfTestError)
         plan = from_data(ChildPlan, json.loads(argv[3]), "plan", SelfTestError) if len(argv) > 3 else ChildPlan()
         report = _child(model_dir, options, plan)
     except Exception as exc:  # entry point of the child: any failure becomes the report
         report = SelfTestReport(passed=False, reason=f"{type(exc).__name__}: {exc}")
-    tmp = result_path.with_name(result_path.name + ".tmp")
-    tmp.write_bytes(report.to_json())
-    os.replace(tmp, result_path)
+    try:
+        tmp = result_path.with_name(result_path.name + ".tmp")
+        tmp.write_bytes(report.to_json())
+        os.replace(tmp, result_path)
+    finally:
+        _stop_helpers(parent)  # the self-test is over: no helper of the runtime is needed
     return 0
 
 

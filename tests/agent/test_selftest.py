@@ -198,3 +198,45 @@ def test_selftest_without_room_for_the_serving_version_reports_its_timing_window
     assert report.latency_window_s is not None
     start, end = report.latency_window_s
     assert start < end <= time.monotonic()  # CLOCK_MONOTONIC, shared with the parent
+
+
+_DAEMON = """
+import sys
+from pathlib import Path
+from device_agents.runtimes.options import OnnxRuntimeOptions, RuntimesConfig
+from device_agents.selftest import run_selftest
+run_selftest(Path(sys.argv[1]), timeout_s=600, memory_mb=4096,
+             options=RuntimesConfig(onnxruntime=OnnxRuntimeOptions(threads=1)), work_dir=Path(sys.argv[2]))
+"""
+
+
+def test_selftest_child_and_its_helpers_die_with_a_killed_daemon(
+    tmp_path: Path, bundles: Bundles, keypair: tuple[Path, Path]
+) -> None:
+    import os
+    import subprocess
+
+    import psutil
+
+    model_dir = _extracted(tmp_path, bundles.v1, keypair[1])
+    env = {**os.environ, "EDGEKIT_FAULT": "selftest_flood"}
+    daemon = subprocess.Popen(
+        [sys.executable, "-c", _DAEMON, str(model_dir), str(tmp_path / "work")],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        helpers: list[psutil.Process] = []
+        while len(helpers) < 3 and time.monotonic() < deadline:  # the child and its two helpers
+            time.sleep(0.1)
+            helpers = psutil.Process(daemon.pid).children(recursive=True)
+        assert len(helpers) >= 3, helpers
+    finally:
+        daemon.kill()  # kill -9: no finally block of run_selftest runs
+        daemon.wait()
+    deadline = time.monotonic() + 30  # the child notices within a second; a generous guard
+    while any(_alive(p.pid) for p in helpers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p.pid for p in helpers if _alive(p.pid)]
