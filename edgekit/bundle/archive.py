@@ -176,7 +176,8 @@ def extract(path: Path, verified: VerifiedManifest, dest: Path) -> Path:
 def verify_extracted(model_dir: Path, trust: TrustStore, *, signature: bytes | None = None) -> VerifiedManifest:
     """Check an extracted bundle at rest: ``manifest.sig`` (or ``signature``) over its
     ``manifest.json`` by a key ``trust`` still accepts (not revoked, still allowed the model's
-    name), and every listed file's length and SHA-256. Expiry is not checked: it bounds how long a bundle may be *installed*.
+    name), and every listed file's length and SHA-256. Expiry is not checked: it bounds how
+    long a bundle may be *installed*.
 
     Raises ``SignatureError`` (bad or revoked signature), ``BundleError`` (a file changed,
     or went missing: the ``__cause__`` is then the ``OSError``)."""

@@ -181,7 +181,9 @@ def test_a_degraded_start_is_reported_as_a_failure(tmp_path: Path, keypair: tupl
 
     from device_agents.updates.client import UpdateClient
 
-    updates = '[updates]\nbroker = "mqtt://127.0.0.1:1"\nfleet = "f"\ndevice_id = "d"\n'
+    updates = (
+        '[updates]\nbroker = "mqtt://127.0.0.1:1"\nfleet = "f"\ndevice_id = "d"\nnotice_keys = ["keys/trusted.pub"]\n'
+    )
     config = write_config(tmp_path / "agent", keypair[1], updates)
     m = ModelManager(load_config(config))
     m.store.update_model("tiny", lambda s: replace(s, status="degraded", error="v2 does not load after 5 attempts"))

@@ -12,7 +12,10 @@ from tests.agent.conftest import write_config
 from tests.factories import make_cpu_bundle, sample_inputs, tiny_classifier
 from tests.updates.bundles import fragile_classifier
 
-UPDATES = '[updates]\nbroker = "mqtt://127.0.0.1:1"\nfleet = "f"\ndevice_id = "d"\nhealth_window_s = 600.0\n'
+UPDATES = (
+    '[updates]\nbroker = "mqtt://127.0.0.1:1"\nfleet = "f"\ndevice_id = "d"\n'
+    'notice_keys = ["keys/trusted.pub"]\nhealth_window_s = 600.0\n'
+)
 FIELD = {"input": sample_inputs(1, seed=5) * 20}  # the fragile model's Gather goes out of range
 
 
