@@ -130,6 +130,12 @@ BENCHMARKS: tuple[Entry, ...] = (
         "1000 idle connections (health probe latency, idle timeout) and 4 parallel gzip bombs (agent RSS)",
     ),
     Entry(
+        "selftest.load",
+        "bench.selftest_load:run",
+        "self-test latency check under steady client load: an identical candidate vs the serving version, "
+        "side by side in the self-test child (and vs the idle baseline the check used before)",
+    ),
+    Entry(
         "agent.roundtrip",
         "bench.agent_roundtrip:run",
         "edgekit-agent v2 HTTP infer (tritonclient, 1 KB tensor) vs in-process onnxruntime session.run",

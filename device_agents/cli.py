@@ -120,7 +120,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         updater: Any = None
         notifier: systemd.SystemdNotifier | None = None
         try:
-            atomic_write(config.store / DAEMON_INFO, json.dumps({"pid": os.getpid(), "url": server.url}).encode())
+            _publish_address(config.store / DAEMON_INFO, server.url)
             threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
             notifier = on_ready(server.url, service.models())
             if config.updates is not None:
@@ -170,6 +170,14 @@ def raise_nofile_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         except (ValueError, OSError) as exc:
             log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+
+
+def _publish_address(path: Path, url: str) -> None:
+    """Write ``daemon.json`` (pid, url) for `edgekit-agent install`; on a full disk serve anyway."""
+    try:
+        atomic_write(path, json.dumps({"pid": os.getpid(), "url": url}).encode())
+    except StoreError as exc:
+        log.error("cannot write %s (%s); serving anyway, but `install` will not find this daemon", path, exc)
 
 
 def _update_client(config: AgentConfig, manager: Any) -> Any:

@@ -84,8 +84,9 @@ class SelfTestConfig:
 
     timeout_s: float = 60.0
     memory_mb: int = 2048  # the child is killed when its RSS goes over this
-    # The candidate's p50 may be at most latency_slack x the previous version's p50 on this
-    # device (or, for a first install, the host p50 in the manifest). 0 turns the gate off.
+    # The candidate's p50 may be at most latency_slack x the serving version's p50 on this device,
+    # timed side by side in the self-test child (else live, recorded, or the manifest's host p50:
+    # SelfTestReport.baseline_source). 0 turns the gate off.
     latency_slack: float = 3.0
     # p50 values below this are never refused: timer noise dominates such small numbers.
     latency_floor_ms: float = 1.0
@@ -348,6 +349,9 @@ class AgentConfig:
     selftest: SelfTestConfig = field(default_factory=SelfTestConfig)
     updates: UpdatesConfig | None = None
     trusted: tuple[TrustedKey, ...] = ()  # keys limited to model name patterns
+    # Installed models are verified at rest (signature with today's keys, every file's hash) at
+    # start and every verify_interval_s while serving; 0 checks only at start.
+    verify_interval_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if not self.trusted_keys and not self.trusted:
@@ -355,6 +359,8 @@ class AgentConfig:
         parse_listen(self.listen)
         if self.max_bundle_mb <= 0:
             raise ValueError("max_bundle_mb must be > 0")
+        if self.verify_interval_s < 0:
+            raise ValueError(f"verify_interval_s must be >= 0 (0: only at start), got {self.verify_interval_s}")
 
     @property
     def listen_host(self) -> str:

@@ -25,6 +25,10 @@ FAULT_POINTS = ("verify", "stage", "selftest", "selftest_child", "switch", "comm
 STALL_POINTS = ("infer_stall",)
 _stalled: set[str] = set()
 _stall_lock = threading.Lock()
+# Misbehaviours a test can switch on the same way (``EDGEKIT_FAULT=<name>``); the code at the
+# point does what the name says instead of dying. ``selftest_flood``: the self-test child starts
+# grandchildren (one in a session of its own) and floods its stdout and stderr, forever.
+FAULT_BEHAVIOURS = ("selftest_flood",)
 
 
 def fault_point(name: str) -> None:
@@ -47,3 +51,11 @@ def stall_point(name: str) -> None:
                 return
             _stalled.add(name)
     time.sleep(float(os.environ.get(STALL_ENV, "3600")))
+
+
+def fault_active(name: str) -> bool:
+    """True if ``EDGEKIT_FAULT`` names this misbehaviour."""
+    if name not in FAULT_BEHAVIOURS:
+        known = ", ".join(FAULT_BEHAVIOURS)
+        raise ValueError(f"unknown fault behaviour {name!r}; add it to FAULT_BEHAVIOURS ({known})")
+    return os.environ.get(FAULT_ENV) == name

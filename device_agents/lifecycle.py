@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
 from device_agents.config import DEFAULT_CRASH_LOOP_BOOTS, DEFAULT_HEALTH_WINDOW_S, AgentConfig
 from device_agents.faults import fault_point
+from device_agents.integrity import PeriodicCheck, check_slot, retry_delays
 from device_agents.metrics import AgentMetrics
 from device_agents.platforms.compatibility import check_compatible
 from device_agents.registry import Registry
@@ -49,6 +52,12 @@ log = logging.getLogger("edgekit.agent")
 
 # Statuses set here in addition to the store's: "healthy" = ran through its health window.
 INTERRUPTED = ("staged", "testing", "switching")
+# A slot that may be briefly unavailable at start (storage not mounted yet, memory pressure) is
+# tried BOOT_ATTEMPTS times, the delays doubling from BOOT_RETRY_BASE_S (equal jitter): 3.75-7.5 s.
+BOOT_ATTEMPTS = 5
+BOOT_RETRY_BASE_S = 0.5
+BOOT_RETRY_MAX_S = 8.0
+_MIN_LIVE_SAMPLES = 5  # live requests in the self-test's window that make a baseline
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,7 @@ class Lifecycle:
         self.crash_loop_boots = config.updates.crash_loop_boots if config.updates else DEFAULT_CRASH_LOOP_BOOTS
         self.ready = False
         self._timers: dict[str, threading.Timer] = {}
+        self._rest_checks: PeriodicCheck | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -80,11 +90,12 @@ class Lifecycle:
         with self.store.lock():
             self.store.cleanup()
             for name, ms in sorted(self.store.load_state().models.items()):
-                self._recover(name, ms)
-            for name, ms in sorted(self.store.load_state().models.items()):
+                ms = self._recover(name, ms)
                 if ms.active is not None:
-                    self._load_active(name, ms, ms.active)
+                    self._boot(name, ms, ms.active)
         self.ready = True
+        if self.config.verify_interval_s > 0:
+            self._rest_checks = PeriodicCheck(self.config.verify_interval_s, self.check_at_rest).start()
 
     def stop(self, *, clean: bool = True) -> None:
         """Close every runtime (after its running requests finish).
@@ -94,6 +105,8 @@ class Lifecycle:
         back. ``clean=False`` leaves the count as a crash would (used to simulate one).
         """
         self.ready = False
+        if self._rest_checks is not None:
+            self._rest_checks.stop()
         for timer in self._timers.values():
             timer.cancel()
         if clean:
@@ -109,12 +122,20 @@ class Lifecycle:
         except StoreError as exc:  # shutting down: a crash-loop count one too high is the safe side
             log.warning("could not record the clean stop: %s", exc)
 
-    def _recover(self, name: str, ms: ModelState) -> None:
+    def _recover(self, name: str, ms: ModelState) -> ModelState:
+        """The state after a crash: an interrupted install dropped, a crash-looping version rolled
+        back, an unconfirmed version's start counted. A write that fails (a full disk) is logged
+        and the new state used in memory: the active version serves, and the next successful
+        write records the rest."""
         if ms.status in INTERRUPTED and ms.candidate is not None:
             why = f"interrupted while {ms.status} v{ms.candidate.version} (agent stopped mid-install); install it again"
             log.warning("%s: %s", name, why)
-            self.store.reject_candidate(name, why)
-        elif ms.active is not None and not ms.active_healthy:
+            return self._write_or_keep(
+                name,
+                lambda: self.store.reject_candidate(name, why),
+                replace(ms, candidate=None, status="failed", error=why),
+            )
+        if ms.active is not None and not ms.active_healthy:
             boots = ms.boots_since_switch + 1
             if boots >= self.crash_loop_boots and ms.previous is not None:
                 why = (
@@ -122,28 +143,145 @@ class Lifecycle:
                     f"restarting ({boots} starts); rolled back to v{ms.previous.version}"
                 )
                 log.error("%s: %s", name, why)
-                self.store.rollback(name, why)
                 self.metrics.rollbacks.labels(name).inc()
-            else:
-                self.store.update_model(name, lambda s: replace(s, boots_since_switch=boots))
+                # in memory as Store.rollback writes it
+                rolled = replace(ms, active=ms.previous, previous=None, candidate=None, status="rolled_back",
+                                 error=why, active_healthy=True, boots_since_switch=0)  # fmt: skip
+                return self._write_or_keep(name, lambda: self.store.rollback(name, why), rolled)
+            return self._write_or_keep(
+                name,
+                lambda: self.store.update_model(name, lambda s: replace(s, boots_since_switch=boots)),
+                replace(ms, boots_since_switch=boots),
+            )
+        return ms
 
-    def _load_active(self, name: str, ms: ModelState, active: Slot) -> None:
+    def _write_or_keep(self, name: str, write: Callable[[], ModelState], in_memory: ModelState) -> ModelState:
         try:
-            self.registry.serve(name, self._open(active), active.version)
-        except Exception as exc:  # any runtime failure: fall back to the previous version
-            if ms.previous is None:
-                why = f"v{active.version} does not load ({exc}) and there is no previous version"
-                log.error("%s: %s", name, why)
-                self.store.update_model(name, lambda s: replace(s, status="failed", error=why))
+            return write()
+        except StoreError as exc:
+            log.error("%s: could not record the state (%s); serving goes on with it in memory", name, exc)
+            return in_memory
+
+    def _boot(self, name: str, ms: ModelState, active: Slot) -> None:
+        """Serve ``active`` at start. It is verified at rest first: files changed or a signer
+        revoked since the install roll back to the previous slot if that one verifies. A
+        failure that may pass (a file missing or unreadable, a runtime that does not load a
+        verified artifact: memory pressure, a device not ready) is retried with backoff, and
+        then the previous version is served *for now*, the slots untouched: a transient never
+        demotes or blacklists a version (the crash-loop guard still ends a persistent one)."""
+        why = ""
+        for delay in [*retry_delays(BOOT_ATTEMPTS, BOOT_RETRY_BASE_S, BOOT_RETRY_MAX_S), None]:
+            check = check_slot(self.store, active, self.trust)
+            if not check.ok and not check.transient:
+                self._boot_refused_at_rest(name, ms, active, check.why)
                 return
-            why = f"v{active.version} does not load ({exc}); rolled back to v{ms.previous.version}"
-            log.error("%s: %s", name, why)
-            rolled = self.store.rollback(name, why)  # no previous left: a second failure ends at "failed"
-            self.metrics.rollbacks.labels(name).inc()
-            self._load_active(name, rolled, ms.previous)
+            if check.ok:
+                try:
+                    model = self._open(active)
+                except Exception as exc:  # a runtime may raise anything; retried, then the previous serves
+                    why = f"does not load ({type(exc).__name__}: {exc})"
+                else:
+                    self.registry.serve(name, model, active.version)
+                    if ms.status == "degraded":  # an earlier start served the previous version for now
+                        self._record(name, lambda s: replace(s, status="serving", error=""))
+                    if not ms.active_healthy:
+                        self._arm_health_timer(name, active.version)
+                    return
+            else:
+                why = f"cannot be verified ({check.why})"
+            if delay is None:
+                break
+            log.warning("%s: v%d %s; trying again in %.1f s", name, active.version, why, delay)
+            time.sleep(delay)
+        self._serve_previous_for_now(name, ms, active, f"v{active.version} {why} after {BOOT_ATTEMPTS} attempts")
+
+    def _boot_refused_at_rest(self, name: str, ms: ModelState, active: Slot, problem: str) -> None:
+        why = f"v{active.version} failed verification at rest ({problem})"
+        log.error("%s: %s", name, why)
+        self.metrics.verify_failures.labels(name).inc()
+        prev = ms.previous
+        prev_check = check_slot(self.store, prev, self.trust) if prev is not None else None
+        if prev is None or prev_check is None or not prev_check.ok:
+            also = f"v{prev.version} fails too ({prev_check.why})" if prev is not None and prev_check else "no previous"
+            why = f"{why}; {also}: nothing verified to serve; install a good version"
+            self.registry.pin(name, None)  # no request loads the refused slot on demand
+            self._record(name, lambda s: replace(s, status="failed", error=why))
             return
-        if not ms.active_healthy:
-            self._arm_health_timer(name, active.version)
+        why = f"{why}; rolled back to v{prev.version}"
+        self.metrics.rollbacks.labels(name).inc()
+        rolled = replace(ms, active=prev, previous=None, candidate=None, status="rolled_back", error=why,
+                         active_healthy=True, boots_since_switch=0)  # fmt: skip
+        self._boot(name, self._write_or_keep(name, lambda: self.store.rollback(name, why), rolled), prev)
+
+    def _serve_previous_for_now(self, name: str, ms: ModelState, active: Slot, why: str) -> None:
+        prev = ms.previous
+        if prev is not None and check_slot(self.store, prev, self.trust).ok:
+            try:
+                self.registry.serve(name, self._open(prev), prev.version)
+            except Exception as exc:  # a runtime may raise anything
+                why = f"{why}; v{prev.version} does not load either ({exc})"
+            else:
+                self.registry.pin(name, prev)  # a reload on demand (after a hung call) loads it too
+                kept = f"v{active.version} stays installed: the next start tries it"
+                why = f"{why}; serving v{prev.version} for now ({kept})"
+                log.error("%s: %s", name, why)
+                self._record(name, lambda s: replace(s, status="degraded", error=why))
+                return
+        why = f"{why}; nothing else to serve (v{active.version} stays installed: the next start tries it)"
+        log.error("%s: %s", name, why)
+        self.registry.pin(name, None)
+        self._record(name, lambda s: replace(s, status="degraded", error=why))
+
+    def check_at_rest(self) -> dict[str, str]:
+        """Verify every served model's active slot at rest; a definitive failure rolls back to
+        the previous slot (if it verifies) or stops serving the model. Returns model -> problem
+        for the slots that failed (transient ones are only logged: the loaded model serves on)."""
+        problems = {}
+        for name, version in self.models().items():
+            active = self.store.model_state(name).active
+            if active is None or active.version != version:
+                continue  # serving a previous version for now; the next start checks again
+            check = check_slot(self.store, active, self.trust)
+            if check.ok:
+                continue
+            problems[name] = check.why
+            if check.transient:
+                log.warning("%s: v%d cannot be verified at rest (%s); serving on", name, version, check.why)
+                continue
+            self._refused_at_rest_while_serving(name, active, check.why)
+        return problems
+
+    def _refused_at_rest_while_serving(self, name: str, active: Slot, problem: str) -> None:
+        why = f"v{active.version} failed verification at rest ({problem})"
+        log.error("%s: %s", name, why)
+        self.metrics.verify_failures.labels(name).inc()
+        prev = self.store.model_state(name).previous
+        if prev is not None and check_slot(self.store, prev, self.trust).ok:
+            try:
+                self.rollback(name, f"{why}; rolled back to v{prev.version}", only_if_active=active)
+                return
+            except Exception as exc:  # a runtime may raise anything; stop serving the bad slot anyway
+                why = f"{why}; rollback to v{prev.version} failed ({exc})"
+        entry = self.registry.drop_version(name, active.version)
+        if entry is None:
+            return  # replaced meanwhile (an install): nothing of the bad slot serves
+        self.registry.pin(name, None)  # no request loads the refused slot on demand
+        self.registry.retire(entry)
+        self.metrics.model_version.labels(name).set(0)
+        why = f"{why}; no longer served: install a good version"
+        log.error("%s: %s", name, why)
+        self._record(name, lambda s: replace(s, status="failed", error=why), lock=True)
+
+    def _record(self, name: str, fn: Callable[[ModelState], ModelState], *, lock: bool = False) -> None:
+        """A bookkeeping write to the store: logged when it fails, and serving goes on."""
+        try:
+            if lock:
+                with self.store.lock():
+                    self.store.update_model(name, fn)
+            else:
+                self.store.update_model(name, fn)
+        except StoreError as exc:
+            log.error("%s: could not record the state (%s); serving goes on", name, exc)
 
     # -- install ------------------------------------------------------------------------
     def install(self, bundle_path: Path, *, origin: str = "sideload") -> InstallResult:
@@ -193,7 +331,7 @@ class Lifecycle:
             )
             fault_point("commit")
             if previous is not None:
-                self.registry.retire(previous)
+                self.registry.hold_or_retire(m.name, previous, hold=self.config.updates is not None)
             fault_point("cleanup")
             self.store.cleanup()
         self._arm_health_timer(m.name, m.version)
@@ -208,33 +346,56 @@ class Lifecycle:
 
     def _selftest(self, name: str, slot: Slot, host_p50_ms: float | None) -> SelfTestReport:
         cfg = self.config.selftest
+        active = self.store.model_state(name).active
         report = run_selftest(
             self.store.model_dir(slot),
             timeout_s=cfg.timeout_s,
             memory_mb=cfg.memory_mb,
             options=self.config.runtimes_for(name),
             work_dir=self.store.root / "tmp",
+            baseline_dir=self.store.model_dir(active) if active is not None and active != slot else None,
         )
-        prev = self.selftest_report(name)  # the active (about to be previous) version's, on this device
-        baseline = prev.latency_p50_ms if prev is not None and prev.latency_p50_ms else host_p50_ms
+        report = self._with_baseline(name, report, host_p50_ms)
         if report.passed:
-            verdict = latency_verdict(report.latency_p50_ms, baseline, cfg.latency_slack, cfg.latency_floor_ms)
-            report = replace(report, passed=not verdict, reason=verdict, baseline_p50_ms=baseline)
-        else:
-            report = replace(report, baseline_p50_ms=baseline)
+            verdict = latency_verdict(
+                report.latency_p50_ms, report.baseline_p50_ms, cfg.latency_slack, cfg.latency_floor_ms
+            )
+            if verdict:
+                verdict += f" ({report.baseline_source or 'no'} baseline)"
+            report = replace(report, passed=not verdict, reason=verdict)
         atomic_write(self.store.model_dir(slot) / REPORT_NAME, report.to_json())
         self.metrics.selftests.labels(name, "passed" if report.passed else "failed").inc()
         if report.latency_p50_ms is not None:
             self.metrics.selftest_p50_seconds.labels(name).set(report.latency_p50_ms / 1000)
         log.info(
-            "%s v%d self-test %s (p50 %s ms, %.1f s)%s",
+            "%s v%d self-test %s (p50 %s ms, baseline %s ms %s, %.1f s)%s",
             name,
             slot.version,
             "passed" if report.passed else "FAILED",
             report.latency_p50_ms,
+            report.baseline_p50_ms,
+            report.baseline_source or "none",
             report.duration_s,
             f": {report.reason}" if report.reason else "",
         )
+        return report
+
+    def _with_baseline(self, name: str, report: SelfTestReport, host_p50_ms: float | None) -> SelfTestReport:
+        """What the candidate's p50 is compared with, best first: the serving version timed side
+        by side in the child; the serving version's live requests over the same window (when
+        the child could not hold both); its self-test p50 recorded at install; the host's."""
+        if report.baseline_source == "side_by_side" or report.latency_p50_ms is None:
+            return report
+        entry = self.registry.peek(name)
+        if entry is not None and report.latency_window_s is not None:
+            p50, count = entry.model.latency.p50_between(*report.latency_window_s)
+            if p50 is not None and count >= _MIN_LIVE_SAMPLES:
+                return replace(report, baseline_p50_ms=p50, baseline_source="live")
+        prev = self.selftest_report(name)  # the active (about to be previous) version's, on this device
+        if prev is not None and prev.latency_p50_ms:
+            return replace(report, baseline_p50_ms=prev.latency_p50_ms, baseline_source="recorded")
+        if host_p50_ms:
+            return replace(report, baseline_p50_ms=host_p50_ms, baseline_source="host")
         return report
 
     def _reject(self, name: str, why: str, old: ModelState) -> NoReturn:
@@ -246,17 +407,33 @@ class Lifecycle:
         raise SelfTestError(f"{name}: {why}; {keeps}")
 
     # -- rollback and health ------------------------------------------------------------
-    def rollback(self, name: str, reason: str) -> ModelState:
-        """Serve the previous version again (e.g. after a failed health check)."""
+    def rollback(self, name: str, reason: str, *, only_if_active: Slot | None = None) -> ModelState:
+        """Serve the previous version again (e.g. after a failed health check).
+
+        ``only_if_active``: do nothing (return the state) unless that slot is still the active
+        one (a check that ran without the lock, like verification at rest, and an install since)."""
         with self.store.lock():
-            target = self.store.model_state(name).previous
+            current = self.store.model_state(name)
+            if only_if_active is not None and current.active != only_if_active:
+                return current
+            target = current.previous
             if target is None:
                 raise StoreError(f"{name}: no previous version to roll back to")
-            model = self._open(target)  # before the state changes: a previous that fails to load changes nothing
+            check = check_slot(self.store, target, self.trust)
+            if not check.ok:
+                raise StoreError(f"{name}: the previous version v{target.version} fails verification ({check.why})")
+            held = self.registry.take_held(name)  # the replaced version, still loaded in the health window: instant
+            if held is not None and held.version != target.version:
+                self.registry.retire(held)
+                held = None
+            model = held.model if held is not None else self._open(target)  # before the state changes
             try:
                 ms = self.store.rollback(name, reason)
             except StoreError:
-                model.close()
+                if held is not None:
+                    self.registry.hold_or_retire(name, held, hold=True)
+                else:
+                    model.close()
                 raise
             previous = self.registry.serve(name, model, target.version)
         self.metrics.rollbacks.labels(name).inc()
@@ -291,6 +468,7 @@ class Lifecycle:
     def _arm_health_timer(self, name: str, version: int) -> None:
         def confirm() -> None:
             if self.registry.models().get(name) == version:
+                self.registry.end_probation(name)
                 try:
                     self.mark_healthy(name)
                 except StoreError as exc:

@@ -112,6 +112,19 @@ class AgentMetrics:
             registry=r,
         )
         self.rollbacks = Counter("edgekit_rollbacks", "Rollbacks to the previous version", ["model"], registry=r)
+        self.model_failures = Counter(
+            "edgekit_model_failures",
+            "Requests the serving version failed to run that count against it (the version it "
+            "replaced, replayed on the same inputs, did not fail too; a hung call always counts)",
+            ["model"],
+            registry=r,
+        )
+        self.verify_failures = Counter(
+            "edgekit_verify_failures",
+            "Installed slots whose files or signature failed verification at rest",
+            ["model"],
+            registry=r,
+        )
         # labels() costs a dict lookup under a lock; cache the children used on every request
         self._children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
         self._stage_children: dict[tuple[str, str], Histogram] = {}

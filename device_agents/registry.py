@@ -7,6 +7,9 @@
   call) is loaded on demand by the first lease.
 - ``serve`` swaps the served model of a name (one dict assignment) and returns the one it
   replaced, still open; ``retire`` closes that one when idle.
+- During a new version's health window the version it replaced stays loaded (``hold``), so
+  that ``count_failure`` can replay a request the new version failed to run on it, and a
+  rollback is instant.
 - The registry reads the store, never writes it: only the lifecycle does.
 """
 
@@ -15,12 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+import numpy as np
 
 from device_agents.metrics import AgentMetrics
 from device_agents.runtimes import ServedModel
 from device_agents.store import Slot, Store
-from edgekit.bundle.errors import ModelNotFoundError
+from edgekit.bundle.errors import InferenceInputError, ModelNotFoundError
 
 log = logging.getLogger("edgekit.agent")
 
@@ -76,6 +81,12 @@ class Registry:
         self._loaded: dict[str, Loaded] = {}
         self._cond = threading.Condition()  # guards _loaded and every Loaded.inflight
         self._loading: dict[str, threading.Lock] = {}
+        # The version a switch replaced, kept loaded through the new one's health window (when
+        # the update client judges it) to replay the new version's failed requests: count_failure.
+        self._probation: dict[str, Loaded] = {}
+        # What a lease loads on demand instead of the active slot (the lifecycle serving a previous
+        # version for now), or None: nothing (the active slot failed verification). ``serve`` clears it.
+        self._pinned: dict[str, Slot | None] = {}
 
     # -- what is there ------------------------------------------------------------------
     def models(self) -> dict[str, int]:
@@ -140,29 +151,52 @@ class Registry:
             with self._cond:
                 if name in self._loaded:
                     return
-            ms = self.store.model_state(name)
-            if ms.active is None:
+            with self._cond:
+                pinned = name in self._pinned
+                slot = self._pinned.get(name)
+            if not pinned:
+                slot = self.store.model_state(name).active
+            if slot is None:
                 return
-            log.info("%s: loading v%d on demand", name, ms.active.version)
-            model = self.open_slot(ms.active)
+            log.info("%s: loading v%d on demand", name, slot.version)
+            model = self.open_slot(slot)
             with self._cond:
                 if name in self._loaded:  # the lifecycle served one meanwhile
                     raced = True
                 else:
-                    self._loaded[name] = Loaded(model, ms.active.version)
+                    self._loaded[name] = Loaded(model, slot.version)
                     raced = False
             if raced:
                 model.close()
             else:
-                self.metrics.model_version.labels(name).set(ms.active.version)
+                self.metrics.model_version.labels(name).set(slot.version)
 
     def serve(self, name: str, model: ServedModel, version: int) -> Loaded | None:
         """Make ``model`` the served one of ``name``; return the one it replaced (still open)."""
         with self._cond:
             previous = self._loaded.get(name)
             self._loaded[name] = Loaded(model, version)
+            self._pinned.pop(name, None)
         self.metrics.model_version.labels(name).set(version)
         return previous
+
+    def pin(self, name: str, slot: Slot | None) -> None:
+        """Load ``slot`` on demand instead of the active one (None: load nothing) until ``serve``."""
+        with self._cond:
+            self._pinned[name] = slot
+
+    def peek(self, name: str) -> Loaded | None:
+        """The loaded entry of ``name``, not held (to read its latency window)."""
+        with self._cond:
+            return self._loaded.get(name)
+
+    def drop_version(self, name: str, version: int) -> Loaded | None:
+        """``unload`` only if ``version`` is still the one served."""
+        with self._cond:
+            entry = self._loaded.get(name)
+            if entry is None or entry.version != version:
+                return None
+            return self._loaded.pop(name)
 
     def unload(self, name: str) -> Loaded | None:
         """Take ``name`` out of the table (a later lease loads it again); return it, still open."""
@@ -204,5 +238,53 @@ class Registry:
     def close_all(self, *, wait_s: float = _IDLE_WAIT_S) -> None:
         with self._cond:
             entries, self._loaded = list(self._loaded.values()), {}
+            entries += list(self._probation.values())
+            self._probation = {}
         for entry in entries:
             self.retire(entry, wait_s=wait_s)
+
+    # -- the health window ------------------------------------------------------------------
+    def hold_or_retire(self, name: str, replaced: Loaded, *, hold: bool) -> None:
+        """Keep the replaced version loaded through the health window (for ``count_failure`` and
+        an instant rollback) when ``hold`` (the update client judges the window); else retire it."""
+        if not hold:
+            self.retire(replaced)
+            return
+        with self._cond:
+            older = self._probation.pop(name, None)
+            self._probation[name] = replaced
+        if older is not None:
+            self.retire(older)
+
+    def take_held(self, name: str) -> Loaded | None:
+        """The replaced version held through the health window, out of probation (for a rollback)."""
+        with self._cond:
+            return self._probation.pop(name, None)
+
+    def end_probation(self, name: str) -> None:
+        held = self.take_held(name)
+        if held is not None:
+            self.retire(held)
+
+    def count_failure(self, name: str, version: int, inputs: Mapping[str, np.ndarray]) -> bool:
+        """Record that ``name`` v``version`` failed to run ``inputs`` (a runtime error, after the
+        request passed the served signature). It counts against the version, in
+        ``edgekit_model_failures``, unless the version it replaced, still loaded in the health
+        window, fails on the same inputs too: then the input is at fault, not the update.
+        Returns whether it counted."""
+        with self._cond:
+            held = self._probation.get(name)
+            if held is not None:
+                held.inflight += 1
+        if held is not None:
+            try:
+                held.model.infer(inputs)
+            except InferenceInputError:
+                pass  # the previous version takes other inputs: nothing to compare, so it counts
+            except Exception:  # the previous version fails on these inputs too (whatever the runtime raises)
+                log.info("%s: v%d failed a request v%d fails too; not counted against it", name, version, held.version)
+                return False
+            finally:
+                self._release(held)
+        self.metrics.model_failures.labels(name).inc()
+        return True

@@ -34,10 +34,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from edgekit.bundle import TrustStore, extract, read_verified_manifest
+from edgekit.bundle import TrustStore, VerifiedManifest, extract, read_verified_manifest, verify_extracted
+from edgekit.bundle.archive import read_head
 from edgekit.bundle.codec import from_data, to_data, upgrade
 from edgekit.bundle.errors import BundleError, StoreError
-from edgekit.bundle.manifest import Manifest, sha256_file, utc_now
+from edgekit.bundle.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, sha256_file, utc_now
 
 STATE_VERSION = 2
 
@@ -127,7 +128,9 @@ class ModelState:
     active: Slot | None = None
     candidate: Slot | None = None
     previous: Slot | None = None
-    status: str = "empty"  # the last event: empty, serving, healthy, staged, testing, switching, failed, rolled_back
+    # the last event: empty, serving, healthy, staged, testing, switching, failed, rolled_back, degraded
+    # (degraded: the active slot did not load at start; the previous version serves for now)
+    status: str = "empty"
     error: str = ""
     updated: str = ""
     # Crash-loop guard for the active slot, apart from ``status`` (which a rejected *candidate*
@@ -331,6 +334,30 @@ class Store:
 
     def model_dir(self, slot: Slot) -> Path:
         return self.root / slot.path
+
+    def verify_slot(self, slot: Slot, trust: TrustStore) -> VerifiedManifest:
+        """Verify ``slot``'s files at rest against its signed manifest and today's ``trust``
+        (a key revoked since the install fails it). Raises ``SignatureError`` / ``BundleError``
+        (``__cause__`` an ``OSError`` when a file is missing or unreadable: maybe transient).
+
+        A slot extracted before signatures were kept beside the files takes its signature from
+        the kept bundle (``bundles/<sha>.ekb``, whose manifest must be byte-identical) and keeps
+        a copy from then on."""
+        d = self.model_dir(slot)
+        if (d / SIGNATURE_NAME).exists():
+            return verify_extracted(d, trust)
+        kept = self.root / "bundles" / f"{slot.sha256}.ekb"
+        try:
+            raw, sig = read_head(kept)
+            same = (d / MANIFEST_NAME).read_bytes() == raw
+        except (OSError, BundleError) as exc:
+            raise BundleError(f"{d} has no {SIGNATURE_NAME} and {kept} cannot be read ({exc})") from exc
+        if not same:
+            raise BundleError(f"{d}/{MANIFEST_NAME} differs from what {kept.name} signed: changed at rest")
+        verified = verify_extracted(d, trust, signature=sig)
+        with contextlib.suppress(StoreError):  # only a cache: the next check reads the bundle again
+            atomic_write(d / SIGNATURE_NAME, sig)
+        return verified
 
     # -- housekeeping -------------------------------------------------------------------
     def cleanup(self, keep_extra: int = 1) -> list[str]:

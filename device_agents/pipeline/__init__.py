@@ -69,6 +69,7 @@ class Pipeline:
             retry_after_s=server.retry_after_s,
             on_batch=metrics.batch_size.labels(name).observe,
             on_hung=self._hung,
+            on_failure=self._failed,
         )
 
     def run(
@@ -113,6 +114,14 @@ class Pipeline:
         out = encode(decoded.request, job.outputs, job.served_version)
         observe(self.name, "encode", time.perf_counter() - t2)
         return out
+
+    def _failed(self, version: int, job: Job | None) -> None:
+        """A request the runtime failed to run (a 500): counted against ``version`` unless the
+        version it replaced, held through the health window, fails on it too (a hang: counted)."""
+        if job is None:
+            self.metrics.model_failures.labels(self.name).inc()
+        else:
+            self.registry.count_failure(self.name, version, job.inputs)
 
     def _hung(self, model: ServedModel) -> None:
         self.metrics.hung_calls.labels(self.name).inc()

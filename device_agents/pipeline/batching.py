@@ -122,6 +122,7 @@ class Batcher:
         retry_after_s: int,
         on_batch: Callable[[int], None] = lambda rows: None,
         on_hung: Callable[[ServedModel], None] = lambda model: None,
+        on_failure: Callable[[int, Job | None], None] = lambda version, job: None,
     ) -> None:
         self.name = name
         self.lease = lease
@@ -131,6 +132,7 @@ class Batcher:
         self.retry_after_s = retry_after_s
         self.on_batch = on_batch
         self.on_hung = on_hung
+        self.on_failure = on_failure  # (version, job) per request the runtime failed (None: hung, no replay)
         self._incoming: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # None: a worker's stop signal
         self._held: deque[Job] = deque()  # taken out while forming a batch, not run yet (queue order)
         self._forming = threading.Lock()  # one worker forms a batch at a time (and owns _held): batches fill up
@@ -313,6 +315,7 @@ class Batcher:
             job.started, job.batch_rows = start, rows
         me = threading.get_ident()
         call: _Call | None = None
+        failed_version: int | None = None  # the runtime failed the batch: counted before the answers
         try:
             feed = (
                 batch[0].inputs
@@ -347,11 +350,16 @@ class Batcher:
                 failure = RuntimeFailure(
                     f"model {self.name} v{call.model.manifest.version if call else '?'} failed to run: {exc}"
                 )
+                if call is not None:
+                    failed_version = call.model.manifest.version
             for job in batch:
                 job.error = failure
         finally:
             with self._lock:
                 self._calls.pop(me, None)
+            if failed_version is not None and call is not None and not call.hung:  # out of _calls: not a hang
+                for job in batch:
+                    self._count_failure(failed_version, job)
             end = time.monotonic()
             if call is None or not call.hung:
                 for job in batch:
@@ -373,6 +381,12 @@ class Batcher:
             job.outputs = {n: v[offset : offset + job.rows] for n, v in outputs.items()}
             job.served_version = version
             offset += job.rows
+
+    def _count_failure(self, version: int, job: Job | None) -> None:
+        try:
+            self.on_failure(version, job)
+        except Exception:  # counting must never keep a request from its answer
+            log.exception("%s: could not count a failed request", self.name)
 
     # -- hung calls ------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -403,5 +417,6 @@ class Batcher:
                     job.error = failure
                     job.finished = now
                     job.done.set()
+                    self._count_failure(call.model.manifest.version, None)  # a hang is not replayed
                 self.on_hung(call.model)
                 self._spawn()

@@ -13,11 +13,13 @@ SDK imports happen inside the runtime modules, never here.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from device_agents.runtimes.latency import LatencyWindow
 from edgekit.bundle.errors import InferenceInputError
 from edgekit.bundle.manifest import Manifest, QuantParams, TensorMapping, TensorSpec
 
@@ -68,6 +70,7 @@ class ServedModel:
         }
         # Some runtimes (LiteRT interpreters) are not re-entrant; one lock per model keeps all safe.
         self._lock = threading.Lock() if getattr(runner, "serialize", False) else None
+        self.latency = LatencyWindow()  # runtime time of each successful ``infer`` (self-test baseline)
         # Whether an exception of the runtime says "this input is wrong" (a 400, not a model failure).
         self._rejects_input = getattr(runner, "rejects_input", None)
 
@@ -125,11 +128,14 @@ class ServedModel:
             m = self._in_map.get(name)
             art_name = m.artifact if m else name
             feed[art_name] = _to_artifact(arr, m, self._artifact_specs.get(art_name))
+        t0 = time.monotonic()
         if self._lock is not None:
             with self._lock:
                 raw = self.runner.run(feed)
         else:
             raw = self.runner.run(feed)
+        t1 = time.monotonic()
+        self.latency.record(t1, (t1 - t0) * 1000)
         result = {}
         for spec in self.outputs:
             m = self._out_map.get(spec.name)

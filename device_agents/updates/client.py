@@ -64,7 +64,8 @@ _RETRY_BASE_S = 2.0
 # Store statuses that say why the last update did not stick, as reported states.
 # Errors that retrying cannot fix: the notice is remembered as handled and the reason reported.
 _REJECTIONS = (BundleError, ManifestError, SelfTestError)
-_STORE_OUTCOMES: dict[str, UpdateState] = {"rolled_back": "rolled_back", "failed": "rejected"}
+# "degraded": the active version did not load at start and the previous one serves for now.
+_STORE_OUTCOMES: dict[str, UpdateState] = {"rolled_back": "rolled_back", "failed": "rejected", "degraded": "failed"}
 
 
 class _TrustMetrics:

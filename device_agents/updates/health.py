@@ -3,9 +3,13 @@
 Before the switch the lifecycle's self-test already compared the candidate's golden outputs and
 p50 latency with the previous version's on this device. What it cannot see is real traffic: a
 model that passes its golden vectors but fails on inputs met in the field. During the health
-window the update client compares the new version's failed requests (HTTP 500: the runtime
-raised or hung) with the previous version's, from the agent's own request counters, and rolls back when
-the new version fails clearly more often.
+window the update client compares the new version's failed requests with the previous
+version's, from the agent's own counters, and rolls back when the new version fails clearly
+more often. Only failures the previous version did not have count: a request the runtime fails
+to run (an HTTP 500: the runtime raised or hung) is replayed on the replaced version, kept
+loaded through the window (``Registry.count_failure``), and counted (``edgekit_model_failures``)
+only when that one runs it; a hung call counts without a replay. 503/504/429 (queue full,
+deadline passed, draining) and 4xx (bad input) say nothing about the model and never count.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ class Traffic:
     """Request counters of one model since some moment (a difference of two snapshots)."""
 
     requests: int = 0
-    failed: int = 0  # answered 500
+    failed: int = 0  # failed to run, and counted against the version (edgekit_model_failures)
 
     def since(self, earlier: Traffic) -> Traffic:
         return Traffic(self.requests - earlier.requests, self.failed - earlier.failed)
@@ -36,19 +40,18 @@ class Traffic:
 
 
 def traffic(metrics: AgentMetrics, name: str) -> Traffic:
-    """Inference requests served for model ``name`` since the agent started."""
+    """Inference requests served for model ``name`` since the agent started, and its failures
+    that count against the version serving them."""
     requests = failed = 0
     for family in metrics.registry.collect():
-        if family.name != "edgekit_requests":
+        if family.name not in ("edgekit_requests", "edgekit_model_failures"):
             continue
         for sample in family.samples:
             if sample.name.endswith("_total") and sample.labels.get("model") == name:
-                n = int(sample.value)
-                requests += n
-                # 500 only: the runtime raised or hung. 503/504/429 (queue full, deadline passed,
-                # draining) and 4xx (bad input) say nothing about the model.
-                if sample.labels.get("code", "") == "500":
-                    failed += n
+                if family.name == "edgekit_requests":
+                    requests += int(sample.value)
+                else:
+                    failed += int(sample.value)
     return Traffic(requests, failed)
 
 

@@ -9,6 +9,7 @@ from edgekit.bundle.archive import (
     extract,
     file_entries,
     read_verified_manifest,
+    verify_extracted,
     write_bundle,
 )
 from edgekit.bundle.manifest import SCHEMA_VERSION, Manifest
@@ -27,5 +28,6 @@ __all__ = [
     "load_private_key",
     "load_public_key",
     "read_verified_manifest",
+    "verify_extracted",
     "write_bundle",
 ]

@@ -284,7 +284,7 @@ def test_an_active_version_that_no_longer_loads_falls_back_to_previous(config_pa
     (m.store.model_dir(ms.active) / "model.onnx").write_bytes(b"bit rot")
     m = _restart(config_path)
     assert m.models() == {"tiny": 1}
-    assert "v2 does not load" in m.store.model_state("tiny").error
+    assert "v2 failed verification at rest" in m.store.model_state("tiny").error
     m.stop()
 
 
@@ -302,7 +302,7 @@ def test_when_neither_slot_loads_the_model_is_not_served_and_the_agent_starts(
     m = _restart(config_path)
     assert m.models() == {} and m.ready
     ms = m.store.model_state("tiny")
-    assert ms.status == "failed" and "v1 does not load" in ms.error
+    assert ms.status == "failed" and "v1 fails too" in ms.error
     m.stop()
 
 

@@ -311,11 +311,15 @@ def test_concurrent_requests_are_batched_over_http(
         np.testing.assert_allclose(np.array(doc["outputs"][0]["data"]).reshape(1, 10), want[i : i + 1], rtol=1e-5)
 
 
-def test_health_counts_only_500s_as_failures() -> None:
+def test_health_counts_only_model_failures() -> None:
     from device_agents.metrics import AgentMetrics
     from device_agents.updates.health import traffic
 
     metrics = AgentMetrics()
     for code in (200, 400, 429, 503, 504, 500):
         metrics.observe_request("m", code, 0.001)
+    # 4xx/429/503/504 never count; a 500 counts only once the pipeline counted it against the
+    # version (edgekit_model_failures: the replaced version, replayed, did not fail too)
+    assert (traffic(metrics, "m").requests, traffic(metrics, "m").failed) == (6, 0)
+    metrics.model_failures.labels("m").inc()
     assert (traffic(metrics, "m").requests, traffic(metrics, "m").failed) == (6, 1)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from edgekit.bundle import TrustStore, extract, load_private_key, read_verified_manifest
+from edgekit.bundle import TrustStore, extract, load_private_key, read_verified_manifest, verify_extracted
 from edgekit.bundle.archive import read_unverified_manifest
 from edgekit.bundle.manifest import FileEntry, Manifest
 from edgekit.bundle.signing import sign
@@ -80,8 +80,9 @@ def _refused(path: Path, trust: TrustStore, dest: Path, error: type[Exception], 
 def test_bundle_valid_verifies_and_extracts_every_listed_file(bundle: Path, trust: TrustStore, tmp_path: Path) -> None:
     verified = read_verified_manifest(bundle, trust)
     out = extract(bundle, verified, tmp_path / "x")
-    assert sorted(p.name for p in out.iterdir()) == ["golden.npz", "manifest.json", "model.onnx"]
+    assert sorted(p.name for p in out.iterdir()) == ["golden.npz", "manifest.json", "manifest.sig", "model.onnx"]
     assert (out / "manifest.json").read_bytes() == verified.raw
+    assert (out / "manifest.sig").read_bytes() == verified.signature
 
 
 def test_bundle_tampered_file_rejected(bundle: Path, trust: TrustStore, tmp_path: Path) -> None:
@@ -242,3 +243,34 @@ def test_bundle_unverified_read_names_the_signer_without_trusting_it(bundle: Pat
     manifest, kid = read_unverified_manifest(bundle)
     assert kid == next(iter(trust.keys))
     assert manifest == read_verified_manifest(bundle, trust).manifest
+
+
+def test_bundle_extracted_verifies_at_rest_until_a_bit_flips(bundle: Path, trust: TrustStore, tmp_path: Path) -> None:
+    out = extract(bundle, read_verified_manifest(bundle, trust), tmp_path / "x")
+    assert verify_extracted(out, trust).manifest.version == 3
+    data = bytearray((out / "model.onnx").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (out / "model.onnx").write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=r"model\.onnx: sha256 does not match its signed manifest: changed at rest"):
+        verify_extracted(out, trust)
+
+
+def test_bundle_extracted_refused_at_rest_once_its_key_is_revoked(
+    bundle: Path, trust: TrustStore, tmp_path: Path
+) -> None:
+    out = extract(bundle, read_verified_manifest(bundle, trust), tmp_path / "x")
+    with pytest.raises(SignatureError, match="revoked key"):
+        verify_extracted(out, TrustStore(trust.keys, frozenset(trust.keys)))
+
+
+def test_bundle_extracted_missing_file_or_edited_manifest_refused_at_rest(
+    bundle: Path, trust: TrustStore, tmp_path: Path
+) -> None:
+    out = extract(bundle, read_verified_manifest(bundle, trust), tmp_path / "x")
+    (out / "golden.npz").unlink()
+    with pytest.raises(BundleError, match=r"golden\.npz cannot be read") as missing:
+        verify_extracted(out, trust)
+    assert isinstance(missing.value.__cause__, OSError)  # the caller may treat it as transient
+    (out / "manifest.json").write_bytes((out / "manifest.json").read_bytes().replace(b'"version": 3', b'"version": 9'))
+    with pytest.raises(SignatureError, match="does not match the manifest"):
+        verify_extracted(out, trust)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from device_agents.store import Store
+from edgekit.bundle import TrustStore
 from edgekit.bundle.manifest import sha256_file
 from tests.factories import sample_inputs
 from tests.updates.bundles import reference_outputs
@@ -20,8 +21,10 @@ from tests.updates.services import FileServer, Mosquitto, Watcher
 STEPS = {"download": 1, "verify": 1, "stage": 1, "selftest": 1, "switch": 1, "commit": 2, "cleanup": 2}
 
 
-def _active_is_complete(store_dir: Path) -> int:
-    """The active version of ``tiny``, after checking each of its files against the manifest."""
+def _active_is_complete(store_dir: Path, trusted_pub: Path) -> int:
+    """The active version of ``tiny``, after checking each of its files against the manifest,
+    and every slot the state names (active, previous, candidate) whole and signed: nothing
+    partial is named."""
     store = Store(store_dir)
     ms = store.model_state("tiny")
     assert ms.active is not None
@@ -29,6 +32,10 @@ def _active_is_complete(store_dir: Path) -> int:
     for entry in manifest.files:
         path = store.model_dir(ms.active) / entry.path
         assert path.stat().st_size == entry.size_bytes and sha256_file(path) == entry.sha256, entry.path
+    trust = TrustStore.from_files([trusted_pub])
+    for slot in (ms.active, ms.previous, ms.candidate):
+        if slot is not None:
+            store.verify_slot(slot, trust)  # raises on a missing, partial or altered file
     return ms.active.version
 
 
@@ -40,7 +47,7 @@ def test_agent_killed_at_update_step_serves_old_or_new_then_completes(
     publish(padded_v2, broker.url(), files, keys.public, "--device", "dev-1")
     assert agent.wait_exit(60) == -9, agent.log()[-2000:]
 
-    assert _active_is_complete(agent.spec.store) == STEPS[step]
+    assert _active_is_complete(agent.spec.store, keys.public) == STEPS[step]
 
     watcher = Watcher(broker.port, [f"edgekit/{FLEET}/dev-1/reported"])
     try:
@@ -54,7 +61,7 @@ def test_agent_killed_at_update_step_serves_old_or_new_then_completes(
         watcher.wait(lambda r: r["state"] == "serving" and r["version"] == 2, 30, "the update to complete")
     finally:
         watcher.close()
-    assert _active_is_complete(agent.spec.store) == 2
+    assert _active_is_complete(agent.spec.store, keys.public) == 2
     if step == "download":  # the second attempt resumed the partial file instead of starting over
         resumed = [r for r in files.requests() if re.search(r"range=bytes=[1-9]\d*- -> 206", r)]
         assert resumed, files.requests()

@@ -108,3 +108,38 @@ def test_version_that_keeps_crashing_the_agent_is_rolled_back(
         watcher.close()
     assert "crash loop" in report["error"] and report["version"] == 1
     assert agent.served_version("tiny") == 1  # the retained notice for v2 does not bring it back
+
+
+def test_requests_the_previous_version_fails_too_do_not_count_against_the_new_one(
+    broker: Mosquitto, files: FileServer, agents: AgentFactory, keys: Keys, tmp_path: Path
+) -> None:
+    # Both versions fail on field inputs (a data-dependent Gather) that only arrive once v2 serves:
+    # v2 fails far more often than v1 did, yet v1 fails on the same inputs: the input is at fault.
+    fragile = {v: fragile_classifier(tmp_path / f"f{v}.onnx", seed=v) for v in (1, 2)}
+    v1, v2 = (bundle(tmp_path / f"tiny-v{v}-fragile.ekb", keys.private, v, model=fragile[v]) for v in (1, 2))
+    # a window long enough for several field requests on a busy machine
+    agent = agents(broker.url(), "dev-1", seed=None, extra_updates={"health_window_s": 6.0}).start()
+    watcher = Watcher(broker.port, [REPORTED])
+    good = field = None
+    try:
+        first = publish(v1, broker.url(), files, keys.public, "--device", "dev-1")
+        watcher.wait(lambda r: r["notice_id"] == first and r["state"] == "serving", 60, "v1 serving")
+        good = Load(agent, sample_inputs(1, seed=5))
+        wait_for(lambda: len(good.results) >= 20, 30, "requests before the update")  # type: ignore[union-attr]  # set above
+        notice = publish(v2, broker.url(), files, keys.public, "--device", "dev-1")
+        watcher.wait(lambda r: r["notice_id"] == notice and r["state"] == "checking", 60, "v2 in its health window")
+        good.stop()
+        field = Load(agent, sample_inputs(1, seed=5) * 20)
+        report = watcher.wait(
+            lambda r: r["notice_id"] == notice and r["state"] in ("rolled_back", "serving"), 60, "the health verdict"
+        )
+    finally:
+        for load in (good, field):
+            if load is not None:
+                load.stop()
+        watcher.close()
+    assert field is not None and field.results.count("HTTP 500") >= 3  # v2 failed field requests in its window
+    assert report["state"] == "serving", report
+    assert agent.served_version("tiny") == 2
+    assert "v2 failed a request v1 fails too; not counted against it" in agent.log()  # replayed on v1
+    assert agent.metric("edgekit_rollbacks_total", model="tiny") == 0

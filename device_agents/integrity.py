@@ -1,0 +1,92 @@
+"""Verification at rest: installed slots checked again against their signed manifests.
+
+A slot's files were hashed when it was staged; a flipped bit on disk, an edited file or a key
+revoked since then would otherwise go unnoticed until the model serves garbage. ``check_slot``
+re-checks the signature over the slot's ``manifest.json`` with today's trust store (revoked
+keys refused) and every listed file's length and SHA-256, and says whether a failure is
+*definitive* (content or trust changed: the slot is bad) or *transient* (a file missing or
+unreadable: storage not mounted yet, an I/O error; it may come back, and must never demote a
+version by itself). The lifecycle runs it at start and every ``verify_interval_s``
+(``PeriodicCheck``); ``retry_delays`` spaces its retries of a transient failure at start.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from device_agents.store import Slot, Store
+from edgekit.bundle import TrustStore
+from edgekit.bundle.errors import BundleError, ManifestError, StoreError
+
+log = logging.getLogger("edgekit.agent")
+
+
+@dataclass(frozen=True)
+class AtRest:
+    """The outcome of ``check_slot``: ``ok``, or why not and whether it may pass on its own."""
+
+    ok: bool
+    transient: bool = False
+    why: str = ""
+
+
+def check_slot(store: Store, slot: Slot, trust: TrustStore) -> AtRest:
+    """Verify ``slot``'s files and signature at rest (see the module docstring)."""
+    try:
+        store.verify_slot(slot, trust)
+    except BundleError as exc:  # SignatureError included: a bad or revoked signature is definitive
+        return AtRest(False, _caused_by_os_error(exc), str(exc))
+    except ManifestError as exc:  # signed, yet not a manifest this agent reads: definitive too
+        return AtRest(False, False, str(exc))
+    except (OSError, StoreError) as exc:
+        return AtRest(False, True, str(exc))
+    return AtRest(True)
+
+
+def _caused_by_os_error(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+def retry_delays(attempts: int, base_s: float, max_s: float, rng: random.Random | None = None) -> Iterator[float]:
+    """``attempts - 1`` delays, doubling from ``base_s`` up to ``max_s``, each jittered over its
+    upper half ("equal jitter": never near zero, so the retries span at least half the ladder)."""
+    rng = rng or random.Random()
+    for i in range(attempts - 1):
+        ceiling = min(max_s, base_s * 2**i)
+        yield ceiling / 2 + rng.uniform(0.0, ceiling / 2)
+
+
+class PeriodicCheck:
+    """A daemon thread calling ``fn`` every ``interval_s`` until ``stop``; ``fn`` must not raise
+    on purpose, and whatever it raises is logged (the thread goes on: a supervisor loop)."""
+
+    def __init__(self, interval_s: float, fn: Callable[[], object], name: str = "edgekit-verify-at-rest") -> None:
+        self.interval_s = interval_s
+        self._fn = fn
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> PeriodicCheck:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._fn()
+            except Exception:  # supervisor loop: one failed round must not end the checks
+                log.exception("verification at rest failed; trying again in %g s", self.interval_s)
