@@ -119,17 +119,21 @@ def test_revoked_key_is_refused(tmp_path: Path, keypair: tuple[Path, Path], bund
         m.install(bundles.v1)
 
 
-def test_latency_gate_refuses_a_candidate_far_slower_than_the_host_measured(
+def test_latency_gate_ignores_the_host_p50_on_a_first_install(
     tmp_path: Path, keypair: tuple[Path, Path], bundles: Bundles
 ) -> None:
+    """The packaging host is another machine: a device slower than it must still take a first
+    install; the host's p50 is the report's baseline for information only."""
     cfg = write_config(tmp_path / "a", keypair[1], "[selftest]\nlatency_floor_ms = 0.0\n")
     m = _restart(cfg)
     src = bundles.v1
     fast = read_manifest(src).validation
     claimed = rebundle(src, keypair[0], tmp_path / "fast.ekb", validation=replace(fast, latency_p50_ms=1e-6))
-    with pytest.raises(SelfTestError, match=r"p50 latency .* is over selftest.latency_slack \(3\) x the baseline"):
-        m.install(claimed)
-    assert m.models() == {}
+    m.install(claimed)
+    assert m.models() == {"tiny": 1}
+    report = m.selftest_report("tiny")
+    assert report is not None and report.passed
+    assert (report.baseline_source, report.baseline_p50_ms) == ("host", 1e-6)
 
 
 def test_switch_under_load_fails_no_request(manager: Lifecycle, bundles: Bundles) -> None:
