@@ -159,29 +159,12 @@ class AppleTarget:
                 f"intermediate: {len(report.plain_unmatched)} uncompressed package constant(s) match no torch tensor "
                 f"and keep their FP32 values ({', '.join(report.plain_unmatched[:3])})"
             )
-        placement = op_placement(program, package, opts)
-        if placement.tool.endswith("not measured here"):
-            notes.append("Core ML compute-device placement: not measured here (needs macOS 14.4+)")
         return BuildResult(
             files=files,
-            compatibility=Compatibility(
-                runtime="coreml",
-                runtime_version=ct.__version__,
-                accelerator="ane" if opts.compute_units == "CPU_AND_NE" else None,
-                hardware={"minimum_deployment_target": deployment},
-            ),
+            **_coreml_result_fields(ct, opts, program, package, spec, deployment, notes),
             artifact_signature=artifact_signature,
             mapping=mapping,
             precision=precision,
-            runnable_here=False,
-            op_placement=placement,
-            notes=tuple(notes),
-            target_options=to_data(opts)
-            | {
-                "minimum_deployment_target": deployment,
-                "package": PACKAGE,
-                "spec_version": int(spec.specificationVersion),
-            },
             intermediate=torch_runner(intermediate_module, ctx.served, inputs, fp16_activations),
             intermediate_name=(
                 "torch intermediate with the mlpackage's dequantized weights"
@@ -327,26 +310,13 @@ def build_w8a8(ctx: BuildContext) -> BuildResult:
         ),
         "Core ML latency: not measured here",
     ]
-    placement = op_placement(program, package, opts)
-    if placement.tool.endswith("not measured here"):
-        notes.append("Core ML compute-device placement: not measured here (needs macOS 14.4+)")
     files = {p.relative_to(ctx.out_dir).as_posix(): "artifact" for p in sorted(package.rglob("*")) if p.is_file()}
     return BuildResult(
         files=files,
-        compatibility=Compatibility(
-            runtime="coreml",
-            runtime_version=ct.__version__,
-            accelerator="ane" if opts.compute_units == "CPU_AND_NE" else None,
-            hardware={"minimum_deployment_target": deployment},
-        ),
+        **_coreml_result_fields(ct, opts, program, package, spec, deployment, notes),
         artifact_signature=artifact_signature,
         mapping=mapping,
         precision=Precision("int8", "int8", method),
-        runnable_here=False,
-        op_placement=placement,
-        notes=tuple(notes),
-        target_options=to_data(opts)
-        | {"minimum_deployment_target": deployment, "package": PACKAGE, "spec_version": int(spec.specificationVersion)},
         intermediate=torch_runner(quantized, ctx.served, inputs, fp16_activations=True),
         intermediate_name=(
             "quantized torch intermediate with the mlpackage's int8 weights and activation scales, "
@@ -376,6 +346,29 @@ def build_w8a8(ctx: BuildContext) -> BuildResult:
             ),
         ),
     )
+
+
+def _coreml_result_fields(
+    ct: Any, opts: AppleOptions, program: Any, package: Path, spec: Any, deployment: str, notes: list[str]
+) -> dict[str, Any]:
+    """What every Core ML build records the same way: compatibility, op placement (with its
+    not-measured note appended to ``notes``), notes and target options."""
+    placement = op_placement(program, package, opts)
+    if placement.tool.endswith("not measured here"):
+        notes.append("Core ML compute-device placement: not measured here (needs macOS 14.4+)")
+    return {
+        "compatibility": Compatibility(
+            runtime="coreml",
+            runtime_version=ct.__version__,
+            accelerator="ane" if opts.compute_units == "CPU_AND_NE" else None,
+            hardware={"minimum_deployment_target": deployment},
+        ),
+        "runnable_here": False,
+        "op_placement": placement,
+        "notes": tuple(notes),
+        "target_options": to_data(opts)
+        | {"minimum_deployment_target": deployment, "package": PACKAGE, "spec_version": int(spec.specificationVersion)},
+    }
 
 
 def _onnx2torch_version() -> str:
