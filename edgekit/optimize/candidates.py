@@ -73,6 +73,10 @@ class Candidate:
     settings: Mapping[str, Any] = field(default_factory=dict)
     family: str = ""
     baseline: bool = False  # the target's FP32 on its own runtime: "never slower than" refers to it
+    # Where latency cannot be measured here (TensorRT, Core ML, the Edge TPU): the expected speed
+    # order on the device class, lower = faster, taken from the vendor's documentation (the target
+    # cites it). ``auto`` then ships the lowest-ranked candidate within the budget. None: unranked.
+    device_rank: int | None = None
     exclude: Callable[[tuple[str, ...]], Candidate] | None = None
     # (layers to keep in float together, score), most sensitive first
     rank_layers: Callable[[BuildSpace, Built], list[tuple[tuple[str, ...], float]]] | None = None

@@ -46,6 +46,15 @@ def choose(outcomes: Sequence[Outcome], objective: str, auto: bool, baseline: Ou
         if dropped:
             why = f"; {dropped} passing candidate(s) slower than {baseline.name} left out"
     timed = [o for o in pool if o.p50_ms is not None]
+    ranked = [o for o in pool if o.device_rank is not None]
+    if objective == "latency" and not timed and ranked:
+        first = min(o.device_rank for o in ranked if o.device_rank is not None)
+        near = [o for o in ranked if o.device_rank == first]
+        pick = min(near, key=lambda o: (o.size_bytes, tuple(-x for x in accuracy_key(o))))
+        return pick, (
+            "expected fastest on the device within the budget (latency not measured here: "
+            f"the target's order from the vendor's documentation, rank {first}){why}"
+        )
     if objective == "size" or not timed:
         smallest = min(o.size_bytes for o in pool)
         near = [o for o in pool if o.size_bytes <= smallest * (1 + SIZE_TIE)]

@@ -67,6 +67,7 @@ class Outcome:
     method: str = ""
     excluded_nodes: tuple[str, ...] = ()
     baseline: bool = False
+    device_rank: int | None = None  # Candidate.device_rank: expected device speed order where untimed
 
     @property
     def p50_ms(self) -> float | None:
@@ -428,6 +429,7 @@ def _outcome(
         method=prec.method if prec else "",
         excluded_nodes=built.excluded_nodes if built is not None else (),
         baseline=cand.baseline,
+        device_rank=cand.device_rank,
     )
 
 

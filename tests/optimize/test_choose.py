@@ -47,3 +47,15 @@ def test_choose_by_size_and_without_latency_and_when_nothing_passes() -> None:
     failed = [_o("x", 0.5, 100, 0.5, passed=False), _o("y", 0.6, 100, 0.9, passed=False)]
     pick, why = choose(failed, "latency", auto=False, baseline=fp32)
     assert pick.name == "y" and why.startswith("no candidate met the accuracy budget")
+
+
+def test_choose_untimed_by_the_device_rank_then_size() -> None:
+    # TensorRT-like: int8 is expected fastest (rank 0), fp16 next; nothing is timed here
+    int8, fp16 = _o("int8", None, 300, device_rank=0), _o("fp16", None, 500, precision="fp16", device_rank=1)
+    pick, why = choose([fp16, int8], "latency", auto=True, baseline=None)
+    assert pick is int8 and "latency not measured here" in why and "rank 0" in why
+    # the fastest-ranked one missed the budget: the next rank ships
+    missed = _o("int8", None, 300, 0.5, passed=False, device_rank=0)
+    assert choose([fp16, missed], "latency", auto=True, baseline=None)[0] is fp16
+    # the size objective ignores the rank
+    assert choose([fp16, int8, _o("w4", None, 100, device_rank=2)], "size", auto=True, baseline=None)[0].name == "w4"
