@@ -426,6 +426,12 @@ def describe_manifest(m: Any, signed_by: str) -> list[str]:
         lines += [f"  {device}: {op_type} x{n}" for (device, op_type), n in sorted(counts.items())]
     if m.target_options:
         lines.append("target options: " + ", ".join(f"{k}={val}" for k, val in sorted(m.target_options.items())))
+    if m.provenance:
+        lines.append("provenance: " + " -> ".join(f"{p.kind} ({p.tool})" for p in m.provenance))
+    if m.candidates is not None:
+        from edgekit.optimize.record import summary_lines
+
+        lines += summary_lines(m.candidates)
     return lines
 
 

@@ -102,6 +102,10 @@ class Row:
     validation: Validation
     failures: tuple[str, ...] = ()
     bundle: Path | None = None
+    # engine targets whose FP32 baseline is another measurement than the table's fp32 (another
+    # runtime, or a ratio on the other side of 1): (baseline name, its p50 / the artifact's p50),
+    # the same side-by-side round; this ratio decides "slower than fp32"
+    own_fp32: tuple[str, float] | None = None
 
     @property
     def passed(self) -> bool:
@@ -602,9 +606,12 @@ def _validate_and_describe(
     if not comparison.passed:
         pass  # "slower" is said of an artifact that passed; a failed one is failed
     elif searched is not None and searched.baseline is not None and searched.chosen.latency is not None:
+        from edgekit.optimize.record import baseline_note
+
         slower = searched.slower_than_fp32
+        slower_note = baseline_note(searched)
         if slower:
-            slower_note = (
+            slower_note += (
                 f"slower than fp32: {searched.chosen.name} p50 {searched.chosen.p50_ms:.3f} ms vs "
                 f"{searched.baseline.name} {searched.baseline.p50_ms:.3f} ms on the same runtime",
             )
@@ -643,8 +650,26 @@ def _validate_and_describe(
             # the subset the engine calibrated on, not every sample given
             calibration=calibration_data(searched, given.source if given is not None else ""),
         )
-    row = Row(target, precision, result.precision.label, result.precision.method, validation, comparison.failures)
+    row = Row(
+        target, precision, result.precision.label, result.precision.method, validation, comparison.failures,
+        own_fp32=_own_fp32(searched, validation),
+    )  # fmt: skip
     return manifest, comparison, row
+
+
+def _own_fp32(searched: Any, v: Validation) -> tuple[str, float] | None:
+    """The table's second ratio (see ``Row.own_fp32``), or None when it would say nothing new."""
+    if searched is None or searched.baseline is None or v.latency_p50_ms is None or not v.fp32_latency_p50_ms:
+        return None
+    from edgekit.optimize.report import speed_vs_baseline
+
+    own = speed_vs_baseline(searched)
+    if own is None or searched.baseline.name == searched.chosen.name:
+        return None
+    vs_source = v.fp32_latency_p50_ms / v.latency_p50_ms
+    if searched.baseline.runtime == "onnxruntime" and (own >= 1.0) == (vs_source >= 1.0):
+        return None
+    return searched.baseline.name, own
 
 
 def _write_golden(

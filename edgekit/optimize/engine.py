@@ -15,7 +15,11 @@ Order of work:
 5. mixed precision, when the fastest quantized candidate missed the budget (``auto``, or with
    ``mixed_precision``): rank its layers by sensitivity and keep the fewest in float that meet
    the budget (1, 2, 4, ... layers, then the smallest count in between that passes);
-6. a final side-by-side round of the passing candidates with full repeats; choose.
+6. a final side-by-side round with full repeats of every candidate the choice may pick, the
+   target's FP32 baseline and the reference; choose. The chosen's p50, the baseline's and the
+   reference's (what the table, the manifest and the report print) all come from this one round;
+   a candidate left out of it keeps its quick-round p50, and its ratio is to the reference's p50
+   in that round (``Outcome.timed_in``, ``Outcome.reference_p50_ms``).
 """
 
 from __future__ import annotations
@@ -68,10 +72,21 @@ class Outcome:
     excluded_nodes: tuple[str, ...] = ()
     baseline: bool = False
     device_rank: int | None = None  # Candidate.device_rank: expected device speed order where untimed
+    # the side-by-side round ``latency`` comes from ("quick": pruning, "final": the choice), and the
+    # ONNX Runtime FP32 source's p50 in that same round: every ratio is within one measurement
+    timed_in: str = ""
+    reference_p50_ms: float | None = None
 
     @property
     def p50_ms(self) -> float | None:
         return None if self.latency is None else self.latency.p50_ms
+
+    @property
+    def speed_vs_reference(self) -> float | None:
+        """ONNX Runtime FP32 source p50 / this p50, both from the round in ``timed_in``."""
+        if self.p50_ms is None or not self.reference_p50_ms or self.p50_ms <= 0:
+            return None
+        return self.reference_p50_ms / self.p50_ms
 
 
 @dataclass(frozen=True)
@@ -81,7 +96,7 @@ class SearchResult:
     built_dir: Path
     why: str
     outcomes: tuple[Outcome, ...]
-    reference_latency: LatencyStats | None  # ONNX Runtime FP32 source, same loop as the chosen
+    reference_latency: LatencyStats | None  # ONNX Runtime FP32 source, the final round (the chosen's)
     baseline: Outcome | None
     slower_than_fp32: bool
     objective: str
@@ -183,8 +198,8 @@ def search(
     baseline = next((s for s in states if s.candidate.baseline), None)
 
     # quick latency round: what dominates what
-    quick = _time(
-        states, reference_open, one, threads, repeats=6, budget_s=latency_budget_s / 2, say=say, target=target
+    _time(
+        states, reference_open, one, threads, "quick", repeats=6, budget_s=latency_budget_s / 2, say=say, target=target
     )
     base_p50 = _p50(baseline)
 
@@ -212,12 +227,15 @@ def search(
     elif auto or mixed_precision:
         _mixed(states, attempt, space, auto, precision, base_p50, notes, say, target)
 
-    # final round: everything that passed, with full repeats
-    passing = [s for s in states if s.outcome is not None and s.outcome.status == "passed"]
-    if baseline is not None and baseline not in passing and baseline.run is not None:
-        passing.append(baseline)
-    final = _time(passing, reference_open, one, threads, repeats=20, budget_s=latency_budget_s, say=say, target=target)
-    reference_latency = final.get(REFERENCE) or quick.get(REFERENCE)
+    # final round, with full repeats: everything the choice may pick (what passed; when nothing
+    # choosable passed, every choosable built one: the most accurate is picked) and the baseline,
+    # so the chosen's p50, the baseline's and the reference's come from this one measurement
+    final_states = _final_round(states, baseline, auto, precision)
+    final = _time(
+        final_states, reference_open, one, threads, "final", repeats=20, budget_s=latency_budget_s, say=say,
+        target=target,
+    )  # fmt: skip
+    reference_latency = final.get(REFERENCE)
 
     outcomes = [s.outcome for s in states if s.outcome is not None]
     choosable = [o for o in outcomes if auto or o.precision == precision]
@@ -256,11 +274,23 @@ def search(
 # -- steps -----------------------------------------------------------------------------------
 
 
+def _final_round(states: list[_State], baseline: _State | None, auto: bool, precision: str) -> list[_State]:
+    """The states timed in the final round: every one ``choose`` may return, and the baseline."""
+    choosable = [s for s in states if s.outcome is not None and (auto or s.candidate.precision == precision)]
+    picked = [s for s in states if s.outcome is not None and s.outcome.status == "passed"]
+    if not any(s.outcome is not None and s.outcome.status == "passed" for s in choosable):
+        picked += [s for s in choosable if s.outcome is not None and s.outcome.comparison is not None]
+    if baseline is not None and baseline.run is not None:
+        picked.append(baseline)
+    return [s for s in states if any(s is p for p in picked)]  # each once, in build order
+
+
 def _time(
     states: list[_State],
     reference_open: Callable[[int], RunFn],
     one: dict[str, np.ndarray],
     threads: int,
+    round_name: str,
     *,
     repeats: int,
     budget_s: float,
@@ -277,9 +307,11 @@ def _time(
             fns[s.candidate.name] = call_with(s.run, one)
     say(f"[{target}] timing {len(runnable)} candidate(s) side by side ({threads} threads, batch 1)")
     stats = stats_side_by_side(fns, repeats=repeats, budget_s=budget_s, min_repeats=3, discard=1)
+    ref = stats[REFERENCE].p50_ms
     for s in runnable:
         if s.outcome is not None:
-            s.outcome = dataclasses.replace(s.outcome, latency=stats[s.candidate.name])
+            lat = stats[s.candidate.name]
+            s.outcome = dataclasses.replace(s.outcome, latency=lat, timed_in=round_name, reference_p50_ms=ref)
     return stats
 
 

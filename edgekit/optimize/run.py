@@ -19,6 +19,7 @@ from edgekit.errors import ConfigError
 from edgekit.optimize.candidates import OBJECTIVES, RunFn
 from edgekit.optimize.data import DEFAULT_CALIB_SAMPLES, search_data
 from edgekit.optimize.engine import SearchResult, search
+from edgekit.optimize.record import choice_step
 from edgekit.targets.base import BuildContext, BuildResult
 from edgekit.validate.calib import fixed_batch, sample_count
 from edgekit.validate.metrics import output_kind, run_all
@@ -102,7 +103,9 @@ def optimise(
     )
     built = target.finish(ctx, result.built, result.built_dir)
     notes = (*built.notes, *summary_notes(result))
-    return Optimised(build=dataclasses.replace(built, notes=notes), search=result)
+    # the target's own steps describe how the chosen artifact was made; the last step is the choice
+    provenance = (*built.provenance, choice_step(result, settings.tolerance))
+    return Optimised(build=dataclasses.replace(built, notes=notes, provenance=provenance), search=result)
 
 
 def summary_notes(result: SearchResult) -> tuple[str, ...]:

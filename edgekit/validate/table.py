@@ -22,7 +22,9 @@ HEADERS = (
 
 def format_table(rows: Sequence[Any]) -> str:
     """Rows are ``edgekit.packager.Row`` (``.validation`` is the manifest's). Speed vs fp32 is
-    fp32 p50 / artifact p50 (> 1 = faster)."""
+    the ONNX Runtime FP32 source's p50 / the artifact's p50 (> 1 = faster); where the target's own
+    FP32 (``Row.own_fp32``, e.g. OpenVINO FP32 IR for intel) is another measurement, its ratio
+    follows in brackets, from the same side-by-side round: that one decides "slower than fp32"."""
     lines = [HEADERS]
     for r in rows:
         v = r.validation
@@ -34,7 +36,7 @@ def format_table(rows: Sequence[Any]) -> str:
                 f"{v.size_ratio:.2f}x" if v.size_ratio is not None else "-",
                 _accuracy(v),
                 _latency(v),
-                _speed(v),
+                _speed(v) + (f" ({r.own_fp32[1]:.2f}x vs {r.own_fp32[0]})" if getattr(r, "own_fp32", None) else ""),
                 ("passed" if v.passed else "FAILED")
                 + (", slower than fp32" if v.slower_than_fp32 else "")
                 + ("" if r.bundle is not None else ", no bundle"),

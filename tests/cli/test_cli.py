@@ -303,6 +303,35 @@ def test_cli_inspect_shows_identity_precision_validation_and_op_placement(capsys
     assert any(x.startswith("  CPUExecutionProvider: QLinearConv x") for x in lines)
 
 
+def test_cli_inspect_prints_every_candidate_the_choice_why_and_the_choice_as_provenance(capsys, workspace) -> None:
+    from edgekit.bundle.archive import read_unverified_manifest
+
+    manifest, _ = read_unverified_manifest(workspace["bundle"])
+    report = manifest.candidates
+    assert report is not None
+    code, out, _ = _cli(capsys, "inspect", workspace["bundle"])
+    lines = out.splitlines()
+    assert code == 0 and "provenance: prepare (edgekit) -> prepare (edgekit) -> select (edgekit optimize)" in lines
+    first = lines.index(next(x for x in lines if x.startswith("candidates (objective latency, ")))
+    rows = lines[first + 1 : first + 1 + len(report.candidates)]
+    for row, c in zip(rows, report.candidates, strict=True):
+        assert row.split()[0] == c.status and f" {c.id}: " in row
+        if c.status == "skipped":
+            assert row.endswith(c.reason)
+        else:
+            assert f"top-1 agree {c.top1_agreement:.1%}, p50 {c.latency_p50_ms:.3f} ms ({c.speedup_vs_fp32:.2f}x" in row
+    chosen = next(c for c in report.candidates if c.status == "chosen")
+    assert lines[first + 1 + len(report.candidates)] == (
+        f"chosen: {chosen.id}, {chosen.speedup_vs_fp32:.2f}x ORT fp32: {chosen.reason}"
+    )
+    assert chosen.reason.startswith("fastest within the budget")
+    # the p50 the summary and the validation print are the one the choice used
+    assert manifest.validation.latency_p50_ms == chosen.latency_p50_ms
+    step = manifest.provenance[-1]
+    assert (step.kind, step.tool, step.settings["candidate"]) == ("select", "edgekit optimize", chosen.id)
+    assert step.notes.startswith(f"{chosen.reason} (on the {report.selection_samples} calibration samples")
+
+
 def test_cli_inspect_json_prints_the_stored_manifest(capsys, workspace) -> None:
     code, out, _ = _cli(capsys, "inspect", workspace["bundle"], "--json")
     assert code == 0

@@ -102,3 +102,29 @@ def test_engine_mobilenet_v3_style_graph_gets_intel_int8_within_the_gate(keypair
     statuses = {c["name"]: c["status"] for c in report["candidates"]}
     assert statuses["nncf int8 preset=performance bias_correction=fast"] == "failed"
     assert statuses["nncf int8 preset=performance bias_correction=fast accuracy-control"] == "chosen"
+
+
+def test_engine_table_prints_the_ratio_to_the_targets_own_fp32_that_decides(keypair, tmp_path: Path) -> None:
+    # intel's FP32 is OpenVINO FP32 IR, another measurement than the table's ONNX Runtime FP32:
+    # the table prints both, from the one final round the choice used
+    from edgekit.validate.table import format_table
+    from tests.factories import confident_inputs, tiny_classifier
+
+    model = tiny_classifier(tmp_path / "tiny.onnx")
+    x = confident_inputs(model, 40)
+    result = package(model, ["intel"], "fp16", calib={"input": x}, key=keypair[0], out_dir=tmp_path / "out")
+    m = result.manifests["intel"]
+    assert m.candidates is not None
+    rows = {c.id: c for c in m.candidates.candidates}
+    chosen, base = rows[m.candidates.chosen], rows["openvino fp32 ir"]
+    assert chosen.id == "openvino fp16 ir" and base.status == "passed"
+    assert m.validation.latency_p50_ms == chosen.latency_p50_ms  # the p50 the choice used
+    assert chosen.latency_p50_ms is not None and base.latency_p50_ms is not None
+    own = base.latency_p50_ms / chosen.latency_p50_ms
+    assert result.rows[0].own_fp32 == ("openvino fp32 ir", own)
+    vs_source = m.validation.fp32_latency_p50_ms / m.validation.latency_p50_ms
+    line = format_table(result.rows).splitlines()[2]
+    assert f"  {vs_source:.2f}x ({own:.2f}x vs openvino fp32 ir)  " in line
+    note = f"speed: {own:.2f}x openvino fp32 ir (the target's fp32 on openvino"
+    assert any(n.startswith(note) for n in m.validation.notes)
+    assert m.validation.slower_than_fp32 is (own < 1.0)

@@ -17,10 +17,15 @@ from edgekit.validate.latency import LatencyStats
 from tests.optimize.test_choose import _o
 
 
-def _result(tmp_path: Path) -> SearchResult:
-    fp32 = _o("ort fp32", 1.0, 1000, precision="fp32", baseline=True)
-    chosen = dataclasses.replace(_o("int8 a", 0.5, 250), status="chosen", excluded_nodes=("conv3",))
-    failed = dataclasses.replace(_o("int8 b", 0.4, 250, 0.5, passed=False), reason="top-1 agreement 0.5")
+def _result(tmp_path: Path, baseline_runtime: str = "onnxruntime") -> SearchResult:
+    final = {"timed_in": "final", "reference_p50_ms": 1.0}
+    fp32 = dataclasses.replace(
+        _o("ort fp32", 1.0, 1000, precision="fp32", baseline=True, **final), runtime=baseline_runtime
+    )
+    chosen = dataclasses.replace(_o("int8 a", 0.5, 250, **final), status="chosen", excluded_nodes=("conv3",))
+    # timed in the quick round only, against the reference's p50 in that round
+    quick = {"timed_in": "quick", "reference_p50_ms": 0.8}
+    failed = dataclasses.replace(_o("int8 b", 0.4, 250, 0.5, passed=False, **quick), reason="top-1 agreement 0.5")
     skipped = dataclasses.replace(_o("int8 c", None, 0), status="skipped", reason="dominated", comparison=None)
     built = Built(files={}, runtime="onnxruntime", precision=Precision("int8", "uint8"), open=None)
     data = search_data({"x": np.zeros((40, 3), np.float32)}, 16)
@@ -38,6 +43,8 @@ def test_report_writes_json_markdown_and_plot_next_to_the_bundle(tmp_path: Path)
     data = json.loads((tmp_path / "m-cpu-v1.report.json").read_text())
     assert [c["status"] for c in data["candidates"]] == ["passed", "chosen", "failed", "skipped"]
     assert data["candidates"][1]["speed_vs_fp32"] == 2.0 and data["candidates"][1]["excluded_nodes"] == ["conv3"]
+    # a ratio is within one round: the quick-round candidate against the quick round's reference
+    assert data["candidates"][2]["speed_vs_fp32"] == 2.0 and data["candidates"][2]["timed_in"] == "quick"
     text = md.read_text()
     assert (
         "| int8 b | failed: top-1 agreement 0.5 |" in text and "Layers kept in float (mixed precision): conv3" in text
@@ -61,10 +68,31 @@ def test_report_summary_lines_from_the_manifest_candidate_report(tmp_path: Path)
 
     report = candidate_report(_result(tmp_path), Tolerance())
     assert report.chosen == "int8 a" and report.latency_measured
-    assert [c.speedup_vs_fp32 for c in report.candidates][:2] == [1.0, 2.0]
+    assert [c.speedup_vs_fp32 for c in report.candidates][:3] == [1.0, 2.0, 2.0]
     assert summary_lines(report) == [
         "candidates (objective latency, 24 selection samples): 1 chosen, 1 failed, 1 passed, 1 skipped",
-        "chosen: int8 a, 2.00x ORT fp32",
-        "  failed int8 b: top-1 agreement 0.5",
-        "  skipped int8 c: dominated",
+        "  passed   ort fp32: top-1 agree 100.0%, p50 1.000 ms (1.00x ORT fp32), 1000 B",
+        "  chosen   int8 a: top-1 agree 100.0%, p50 0.500 ms (2.00x ORT fp32), 250 B",
+        "  failed   int8 b: top-1 agree 50.0%, p50 0.400 ms (2.00x ORT fp32), 250 B, top-1 agreement 0.5",
+        "  skipped  int8 c: dominated",
+        "chosen: int8 a, 2.00x ORT fp32: fastest within the budget",
+        "  speed: 2.00x ort fp32 (the target's fp32 on onnxruntime; it decides 'slower than fp32' and what auto "
+        "ships), p50 0.500 vs 1.000 ms, same final round as the onnxruntime fp32 ratio",
     ]
+
+
+def test_report_choice_is_a_provenance_step_with_settings_objective_budget_and_why(tmp_path: Path) -> None:
+    from edgekit.bundle.manifest import Tolerance
+    from edgekit.optimize.record import choice_step
+
+    result = _result(tmp_path)
+    chosen = dataclasses.replace(result.chosen, settings={"recipe": "int8 a", "per_channel": True})
+    step = choice_step(dataclasses.replace(result, chosen=chosen), Tolerance(min_cosine=None))
+    assert (step.kind, step.tool, step.metric, step.after) == ("select", "edgekit optimize", "top1_agreement", 1.0)
+    assert step.settings == {
+        "recipe": "int8 a", "per_channel": "True", "candidate": "int8 a", "runtime": "onnxruntime",
+        "precision": "int8", "objective": "latency",
+        "budget": "min_top1_agreement=0.98, max_top1_drop=0.01, max_relative_error=0.2",
+        "candidates": "3", "skipped": "1", "excluded_nodes": "conv3",
+    }  # fmt: skip
+    assert step.notes == "fastest within the budget (on 24 calibration samples not used for calibration)"

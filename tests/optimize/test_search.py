@@ -147,3 +147,37 @@ def test_search_stops_refining_a_layout_once_one_refinement_meets_the_budget(tmp
     by_name = {o.name: o for o in result.outcomes}
     assert by_name["int8 percentile"].status == "chosen"
     assert by_name["int8 entropy"].reason == "int8 percentile (a refinement of int8 minmax) already meets the budget"
+
+
+def test_search_times_the_chosen_in_the_final_round_with_the_reference_when_nothing_passes(tmp_path: Path) -> None:
+    # an explicit int8 where every int8 misses the budget: the most accurate one is chosen (for the
+    # gate to report); its p50, the baseline's and the reference's must be one measurement
+    def wrong(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"y": -feed["x"][..., None]}
+
+    plan = CandidatePlan(
+        first=(_candidate("fp32", "fp32", _exact, baseline=True), _candidate("int8 wrong", "int8", wrong)),
+    )
+    result = _search(tmp_path, plan, "int8")
+    assert result.chosen.name == "int8 wrong" and result.chosen.comparison is not None
+    assert not result.chosen.comparison.passed
+    assert result.reference_latency is not None and result.baseline is not None
+    assert result.chosen.timed_in == result.baseline.timed_in == "final"
+    assert result.chosen.reference_p50_ms == result.baseline.reference_p50_ms == result.reference_latency.p50_ms
+    assert result.chosen.speed_vs_reference == result.reference_latency.p50_ms / result.chosen.latency.p50_ms
+
+
+def test_search_ratios_of_quick_round_candidates_are_to_the_quick_round_reference(tmp_path: Path) -> None:
+    plan = CandidatePlan(
+        first=(
+            _candidate("fp32", "fp32", _exact, baseline=True),
+            _candidate("int8 ok", "int8", _exact),
+            _candidate("int8 slow", "int8", _slow_and_wrong),
+        ),
+    )
+    result = _search(tmp_path, plan, "int8")
+    by_name = {o.name: o for o in result.outcomes}
+    slow, chosen = by_name["int8 slow"], result.chosen
+    assert chosen.name == "int8 ok" and chosen.timed_in == "final"
+    assert slow.timed_in == "quick" and slow.reference_p50_ms is not None  # failed: not in the final round
+    assert slow.speed_vs_reference == slow.reference_p50_ms / slow.latency.p50_ms
