@@ -2,9 +2,13 @@
 cpu ``int8-weights`` (ORT dynamic INT8) and ``int4-weights`` (``MatMulNBits``) vs FP32, packaged by
 ``edgekit.package`` and opened through the device runtime; size and p50 latency side by side.
 
-The graph: ``x [1, 128, 256]`` -> 4 blocks of (QKV MatMul 256x768, scaled-dot-product attention
-with MatMul + Softmax, output MatMul 256x256, residual, MLP MatMul 256x1024 -> Relu -> MatMul
-1024x256, residual) -> ``y``; seeded random weights, so accuracy is agreement with FP32 only.
+The graph: ``x [1, 128, 256]`` -> 4 post-norm encoder blocks (BERT's layout) of (QKV MatMul
+256x768 + bias, scaled-dot-product attention with MatMul + Softmax, output MatMul 256x256 + bias,
+residual, LayerNormalization, MLP MatMul 256x1024 + bias -> GELU (the erf form exporters write) ->
+MatMul 1024x256 + bias, residual, LayerNormalization) -> ``y``; seeded random weights, so accuracy
+is agreement with FP32 only. The residual + LayerNorm and bias + GELU patterns are what ONNX
+Runtime's transformer optimizer fuses (SkipLayerNormalization, BiasGelu), one of the engine's
+``int8-weights`` graph forms.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ from bench.registry import BenchContext, Measurement
 SEQ, DIM, HIDDEN, BLOCKS = 128, 256, 1024, 4
 
 
-def build_encoder(path: Path, seed: int = 0) -> Path:
+def build_encoder(
+    path: Path, seed: int = 0, seq: int = SEQ, dim: int = DIM, hidden: int = HIDDEN, blocks: int = BLOCKS
+) -> Path:
+    """The encoder above at the given sizes (the tests build a small one)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -34,14 +41,40 @@ def build_encoder(path: Path, seed: int = 0) -> Path:
         inits.append(numpy_helper.from_array(value, name))
         return name
 
-    const("qkv_shape", np.array([0, 0, 3, DIM], np.int64))  # 0: keep that dim (batch, sequence)
-    const("scale", np.array(1.0 / np.sqrt(DIM), np.float32))
+    def linear(p: str, x: str, name: str, shape: tuple[int, int]) -> tuple[str, list]:
+        bias = const(p + name + "_b", (rng.standard_normal(shape[1]) * 0.02).astype(np.float32))
+        return p + name + "_y", [
+            helper.make_node("MatMul", [x, weight(p + name, shape)], [p + name + "_mm"], name=p + name),
+            helper.make_node("Add", [p + name + "_mm", bias], [p + name + "_y"], name=p + name + "_bias"),
+        ]
+
+    def layer_norm(p: str, x: str, name: str) -> tuple[str, list]:
+        gamma = const(p + name + "_g", np.ones(dim, np.float32))
+        beta = const(p + name + "_beta", np.zeros(dim, np.float32))
+        return p + name, [
+            helper.make_node("LayerNormalization", [x, gamma, beta], [p + name], axis=-1, epsilon=1e-5, name=p + name)
+        ]
+
+    def gelu(p: str, x: str) -> tuple[str, list]:  # x * 0.5 * (1 + erf(x / sqrt(2))), as exporters write it
+        return p + "gelu", [
+            helper.make_node("Div", [x, "sqrt2"], [p + "gd"], name=p + "gelu_div"),
+            helper.make_node("Erf", [p + "gd"], [p + "ge"], name=p + "gelu_erf"),
+            helper.make_node("Add", [p + "ge", "one"], [p + "ga"], name=p + "gelu_add"),
+            helper.make_node("Mul", [x, p + "ga"], [p + "gm"], name=p + "gelu_mul"),
+            helper.make_node("Mul", [p + "gm", "half"], [p + "gelu"], name=p + "gelu_half"),
+        ]
+
+    const("qkv_shape", np.array([0, 0, 3, dim], np.int64))  # 0: keep that dim (batch, sequence)
+    const("scale", np.array(1.0 / np.sqrt(dim), np.float32))
+    for n, v in (("sqrt2", np.sqrt(2.0)), ("one", 1.0), ("half", 0.5)):
+        const(n, np.array(v, np.float32))
     x = "x"
-    for b in range(BLOCKS):
+    for b in range(blocks):
         p = f"b{b}_"
+        qkv, qkv_nodes = linear(p, x, "wqkv", (dim, 3 * dim))
         nodes += [
-            helper.make_node("MatMul", [x, weight(p + "wqkv", (DIM, 3 * DIM))], [p + "qkv"], name=p + "qkv"),
-            helper.make_node("Reshape", [p + "qkv", "qkv_shape"], [p + "qkv4"], name=p + "reshape"),
+            *qkv_nodes,
+            helper.make_node("Reshape", [qkv, "qkv_shape"], [p + "qkv4"], name=p + "reshape"),
             helper.make_node(
                 "Split", [p + "qkv4"], [p + "q4", p + "k4", p + "v4"], axis=2, num_outputs=3, name=p + "split"
             ),
@@ -55,19 +88,21 @@ def build_encoder(path: Path, seed: int = 0) -> Path:
             helper.make_node("Mul", [p + "s", "scale"], [p + "ss"], name=p + "scaled"),
             helper.make_node("Softmax", [p + "ss"], [p + "a"], axis=-1, name=p + "softmax"),
             helper.make_node("MatMul", [p + "a", p + "v"], [p + "ctx"], name=p + "context"),
-            helper.make_node("MatMul", [p + "ctx", weight(p + "wo", (DIM, DIM))], [p + "o"], name=p + "out"),
-            helper.make_node("Add", [x, p + "o"], [p + "r1"], name=p + "res1"),
-            helper.make_node("MatMul", [p + "r1", weight(p + "w1", (DIM, HIDDEN))], [p + "h"], name=p + "mlp1"),
-            helper.make_node("Relu", [p + "h"], [p + "hr"], name=p + "relu"),
-            helper.make_node("MatMul", [p + "hr", weight(p + "w2", (HIDDEN, DIM))], [p + "m"], name=p + "mlp2"),
-            helper.make_node("Add", [p + "r1", p + "m"], [p + "r2"], name=p + "res2"),
         ]
-        x = p + "r2"
+        o, o_nodes = linear(p, p + "ctx", "wo", (dim, dim))
+        nodes += [*o_nodes, helper.make_node("Add", [x, o], [p + "r1"], name=p + "res1")]
+        n1, ln1 = layer_norm(p, p + "r1", "ln1")
+        h, mlp1 = linear(p, n1, "w1", (dim, hidden))
+        g, act = gelu(p, h)
+        m, mlp2 = linear(p, g, "w2", (hidden, dim))
+        nodes += [*ln1, *mlp1, *act, *mlp2, helper.make_node("Add", [n1, m], [p + "r2"], name=p + "res2")]
+        x, ln2 = layer_norm(p, p + "r2", "ln2")
+        nodes += ln2
     nodes.append(helper.make_node("Identity", [x], ["y"], name="output"))
     graph = helper.make_graph(
         nodes, "encoder",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", SEQ, DIM])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", SEQ, DIM])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", seq, dim])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", seq, dim])],
         inits,
     )  # fmt: skip
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="edgekit-bench")

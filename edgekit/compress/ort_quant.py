@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,17 +253,52 @@ def _matmul_model(model_path: Path, precision: str) -> Any:
     return model
 
 
-def quantize_weights_int8(model_path: Path, out_path: Path) -> Path:
-    """Dynamic INT8: MatMul weights int8, activations quantized per call (uint8) by ORT."""
+def quantize_weights_int8(
+    model_path: Path, out_path: Path, per_channel: bool = False, reduce_range: bool = False
+) -> Path:
+    """Dynamic INT8: MatMul weights int8 (per output channel with ``per_channel``; 7-bit with
+    ``reduce_range``, which avoids the int16 saturation of u8s8 dot products on x86 CPUs without
+    VNNI), activations quantized per call (uint8) by ORT. Models with contrib ops (a graph the
+    transformer optimizer fused) keep float as the type of tensors shape inference cannot type."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     model = _matmul_model(model_path, "int8-weights")
     staged = Path(out_path).with_suffix(".matmul.onnx")
     onnx.save(model, str(staged))
-    quantize_dynamic(str(staged), str(out_path), op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8)
+    quantize_dynamic(
+        str(staged),
+        str(out_path),
+        op_types_to_quantize=["MatMul"],
+        weight_type=QuantType.QInt8,
+        per_channel=per_channel,
+        reduce_range=reduce_range,
+        extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
+    )
     staged.unlink()
     return Path(out_path)
+
+
+def fuse_transformer(model_path: Path, out_path: Path) -> dict[str, int]:
+    """ONNX Runtime's transformer optimizer (``onnxruntime.transformers.optimizer``, BERT-style
+    fusions: attention, SkipLayerNormalization, Gelu/BiasGelu) on ``model_path``, saved to
+    ``out_path`` as ``.onnx`` with contrib ops the ORT CPU provider runs. Returns the fused
+    operator counts (empty: nothing matched, nothing written). Graph fusions only (opt_level 0):
+    ORT's own session optimisations stay the device runtime's."""
+    import onnx
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    def contrib(model: Any) -> Counter[str]:
+        return Counter(n.op_type for n in model.graph.node if n.domain == "com.microsoft")
+
+    before = contrib(onnx.load(str(model_path), load_external_data=False))
+    optimized = optimize_model(str(model_path), model_type="bert", num_heads=0, hidden_size=0, opt_level=0)
+    # the optimizer's own statistics count ops that were there before (LayerNormalization): count
+    # the contrib ops it added instead
+    fused = dict(contrib(optimized.model) - before)
+    if fused:
+        optimized.save_model_to_file(str(out_path))
+    return fused
 
 
 def quantize_weights_int4(

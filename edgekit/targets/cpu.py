@@ -11,8 +11,11 @@ differs per model and per CPU; measure, never assume). Candidates:
 - ``int8``: ORT static QDQ / QOperator, U8S8 / S8S8, per-channel / per-tensor (bounded by
   ``max_candidates``), with Percentile / Entropy calibration as refinements of a layout that
   missed the budget; QDQ layouts can keep their most sensitive layers in float (mixed precision);
-- ``int8-weights``: ORT dynamic INT8 of MatMul/Gemm weights; ``int4-weights``: ``MatMulNBits``;
-  under ``auto`` only where the graph has MatMul/Gemm weights;
+- ``int8-weights``: ORT dynamic INT8 of MatMul/Gemm weights, per-tensor and per-channel, on the
+  prepared graph and, where ONNX Runtime's transformer optimizer fuses something (attention,
+  SkipLayerNormalization, Gelu), on the fused graph; 7-bit weights (``reduce_range``) as a
+  refinement of a layout that missed the budget (u8s8 saturation without VNNI); ``int4-weights``:
+  ``MatMulNBits``; under ``auto`` only where the graph has MatMul/Gemm weights;
 - under ``auto`` with OpenVINO installed: OpenVINO FP32 IR and NNCF INT8 IR built from the
   original graph (NNCF needs it: FIELD_NOTES), served by the ``openvino`` runtime when one wins.
 
@@ -33,6 +36,7 @@ from edgekit.bundle.manifest import Compatibility, Precision
 from edgekit.compress.ort_quant import (
     WEIGHT_ONLY_SHARE,
     StaticQuantConfig,
+    fuse_transformer,
     matmul_weight_share,
     optimise_offline,
     quantize_static_int8,
@@ -110,14 +114,13 @@ class CpuTarget:
                 )
             max_refinements = max(0, opts.max_candidates - len(configs))
         share = matmul_weight_share(prepared)  # weight-only pays where MatMul/Gemm hold most weights
-        for precision, builder in (("int8-weights", _dynamic), ("int4-weights", _int4(opts.int4_block_size))):
+        for precision in ("int8-weights", "int4-weights"):
             if want == precision or (auto and share >= WEIGHT_ONLY_SHARE):
-                label = (
-                    "ort dynamic int8 (MatMul/Gemm weights)"
-                    if precision == "int8-weights"
-                    else (f"ort MatMulNBits int4 block {opts.int4_block_size}")
-                )
-                first.append(_ort_candidate(label, precision, prepared, builder))
+                if precision == "int8-weights":
+                    first.extend(_dynamic_candidates(ctx, auto, refinements, skipped))
+                else:
+                    label = f"ort MatMulNBits int4 block {opts.int4_block_size}"
+                    first.append(_ort_candidate(label, precision, prepared, _int4(opts.int4_block_size)))
             elif auto:
                 why = (
                     f"MatMul/Gemm hold {share:.0%} of the weights (< {WEIGHT_ONLY_SHARE:.0%}): not a MatMul-heavy graph"
@@ -298,9 +301,56 @@ def _fp16(src: Path, dst: Path, space: BuildSpace) -> Precision:
     return Precision("fp16", "fp16", "onnxruntime float16 converter, float32 inputs/outputs kept")
 
 
-def _dynamic(src: Path, dst: Path, space: BuildSpace) -> Precision:
-    quantize_weights_int8(src, dst)
-    return Precision("int8", "uint8", "ort-dynamic MatMul/Gemm int8 weights, uint8 activations per call")
+DYNAMIC = "ort dynamic int8 (MatMul/Gemm weights)"
+
+
+def _dynamic_candidates(
+    ctx: BuildContext, auto: bool, refinements: list[Refinement], skipped: list[tuple[str, str]]
+) -> list[Candidate]:
+    """ORT dynamic INT8 layouts (which one is fastest depends on the CPU: measured, never assumed),
+    and the same on the graph ONNX Runtime's transformer optimizer fused, where it fuses anything."""
+    prepared = ctx.model_path
+    per_channel = _ort_candidate(
+        "ort dynamic int8 per-channel", "int8-weights", prepared, _dynamic(True, False), per_channel=True
+    )
+    out = [_ort_candidate(DYNAMIC, "int8-weights", prepared, _dynamic(False, False)), per_channel]
+    seven_bit = _ort_candidate("ort dynamic int8 reduce-range", "int8-weights", prepared, _dynamic(False, True),
+                               reduce_range=True)  # fmt: skip
+    refinements.append(Refinement(seven_bit, of=DYNAMIC))
+    fused_path = ctx.work_dir / "transformer-fused.onnx"
+    name = "ort dynamic int8 transformer-fused"
+    try:
+        fused = fuse_transformer(prepared, fused_path)
+    # The optimizer is pattern matching over arbitrary graphs and may raise anything on one it
+    # was not written for; that form is then not a candidate, and the record says why.
+    except Exception as exc:
+        skipped.append((name, f"onnxruntime's transformer optimizer raised {type(exc).__name__}: {exc}"[:300]))
+        return out
+    if not fused:
+        skipped.append((name, "onnxruntime's transformer optimizer fused nothing (no attention / LayerNorm / GELU)"))
+        return out
+    what = ",".join(f"{op}x{n}" for op, n in sorted(fused.items()))
+    out.append(_ort_candidate(name, "int8-weights", fused_path, _dynamic(False, False), fused=what))
+    if auto:
+        out.append(_ort_candidate("ort fp32 transformer-fused", "fp32", fused_path, _fused_fp32(what), fused=what))
+    return out
+
+
+def _dynamic(per_channel: bool, reduce_range: bool) -> Any:
+    def make(src: Path, dst: Path, space: BuildSpace) -> Precision:
+        quantize_weights_int8(src, dst, per_channel=per_channel, reduce_range=reduce_range)
+        layout = ("per-channel " if per_channel else "") + ("7-bit " if reduce_range else "")
+        return Precision("int8", "uint8", f"ort-dynamic MatMul/Gemm {layout}int8 weights, uint8 activations per call")
+
+    return make
+
+
+def _fused_fp32(what: str) -> Any:
+    def make(src: Path, dst: Path, space: BuildSpace) -> Precision:
+        shutil.copyfile(src, dst)
+        return Precision("fp32", "fp32", f"onnx fp32, onnxruntime transformer optimizer fusions ({what})")
+
+    return make
 
 
 def _int4(block: int) -> Any:

@@ -128,3 +128,38 @@ def test_engine_table_prints_the_ratio_to_the_targets_own_fp32_that_decides(keyp
     note = f"speed: {own:.2f}x openvino fp32 ir (the target's fp32 on openvino"
     assert any(n.startswith(note) for n in m.validation.notes)
     assert m.validation.slower_than_fp32 is (own < 1.0)
+
+
+def test_engine_int8_weights_searches_dynamic_layouts_and_the_transformer_fused_graph(keypair, tmp_path: Path) -> None:
+    from bench.transformer import build_encoder
+
+    model = build_encoder(tmp_path / "encoder.onnx", seq=16, dim=32, hidden=64, blocks=2)
+    x = np.random.default_rng(4).standard_normal((40, 16, 32)).astype(np.float32)
+    result = package(model, ["cpu"], "int8-weights", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out")
+    m = result.manifests["cpu"]
+    assert m.validation.passed and m.precision.method.startswith("ort-dynamic MatMul/Gemm ")
+    rows = {c.id: c for c in m.candidates.candidates}
+    fused = rows["ort dynamic int8 transformer-fused"]
+    # residual + LayerNorm and bias + GELU: what ORT's transformer optimizer fuses
+    assert fused.status in ("passed", "chosen") and "SkipLayerNormalization" in fused.settings["fused"]
+    assert fused.latency_p50_ms is not None
+    assert rows["ort dynamic int8 per-channel"].settings["per_channel"] == "True"
+    assert rows["ort dynamic int8 (MatMul/Gemm weights)"].status in ("passed", "chosen")
+    seven_bit = rows["ort dynamic int8 reduce-range"]  # a refinement: built only for a layout that missed
+    assert (seven_bit.status, seven_bit.reason) == (
+        "skipped",
+        "ort dynamic int8 (MatMul/Gemm weights) is already within the budget",
+    )
+    assert m.provenance[-1].settings["candidate"] == m.candidates.chosen
+
+
+def test_engine_int8_weights_says_why_there_is_no_transformer_fused_candidate(keypair, tmp_path: Path) -> None:
+    model = outlier_mlp(tmp_path / "mlp.onnx")  # MatMul + Relu only: nothing for the optimizer to fuse
+    x = np.random.default_rng(1).standard_normal((80, 16)).astype(np.float32)
+    result = package(model, ["cpu"], "int8-weights", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
+                     allow_failed=True)  # fmt: skip
+    rows = {c.id: c for c in result.manifests["cpu"].candidates.candidates}
+    assert rows["ort dynamic int8 transformer-fused"].status == "skipped"
+    assert rows["ort dynamic int8 transformer-fused"].reason == (
+        "onnxruntime's transformer optimizer fused nothing (no attention / LayerNorm / GELU)"
+    )
