@@ -134,8 +134,9 @@ def run(ctx: BenchContext, *, name: str) -> list[Measurement]:
                 served_bundle(result.bundles["cpu"], ctx.pub, work / f"x-{precision}")
             )
             sizes[precision] = m.validation.size_bytes
+            chosen = f", the engine chose {m.candidates.chosen}" if m.candidates is not None else ""
             notes[precision] = (
-                f"cosine {m.validation.cosine:.4f} to fp32 ({'passed' if m.validation.passed else 'FAILED'})"
+                f"cosine {m.validation.cosine:.4f} to fp32 ({'passed' if m.validation.passed else 'FAILED'}){chosen}"
             )
         one = {"x": calib["x"][:1]}
         ctx.progress(f"{name}: p50 latency, batch 1, fp32 / int8-weights / int4-weights interleaved")

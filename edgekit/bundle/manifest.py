@@ -378,7 +378,7 @@ class CandidateResult:
     id: str
     settings: dict[str, str]
     status: Literal["chosen", "passed", "failed", "error", "skipped"]
-    reason: str = ""  # why failed / error (the SDK's message) / skipped (dominated by ...)
+    reason: str = ""  # why failed / error (the SDK's message) / skipped (dominated by ...) / chosen (why it won)
     top1_agreement: float | None = None
     top1_drop: float | None = None
     cosine: float | None = None
