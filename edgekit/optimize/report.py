@@ -185,7 +185,9 @@ def plot(data: dict[str, Any], path: Path) -> bool:
             alpha=0.55,
             edgecolors="black",
             linewidths=0.5,
-            label=f"{i}: {c['name']}" + (" (chosen)" if c["status"] == "chosen" else ""),
+            label=f"{i}: {c['name']}"
+            + (" (chosen)" if c["status"] == "chosen" else "")
+            + (" (quick round)" if c.get("timed_in") == "quick" else ""),  # another measurement than the rest
         )
         ax.annotate(str(i), (lat, acc), fontsize=7, ha="center", va="center")
         if c["status"] == "chosen":
