@@ -205,7 +205,7 @@ def search(
     rescued: dict[str, str] = {}  # refined candidate -> the refinement that met the budget
     for ref in plan.refinements:
         of = next((s for s in states if s.candidate.name == ref.of), None)
-        why = _refine_skip(of, base_p50 if auto else None, baseline)
+        why = _refine_skip(of, base_p50 if auto else None, baseline) or (_ranked_skip(of, states) if auto else "")
         if not why and ref.of in rescued:
             why = f"{rescued[ref.of]} (a refinement of {ref.of}) already meets the budget"
         if not why and plan.max_refinements is not None and refined >= plan.max_refinements:
@@ -322,6 +322,22 @@ def _device_times(states: list[_State], device: DeviceLatency) -> None:
             continue
         lat = device.lookup(o.name, candidate_key(o.runtime, o.precision, o.settings))
         s.outcome = dataclasses.replace(o, latency=lat, latency_from=device.label if lat is not None else "")
+
+
+def _ranked_skip(of: _State | None, states: list[_State]) -> str:
+    """Where nothing is timed: a refinement cannot beat a passing candidate ranked at least as
+    fast on the device (a calibration change does not change the rank)."""
+    if of is None or of.outcome is None or of.outcome.p50_ms is not None or of.candidate.device_rank is None:
+        return ""
+    rank = of.candidate.device_rank
+    for s in states:
+        o = s.outcome
+        if o is not None and o.status == "passed" and o.p50_ms is None and _rank(s) <= rank:
+            return (
+                f"{o.name} (device rank {s.candidate.device_rank}) already meets the budget; "
+                f"{of.candidate.name} ranks {rank}"
+            )
+    return ""
 
 
 def _refine_skip(of: _State | None, base_p50: float | None, baseline: _State | None) -> str:
