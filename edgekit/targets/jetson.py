@@ -162,7 +162,10 @@ class JetsonTarget:
         flags: tuple[str, ...] = ()
         if weights == "int8":
             flags = ("int8", "fp16") if opts.int8_fp16_fallback else ("int8",)
-            intermediate, intermediate_name = ort_cpu_runner(out), "ONNX Runtime CPU on the TensorRT Q/DQ ONNX"
+            intermediate = ort_cpu_runner(_int8_stand_in(out, ctx.work_dir, built.excluded_nodes, opts))
+            intermediate_name = "ONNX Runtime CPU on the TensorRT Q/DQ ONNX"
+            if built.excluded_nodes and opts.int8_fp16_fallback:
+                intermediate_name += " (layers without Q/DQ: weights rounded to FP16)"
         elif weights == "fp16":
             flags = ("fp16",)
             intermediate = ort_cpu_runner(fp16_weights_model(out, ctx.work_dir / FP16_EMULATION))
@@ -275,9 +278,10 @@ def _int8_candidate(
         )
         if exclude:
             fp16 = "FP16 on the device (builder flags int8 + fp16)" if opts.int8_fp16_fallback else "FP32 on the device"
+            here = "their weights rounded to FP16, activations FP32" if opts.int8_fp16_fallback else "FP32"
             notes.append(
                 f"mixed precision: {len(exclude)} layer(s) left without Q/DQ run in {fp16}: {', '.join(exclude)}; "
-                "validated here in FP32 under ONNX Runtime"
+                f"validated here under ONNX Runtime with {here}"
             )
         kept = f", {len(exclude)} layer(s) without Q/DQ" if exclude else ""
         method_text = (
@@ -289,7 +293,7 @@ def _int8_candidate(
             runtime="tensorrt",
             precision=Precision("int8", "int8", method_text),
             open=None,
-            intermediate=ort_cpu_runner(out),
+            intermediate=ort_cpu_runner(_int8_stand_in(out, space.work_dir, exclude, opts)),
             notes=tuple(notes),
             excluded_nodes=exclude,
         )
@@ -315,6 +319,14 @@ def _int8_candidate(
         exclude=None if exclude else (lambda nodes: _int8_candidate(prepared, opts, placement, method, nodes)),
         rank_layers=None if exclude else rank,
     )
+
+
+def _int8_stand_in(qdq: Path, work_dir: Path, exclude: Sequence[str], opts: JetsonOptions) -> Path:
+    """What the Q/DQ model is gated with here: itself, or with the weights of the layers left
+    without Q/DQ rounded to FP16 where TensorRT runs those layers in FP16 (activations stay FP32)."""
+    if not exclude or not opts.int8_fp16_fallback:
+        return qdq
+    return fp16_weights_model(qdq, work_dir / "qdq-fp16-layers.onnx", exclude)
 
 
 def quantize_for_tensorrt(
@@ -423,14 +435,16 @@ def static_signature(model_path: Path, served: Signature, static_shapes: Mapping
     return Signature(inputs=tuple(inputs), outputs=outputs)
 
 
-def fp16_weights_model(model_path: Path, out_path: Path) -> Path:
-    """A copy of the FP32 model whose float32 initializers are rounded to FP16 (kept float32)."""
+def fp16_weights_model(model_path: Path, out_path: Path, nodes: Sequence[str] | None = None) -> Path:
+    """A copy of the model whose float32 initializers are rounded to FP16 (kept float32).
+    ``nodes``: only the initializers those nodes read (the layers a Q/DQ model leaves in float)."""
     import onnx
     from onnx import TensorProto, numpy_helper
 
     model = onnx.load(str(model_path))
+    only = None if nodes is None else {i for n in model.graph.node if n.name in set(nodes) for i in n.input}
     for init in model.graph.initializer:
-        if init.data_type == TensorProto.FLOAT:
+        if init.data_type == TensorProto.FLOAT and (only is None or init.name in only):
             rounded = numpy_helper.to_array(init).astype(np.float16).astype(np.float32)
             init.CopyFrom(numpy_helper.from_array(rounded, init.name))
     onnx.save(model, str(out_path))

@@ -422,8 +422,25 @@ def test_jetson_auto_rescues_int8_that_misses_the_dense_gate_by_leaving_layers_w
     assert rows["tensorrt fp16"].status == "passed"  # FP16 passes too, but ranks after (mixed) INT8
     assert rows[m.candidates.chosen].excluded_nodes == ("layer_b", "layer_a")
     assert any("left without Q/DQ run in FP16 on the device" in n for n in m.validation.notes)
+    assert m.validation.measured_on.endswith("(layers without Q/DQ: weights rounded to FP16)) on the host")
     report = result.reports["jetson"].read_text()
     assert "Layers kept in float (mixed precision): layer_b, layer_a" in report
+
+
+def test_fp16_weights_model_rounds_only_the_layers_named(prepared, tmp_path) -> None:
+    from onnx import numpy_helper
+
+    from edgekit.targets.jetson import fp16_weights_model
+
+    src = {i.name: numpy_helper.to_array(i) for i in _onnx(prepared.path).graph.initializer}
+    fc_inputs = {i for n in _onnx(prepared.path).graph.node if n.name == "fc" for i in n.input}
+    out = fp16_weights_model(prepared.path, tmp_path / "fc16.onnx", ["fc"])
+    got = {i.name: numpy_helper.to_array(i) for i in _onnx(out).graph.initializer}
+    for name, value in src.items():
+        rounded = value.dtype == np.float32 and name in fc_inputs
+        expected = value.astype(np.float16).astype(np.float32) if rounded else value
+        assert np.array_equal(got[name], expected), name
+    assert any(not np.array_equal(got[n], src[n]) for n in fc_inputs if n in src)
 
 
 def test_jetson_auto_without_timings_ships_int8_by_device_rank_and_says_latency_not_measured(package_tiny) -> None:
