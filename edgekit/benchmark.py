@@ -7,6 +7,9 @@ vectors, repeated to each batch size; a batch size the artifact cannot take (a s
 is skipped with the reason. Per batch size: ``warmup`` untimed calls, then calls until
 ``repeats`` or ``budget_s`` per batch size; p50, p90, p99 in ms per call and samples per second
 from the median. A measurement, never a test assertion.
+
+``edgekit bench --profile DIR --out profile.json`` (``bench_profile``) times every candidate that
+``edgekit package --keep-candidates DIR`` kept, the same way, for ``package --device-profile``.
 """
 
 from __future__ import annotations

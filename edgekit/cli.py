@@ -586,8 +586,8 @@ def _register_bench(sub: Any) -> None:
         "--profile",
         type=Path,
         metavar="DIR",
-        help="time every candidate `edgekit package --keep-candidates DIR` wrote (batch 1) and write the device "
-        "profile to --out, for `edgekit package --device-profile`",
+        help="time every candidate `edgekit package --keep-candidates DIR` wrote (batch 1, or the artifact's static "
+        "batch) and write the device profile to --out, for `edgekit package --device-profile`",
     )
     p.add_argument("--out", type=Path, metavar="FILE", help="with --profile: where to write the profile JSON")
     p.add_argument("--batch", default="1,8,32", metavar="N[,N...]", help="batch sizes (default 1,8,32)")
