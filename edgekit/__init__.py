@@ -48,6 +48,8 @@ def package(
     threads: int = 0,
     calib_samples: int = 128,  # = edgekit.optimize.data.DEFAULT_CALIB_SAMPLES (tested)
     max_drop: float | None = None,
+    keep_candidates: str | Path | None = None,
+    device_profile: str | Path | None = None,
 ) -> PackageResult:
     """Convert, quantize and validate ``model`` (ONNX) for each of ``targets`` and write one signed
     bundle per target into ``out_dir`` (``NAME-TARGET-vVERSION.ekb``).
@@ -60,11 +62,13 @@ def package(
     ``key``: the private signing key (``edgekit keygen``). ``tolerance``: gate overrides such as
     ``{"min_top1_agreement": 0.97}``. ``overwrite``: replace existing bundles; ``allow_failed``:
     also write bundles that miss the gate (marked failed; ``result.passed`` is false).
-    ``precision="auto"`` (cpu, intel): the optimisation engine chooses among every candidate by
+    ``precision="auto"`` (cpu, intel, jetson): the optimisation engine chooses among every candidate by
     ``objective`` (``latency`` or ``size``) within the gate (``max_drop``: the allowed top-1 drop
     for classifiers), never slower than FP32; ``mixed_precision`` lets an explicit ``int8`` keep
     its most sensitive layers in float; ``threads``: the device runtime's thread count candidates
-    are timed at; ``calib_samples``: the stratified calibration subset's size.
+    are timed at; ``calib_samples``: the stratified calibration subset's size. ``keep_candidates``:
+    a new folder to write every candidate that met the gate into, for ``edgekit bench --profile``
+    on the device; ``device_profile``: the profile that wrote, to choose by device latency.
 
     Returns a ``PackageResult``: ``bundles`` (target -> path), ``rows`` (the validation table),
     ``passed``, ``table()``, ``to_dict()``. Raises ``edgekit.errors.ConfigError`` and friends for
@@ -98,6 +102,8 @@ def package(
         threads=threads,
         calib_samples=calib_samples,
         max_drop=max_drop,
+        keep_candidates=keep_candidates,
+        device_profile=device_profile,
     )
 
 

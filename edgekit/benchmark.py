@@ -7,6 +7,9 @@ vectors, repeated to each batch size; a batch size the artifact cannot take (a s
 is skipped with the reason. Per batch size: ``warmup`` untimed calls, then calls until
 ``repeats`` or ``budget_s`` per batch size; p50, p90, p99 in ms per call and samples per second
 from the median. A measurement, never a test assertion.
+
+``edgekit bench --profile DIR --out profile.json`` (``bench_profile``) times every candidate that
+``edgekit package --keep-candidates DIR`` kept, the same way, for ``package --device-profile``.
 """
 
 from __future__ import annotations
@@ -141,6 +144,85 @@ def _repeat(v: np.ndarray, batch: int) -> np.ndarray:
 
 
 def _time(fn: Any, batch: int, warmup: int, repeats: int, budget_s: float) -> BatchTiming:
+    t, _ = _time_quartiles(fn, warmup, repeats, budget_s)
+    return BatchTiming(
+        batch, t.calls, t.p50_ms, t.p90_ms, t.p99_ms, batch / (t.p50_ms / 1000.0) if t.p50_ms > 0 else float("inf")
+    )
+
+
+def bench_profile(
+    root: Path, warmup: int = 5, repeats: int = 200, budget_s: float = 3.0, threads: int | None = None
+) -> dict[str, Any]:
+    """Time every candidate of a ``--keep-candidates`` folder on this machine (batch 1, or the
+    artifact's static batch) with the device runtime the agent serves with; the device profile
+    ``edgekit package --device-profile`` reads (``edgekit.optimize.profile``). A candidate whose
+    runtime cannot open here is recorded with the runtime's reason."""
+    import platform
+
+    from device_agents.runtimes import load_model
+    from edgekit.bundle.manifest import MANIFEST_NAME, Manifest, utc_now
+    from edgekit.errors import EdgekitError
+    from edgekit.optimize.profile import PROFILE_VERSION, read_index
+
+    if warmup < 0 or repeats < 1 or budget_s <= 0:
+        raise ConfigError("--warmup must be >= 0, --repeats >= 1 and --budget-s > 0")
+    root = Path(root)
+    index = read_index(root)
+    rows: list[dict[str, Any]] = []
+    runtimes: dict[str, str] = {}
+    for entry in index["candidates"]:
+        row = {k: entry[k] for k in ("target", "candidate", "key", "runtime")}
+        folder = root / entry["dir"]
+        try:
+            manifest = Manifest.from_json((folder / MANIFEST_NAME).read_bytes())
+            with np.load(folder / manifest.golden.file, allow_pickle=False) as golden:
+                feed = {k[3:]: golden[k] for k in golden.files if k.startswith("in_")}
+            served = load_model(folder, manifest, _runtime_options(manifest.compatibility.runtime, threads))
+        except EdgekitError as exc:  # the runtime is absent or refuses this device: say which and why
+            rows.append(row | {"status": "error", "reason": str(exc).splitlines()[0]})
+            continue
+        try:
+            described = served.runner.describe()
+            runtimes[entry["runtime"]] = f"{described.get('runtime', entry['runtime'])} {described.get('version', '')}"
+            timing, quartiles = _time_quartiles(lambda s=served, f=feed: s.infer(f), warmup, repeats, budget_s)
+        finally:
+            served.close()
+        batch = next(iter(feed.values())).shape[0]
+        rows.append(row | {"status": "timed", "batch": batch, "calls": timing.calls, "p50_ms": timing.p50_ms,
+                           "p90_ms": timing.p90_ms, "p99_ms": timing.p99_ms, "p25_ms": quartiles[0],
+                           "p75_ms": quartiles[1]})  # fmt: skip
+    machine = f"{platform.machine()} {platform.node()}".strip()
+    return {
+        "device_profile_version": PROFILE_VERSION,
+        "model": index["model"],
+        "source_sha256": index["source_sha256"],
+        "measured_on": ", ".join([machine, *(v.strip() for v in runtimes.values())]),
+        "created": utc_now(),
+        "warmup": warmup,
+        "candidates": rows,
+    }
+
+
+def profile_table(profile: dict[str, Any]) -> str:
+    lines = [f"{profile['model']} candidates on {profile['measured_on']}"]
+    for r in profile["candidates"]:
+        what = f"p50 {r['p50_ms']:.3f} ms, p90 {r['p90_ms']:.3f} ms" if r["status"] == "timed" else r["reason"]
+        lines.append(f"  {r['target']}: {r['candidate']}: {what}")
+    return "\n".join(lines)
+
+
+def _runtime_options(runtime: str, threads: int | None) -> Any:
+    import dataclasses
+
+    from device_agents.runtimes.options import OPTIONS
+
+    cls = OPTIONS.get(runtime)
+    if threads is None or cls is None or "threads" not in {f.name for f in dataclasses.fields(cls)}:
+        return None
+    return cls(threads=threads)  # type: ignore[call-arg]  # checked above: this class has `threads`
+
+
+def _time_quartiles(fn: Any, warmup: int, repeats: int, budget_s: float) -> tuple[BatchTiming, tuple[float, float]]:
     for _ in range(warmup):
         fn()
     times: list[float] = []
@@ -150,5 +232,5 @@ def _time(fn: Any, batch: int, warmup: int, repeats: int, budget_s: float) -> Ba
         fn()
         times.append(time.perf_counter() - t0)
     ms = np.asarray(times) * 1000.0
-    p50, p90, p99 = (float(np.percentile(ms, q)) for q in (50, 90, 99))
-    return BatchTiming(batch, len(times), p50, p90, p99, batch / (p50 / 1000.0) if p50 > 0 else float("inf"))
+    p25, p50, p75, p90, p99 = (float(np.percentile(ms, q)) for q in (25, 50, 75, 90, 99))
+    return BatchTiming(1, len(times), p50, p90, p99, 1000.0 / p50 if p50 > 0 else float("inf")), (p25, p75)

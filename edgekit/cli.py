@@ -215,6 +215,20 @@ def _register_package(sub: Any) -> None:
         metavar="N",
         help="thread count candidates are timed at: the device runtime's (default 0 = the runtime's own)",
     )
+    p.add_argument(
+        "--keep-candidates",
+        type=Path,
+        metavar="DIR",
+        help="also write every candidate that met the budget to DIR (new or empty), for `edgekit bench --profile "
+        "DIR` on the device",
+    )
+    p.add_argument(
+        "--device-profile",
+        type=Path,
+        metavar="FILE",
+        help="choose by the latencies `edgekit bench --profile` measured on the device (its --out file) instead of "
+        "the host's or the device class's documented order",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace bundles of the same name and version")
     p.add_argument(
         "--allow-failed",
@@ -300,6 +314,8 @@ def _package_or_raise(args: argparse.Namespace) -> int:
             threads=args.runtime_threads,
             calib_samples=args.calib_samples,
             max_drop=args.max_drop,
+            keep_candidates=args.keep_candidates,
+            device_profile=args.device_profile,
         )
     except PackageValidationError as exc:
         error, result = exc, exc.result
@@ -571,7 +587,15 @@ def _register_bench(sub: Any) -> None:
         description="Open BUNDLE with the runtime the agent uses and time its golden inputs at each batch size: "
         "warm-up calls, then p50/p90/p99 per call and samples per second.",
     )
-    p.add_argument("bundle", type=Path)
+    p.add_argument("bundle", type=Path, nargs="?", help="the bundle to time (or --profile DIR)")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="time every candidate `edgekit package --keep-candidates DIR` wrote (batch 1, or the artifact's static "
+        "batch) and write the device profile to --out, for `edgekit package --device-profile`",
+    )
+    p.add_argument("--out", type=Path, metavar="FILE", help="with --profile: where to write the profile JSON")
     p.add_argument("--batch", default="1,8,32", metavar="N[,N...]", help="batch sizes (default 1,8,32)")
     p.add_argument("--warmup", type=int, default=5, metavar="N", help="untimed calls per batch size (default 5)")
     p.add_argument("--repeats", type=int, default=200, metavar="N", help="timed calls per batch size at most")
@@ -583,7 +607,27 @@ def _register_bench(sub: Any) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from edgekit.benchmark import bench_bundle
+    from edgekit.benchmark import bench_bundle, bench_profile, profile_table
+
+    if (args.bundle is None) == (args.profile is None):
+        raise ConfigError("bench: give a BUNDLE or --profile DIR (one of them)")
+    if args.profile is not None:
+        if args.out is None:
+            raise ConfigError(
+                "bench --profile: give --out profile.json (what `edgekit package --device-profile` reads)"
+            )
+        profile = bench_profile(
+            args.profile, warmup=args.warmup, repeats=args.repeats, budget_s=args.budget_s, threads=args.threads
+        )
+        try:
+            args.out.write_text(json.dumps(profile, indent=1) + "\n")
+        except OSError as exc:
+            raise ConfigError(f"--out {args.out}: cannot write it ({exc.strerror or exc})") from exc
+        print(json.dumps(profile, indent=2) if args.json else profile_table(profile))
+        print(f"wrote {args.out}")
+        return 0
+    if args.out is not None:
+        raise ConfigError("bench: --out is for --profile; a bundle's timing prints (--json for JSON)")
 
     try:
         sizes = [int(b) for b in args.batch.split(",") if b.strip()]

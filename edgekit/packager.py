@@ -206,6 +206,8 @@ def package(
     threads: int = 0,
     calib_samples: int = DEFAULT_CALIB_SAMPLES,
     max_drop: float | None = None,
+    keep_candidates: str | Path | None = None,
+    device_profile: str | Path | None = None,
 ) -> PackageResult:
     """Package ``model`` (ONNX) for ``targets`` and write one signed bundle per target.
 
@@ -225,7 +227,7 @@ def package(
     ``PackageResult.passed``); without it such a target raises ``PackageValidationError``.
     ``log_dir``: keep each target's converter output as ``LOG_DIR/<target>.log``.
 
-    Targets with candidates (cpu, intel) go through the optimisation engine (``edgekit.optimize``):
+    Targets with candidates (cpu, intel, jetson) go through the optimisation engine (``edgekit.optimize``):
     ``objective`` (``latency`` or ``size``) orders the candidates within the gate,
     ``mixed_precision`` lets an explicit ``int8`` keep its most sensitive layers in float (``auto``
     always may), ``threads`` is the device runtime's thread count latency is measured at (0: the
@@ -233,6 +235,9 @@ def package(
     accuracy budget as a top-1 drop (``Tolerance.max_top1_drop``) for classifiers; dense outputs keep
     their default gate (cosine, relative error). Every candidate
     is recorded in the manifest and in ``OUTDIR/<name>-<target>-v<version>.report.{md,json,png}``.
+    ``keep_candidates``: a folder (new or empty) to write every candidate that met the budget into,
+    for ``edgekit bench --profile`` on the device; ``device_profile``: the ``profile.json`` that
+    wrote, whose latencies the engine then chooses by (``edgekit.optimize.profile``).
 
     Raises ``ConfigError`` (arguments, exit 2), ``ModelFormatError``, ``CalibrationDataError``,
     ``MissingSDKError`` (exit 4) before any conversion where it can, ``PackageValidationError``
@@ -256,6 +261,15 @@ def package(
         calib_samples=calib_samples,
         tolerance=tol,
     )
+    profile = None
+    if device_profile is not None:
+        from edgekit.optimize.profile import DeviceProfile
+
+        profile = DeviceProfile.load(device_profile)
+        engine = dataclasses.replace(engine, device_profile=profile)
+    keep_dir = None if keep_candidates is None else Path(keep_candidates)
+    if keep_dir is not None and keep_dir.exists() and (not keep_dir.is_dir() or any(keep_dir.iterdir())):
+        raise ConfigError(f"--keep-candidates {keep_dir}: give a new or empty folder")
     if key is None:
         raise ConfigError("package: a signing key is required (--signing-key); make one with `edgekit keygen`")
     private_key = load_private_key(Path(key))
@@ -285,6 +299,8 @@ def package(
         work = Path(tmp)
         say(f"preparing {model.name}")
         prepared = prepare_model(model, work / "prepared", say)
+        if profile is not None:
+            profile.check(prepared.source.sha256, model.name, names)
         kind = output_kind(prepared.served)
         if max_drop is not None:
             if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) or not 0 <= max_drop <= 1:
@@ -329,6 +345,7 @@ def package(
         rows: list[Row] = []
         failed: list[tuple[str, Comparison, tuple[str, ...]]] = []
         reports: dict[str, Path] = {}
+        kept_rows: list[dict[str, Any]] = []
         shared_builds: dict[Any, Any] = {}  # the engine's builds, reused across targets of this call
         timings["prepare"] = time.perf_counter() - started
         for t in names:
@@ -361,6 +378,11 @@ def package(
                     ctx = dataclasses.replace(ctx, source_path=model)
                     optimised = optimise(chosen[t], ctx, engine, reference_path=model, shared=shared_builds)
                     result, searched = optimised.build, optimised.search
+                    if keep_dir is not None:
+                        kept_rows += _keep_candidates(
+                            keep_dir, t, chosen[t], ctx, searched, run, prepared.source, name, version, private_key,
+                            static_shapes,
+                        )  # fmt: skip
                 else:
                     result = chosen[t].build(ctx)
                 if result.static and not chosen[t].static_shapes:
@@ -394,6 +416,11 @@ def package(
                 say(f"[{t}] wrote {dest}" + ("" if comparison.passed else " (marked: failed validation)"))
             rows.append(dataclasses.replace(row, bundle=bundles.get(t)))
             timings[t] = time.perf_counter() - target_started
+        if keep_dir is not None:
+            from edgekit.optimize.profile import write_index
+
+            index = write_index(keep_dir, name, prepared.source.sha256, kept_rows, utc_now())
+            say(f"kept {len(kept_rows)} candidate(s) for on-device timing: {index}")
     result_all = PackageResult(
         bundles=bundles, rows=tuple(rows), manifests=manifests, timings_s=timings, reports=reports
     )
@@ -670,6 +697,51 @@ def _own_fp32(searched: Any, v: Validation) -> tuple[str, float] | None:
     if searched.baseline.runtime == "onnxruntime" and (own >= 1.0) == (vs_source >= 1.0):
         return None
     return searched.baseline.name, own
+
+
+def _keep_candidates(
+    root: Path,
+    target: str,
+    target_obj: Any,
+    ctx: BuildContext,
+    searched: Any,
+    run: _Run,
+    source: Any,
+    name: str,
+    version: int,
+    private_key: Any,
+    static_shapes: Mapping[str, tuple[int, ...]],
+) -> list[dict[str, Any]]:
+    """Each candidate that met the budget (and the baseline) as an opened-bundle folder for
+    ``edgekit bench --profile``: the target's files, one input in ``golden.npz``, an unsigned
+    manifest marked not validated."""
+    from edgekit.optimize.profile import NOT_VALIDATED, candidate_key, keep_candidates
+
+    outcomes = {o.name: o for o in searched.outcomes}
+    kept = [
+        (n, candidate_key(outcomes[n].runtime, outcomes[n].precision, outcomes[n].settings), outcomes[n].runtime,
+         outcomes[n].precision, folder.name)
+        for n, (_, folder) in searched.kept.items()
+    ]  # fmt: skip
+
+    def describe(candidate: str, dest: Path) -> None:
+        built, folder = searched.kept[candidate]
+        scratch = ctx.work_dir / "kept" / folder.name
+        scratch.mkdir(parents=True)
+        result = target_obj.finish(dataclasses.replace(ctx, out_dir=dest, work_dir=scratch), built, folder)
+        served = _static_signature(run.served, static_shapes) if result.static else run.served
+        n = fixed_batch(served) or 1
+        feed = pad_samples(take(run.eval, 0, n), n)
+        np.savez(dest / GOLDEN_FILE, **{f"in_{k}": v for k, v in feed.items()})  # type: ignore[arg-type]  # numpy's savez kwargs stub is too narrow
+        validation = dataclasses.replace(_placeholder_validation(run), notes=(NOT_VALIDATED,))
+        manifest = _manifest(
+            name, version, target, dataclasses.replace(result, notes=(NOT_VALIDATED, *result.notes)), served, source,
+            file_entries(dest, {**result.files, GOLDEN_FILE: "golden"}), validation,
+            Golden(file=GOLDEN_FILE, count=n), None, private_key,
+        )  # fmt: skip
+        (dest / MANIFEST_NAME).write_bytes(manifest.to_json())
+
+    return keep_candidates(root, target, kept, describe)
 
 
 def _write_golden(

@@ -84,9 +84,10 @@ def check_tensorrt_qdq(model: Any) -> QdqSummary:
             float_ops.append(node.name)
             continue
         if w_dq is None or w_dq.op_type != "DequantizeLinear":
-            raise QdqStructureError(
-                f"{node.op_type} {node.name!r}: input is quantized but weight {node.input[w_index]!r} is not"
-            )
+            # a layer left without Q/DQ (mixed precision) whose producer's output is quantized for
+            # another consumer: TensorRT dequantizes and runs it in float
+            float_ops.append(node.name)
+            continue
         _check_weight_axis(node, w_dq, inits, numpy_helper)
         if b_index is not None and len(node.input) > b_index and node.input[b_index]:
             bias_src = producer.get(node.input[b_index])

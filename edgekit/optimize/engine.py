@@ -20,6 +20,11 @@ Order of work:
    reference's (what the table, the manifest and the report print) all come from this one round;
    a candidate left out of it keeps its quick-round p50, and its ratio is to the reference's p50
    in that round (``Outcome.timed_in``, ``Outcome.reference_p50_ms``).
+
+With a device profile (``edgekit.optimize.profile``) for the target, every candidate's latency is
+the device's (host timings are dropped for that target, never mixed with device ones); where
+nothing is timed, the target's ``device_rank`` orders the candidates (mixed precision rescues the
+best-ranked one).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import dataclasses
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +44,7 @@ from edgekit.errors import EdgekitError
 from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, RunFn
 from edgekit.optimize.choose import SPEED_TIE, choose
 from edgekit.optimize.data import SearchData
+from edgekit.optimize.profile import DeviceLatency, candidate_key
 from edgekit.validate.calib import fixed_batch, pad_samples, take
 from edgekit.validate.latency import LatencyStats, call_with, stats_side_by_side
 from edgekit.validate.metrics import Comparison, Kind, compare, run_all
@@ -76,6 +82,7 @@ class Outcome:
     # ONNX Runtime FP32 source's p50 in that same round: every ratio is within one measurement
     timed_in: str = ""
     reference_p50_ms: float | None = None
+    latency_from: str = ""  # "" (host, or not measured) or the device profile the latency came from
 
     @property
     def p50_ms(self) -> float | None:
@@ -104,6 +111,8 @@ class SearchResult:
     threads: int
     notes: tuple[str, ...]
     elapsed_s: float
+    # the builds of the candidates that met the budget, and the baseline: name -> (build, folder)
+    kept: Mapping[str, tuple[Built, Path]] = field(default_factory=dict)
 
 
 @dataclass
@@ -136,6 +145,7 @@ def search(
     progress: Callable[[str], None] = print,
     shared: dict[tuple[str, ...], tuple[Path, Built]] | None = None,
     time_budget_s: float | None = None,
+    device_latency: DeviceLatency | None = None,
 ) -> SearchResult:
     """Run the search for one target. ``precision``: ``auto`` or the CLI precision requested
     (then only candidates of that precision are chosen; the baseline is measured for comparison).
@@ -143,7 +153,8 @@ def search(
     ``shared``: builds of this ``package`` call's other targets by candidate identity (runtime,
     name, settings): the same candidate (OpenVINO FP32 / NNCF INT8 IR on CPU for cpu and intel)
     is built once and measured again for each target. ``time_budget_s``: once the search has run
-    this long, refinements and mixed-precision tries not started yet are skipped (and recorded)."""
+    this long, refinements and mixed-precision tries not started yet are skipped (and recorded).
+    ``device_latency``: this target's timings from a device profile, used instead of the host's."""
     t0 = time.perf_counter()
     say = progress
     auto = precision == "auto"
@@ -201,13 +212,15 @@ def search(
     _time(
         states, reference_open, one, threads, "quick", repeats=6, budget_s=latency_budget_s / 2, say=say, target=target
     )
+    if device_latency is not None:
+        _device_times(states, device_latency)
     base_p50 = _p50(baseline)
 
     refined = 0
     rescued: dict[str, str] = {}  # refined candidate -> the refinement that met the budget
     for ref in plan.refinements:
         of = next((s for s in states if s.candidate.name == ref.of), None)
-        why = _refine_skip(of, base_p50 if auto else None, baseline)
+        why = _refine_skip(of, base_p50 if auto else None, baseline) or (_ranked_skip(of, states) if auto else "")
         if not why and ref.of in rescued:
             why = f"{rescued[ref.of]} (a refinement of {ref.of}) already meets the budget"
         if not why and plan.max_refinements is not None and refined >= plan.max_refinements:
@@ -236,6 +249,17 @@ def search(
         target=target,
     )  # fmt: skip
     reference_latency = final.get(REFERENCE)
+    if device_latency is not None:
+        _device_times(states, device_latency)
+        timed = [s.candidate.name for s in states if s.outcome is not None and s.outcome.latency is not None]
+        untimed = [s.candidate.name for s in states if s.outcome is not None and s.outcome.comparison is not None
+                   and s.outcome.latency is None]  # fmt: skip
+        notes.append(
+            f"latency of {len(timed)} candidate(s) from the {device_latency.label}"
+            + (f"; not in the profile (not timed on the device): {', '.join(untimed)}" if untimed else "")
+        )
+        # the reference is the target's own FP32 on the device (the host's ORT FP32 is not comparable)
+        reference_latency = baseline.outcome.latency if baseline is not None and baseline.outcome else None
 
     outcomes = [s.outcome for s in states if s.outcome is not None]
     choosable = [o for o in outcomes if auto or o.precision == precision]
@@ -268,6 +292,13 @@ def search(
         threads=threads,
         notes=tuple(notes),
         elapsed_s=time.perf_counter() - t0,
+        kept={
+            s.candidate.name: (s.built, s.folder)
+            for s in states
+            if s.built is not None
+            and s.outcome is not None
+            and (s.outcome.status == "passed" or s.outcome is chosen or s is baseline)
+        },
     )
 
 
@@ -315,6 +346,45 @@ def _time(
     return stats
 
 
+def _device_times(states: list[_State], device: DeviceLatency) -> None:
+    """Every built candidate's latency := the device profile's (None where the profile has none).
+    The ratios are then to the target's own FP32 on the device (the baseline's profiled p50): the
+    host's ONNX Runtime FP32 is another machine's measurement."""
+    found: dict[int, LatencyStats | None] = {}
+    for i, s in enumerate(states):
+        o = s.outcome
+        if o is not None and s.built is not None:
+            found[i] = device.lookup(o.name, candidate_key(o.runtime, o.precision, o.settings))
+    base = next((found.get(i) for i, s in enumerate(states) if s.candidate.baseline), None)
+    ref = base.p50_ms if base is not None else None
+    for i, lat in found.items():
+        o = states[i].outcome
+        assert o is not None
+        states[i].outcome = dataclasses.replace(
+            o,
+            latency=lat,
+            latency_from=device.label if lat is not None else "",
+            timed_in="device profile" if lat is not None else "",
+            reference_p50_ms=ref if lat is not None else None,
+        )
+
+
+def _ranked_skip(of: _State | None, states: list[_State]) -> str:
+    """Where nothing is timed: a refinement cannot beat a passing candidate ranked at least as
+    fast on the device (a calibration change does not change the rank)."""
+    if of is None or of.outcome is None or of.outcome.p50_ms is not None or of.candidate.device_rank is None:
+        return ""
+    rank = of.candidate.device_rank
+    for s in states:
+        o = s.outcome
+        if o is not None and o.status == "passed" and o.p50_ms is None and _rank(s) <= rank:
+            return (
+                f"{o.name} (device rank {s.candidate.device_rank}) already meets the budget; "
+                f"{of.candidate.name} ranks {rank}"
+            )
+    return ""
+
+
 def _refine_skip(of: _State | None, base_p50: float | None, baseline: _State | None) -> str:
     if of is None or of.outcome is None:
         return "the candidate it refines was not built"
@@ -357,17 +427,24 @@ def _mixed(
     quantized = [s for s in states if eligible(s) and s.outcome is not None]
     if not quantized:
         return
-    fastest = min(quantized, key=lambda s: _p50(s) or float("inf"))
+    # by latency; where nothing is timed, by the target's device order, then the most accurate
+    fastest = min(quantized, key=lambda s: (_p50(s) or float("inf"), _rank(s), _inaccuracy(s)))
     o = fastest.outcome
     if o is None or o.status != "failed":
         return
+
+    def as_fast(s: _State) -> bool:
+        if _p50(fastest) is not None:
+            return (_p50(s) or float("inf")) <= (_p50(fastest) or 0)
+        return _p50(s) is None and _rank(s) <= _rank(fastest) < float("inf")
+
     passing_faster = [
         s
         for s in states
         if s.outcome is not None
         and s.outcome.status == "passed"
         and (auto or s.candidate.precision == precision)
-        and (_p50(s) or float("inf")) <= (_p50(fastest) or 0)
+        and as_fast(s)
     ]
     if passing_faster:
         return  # a candidate at least as fast already meets the budget
@@ -437,6 +514,20 @@ def _raise_none_built(states: list[_State], precision: str, target: str) -> None
 
 def _p50(s: _State | None) -> float | None:
     return None if s is None or s.outcome is None else s.outcome.p50_ms
+
+
+def _rank(s: _State) -> float:
+    r = s.candidate.device_rank
+    return float("inf") if r is None else float(r)
+
+
+def _inaccuracy(s: _State) -> tuple[float, float]:
+    from edgekit.optimize.choose import accuracy_key
+
+    if s.outcome is None:
+        return (1.0, 1.0)
+    a, b = accuracy_key(s.outcome)
+    return (-a, -b)
 
 
 def _outcome(

@@ -44,6 +44,8 @@ def outcome_data(o: Outcome) -> dict[str, Any]:
         "timed_in": o.timed_in or None,
         "reference_p50_ms": o.reference_p50_ms,
         "excluded_nodes": list(o.excluded_nodes),
+        # where the latency was measured: this host, a device profile, or nowhere ("not measured here")
+        "latency_from": o.latency_from or ("host" if lat is not None else None),
     }
 
 
@@ -120,6 +122,12 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
             f"{f('latency_p50_ms')} | {f('latency_p90_ms')} | {f('latency_iqr_ms')} | {f('speed_vs_fp32', '{:.2f}x')} "
             f"| {c.get('timed_in') or '-'} |"
         )
+    profiled = sorted({c["latency_from"] for c in data["candidates"] if c.get("latency_from") not in (None, "host")})
+    if profiled:
+        names = [c["name"] for c in data["candidates"] if c.get("latency_from") in profiled]
+        lines += ["", f"Latency from the {', '.join(profiled)}: {', '.join(names)}."]
+    elif not any(c["latency_p50_ms"] is not None for c in data["candidates"]):
+        lines += ["", "Latency: not measured here (the target's runtime does not run on this host)."]
     excluded: list[str] = next((c["excluded_nodes"] for c in data["candidates"] if c["status"] == "chosen"), [])
     if excluded:
         lines += ["", f"Layers kept in float (mixed precision): {', '.join(excluded)}"]

@@ -19,6 +19,7 @@ from edgekit.errors import ConfigError
 from edgekit.optimize.candidates import OBJECTIVES, RunFn
 from edgekit.optimize.data import DEFAULT_CALIB_SAMPLES, search_data
 from edgekit.optimize.engine import SearchResult, search
+from edgekit.optimize.profile import DeviceProfile
 from edgekit.optimize.record import choice_step
 from edgekit.targets.base import BuildContext, BuildResult
 from edgekit.validate.calib import fixed_batch, sample_count
@@ -38,6 +39,8 @@ class EngineSettings:
     # per target: refinements and mixed precision not started by then are skipped (and recorded);
     # the first wave always runs
     time_budget_s: float | None = 420.0
+    # latency measured on the device (``edgekit bench --profile``), used instead of the host's
+    device_profile: DeviceProfile | None = None
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -100,6 +103,7 @@ def optimise(
         progress=ctx.progress,
         shared=shared,
         time_budget_s=settings.time_budget_s,
+        device_latency=settings.device_profile.for_target(target.name) if settings.device_profile else None,
     )
     built = target.finish(ctx, result.built, result.built_dir)
     notes = (*built.notes, *summary_notes(result))

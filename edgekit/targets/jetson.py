@@ -4,24 +4,32 @@ The artifact is ONNX; the engine is built on the device (engines are not portabl
 TensorRT versions) by ``device_agents.runtimes.tensorrt``, with the builder flags recorded in the
 manifest's ``target_options``.
 
-- ``int8``: an explicit-quantization Q/DQ model as TensorRT expects it: ONNX Runtime static
-  quantization, QDQ format, symmetric int8 activations and symmetric per-channel int8 weights,
-  Q/DQ only on the inputs of weighted ops (Conv, ConvTranspose, Gemm, MatMul) and float biases,
-  following TensorRT's Q/DQ placement recommendations. A TensorRT calibration cache computed
-  from the same calibration ranges ships beside it for implicit-quantization builds of the FP32
-  graph (TensorRT 10 ignores it for the Q/DQ model).
-- ``fp16``: the FP32 ONNX plus the builder flag ``fp16``.
-- ``fp32``: the FP32 ONNX.
+The target describes candidates; the optimisation engine (``edgekit.optimize``) builds them, gates
+them and chooses:
 
-TensorRT does not run here. Validation runs the artifact's ONNX under ONNX Runtime on the CPU
-(``BuildResult.intermediate``); TensorRT latency and layer placement are measured on the device.
+- ``fp32``: the FP32 ONNX (the baseline); ``fp16``: the FP32 ONNX plus the builder flag ``fp16``;
+- ``int8``: explicit-quantization Q/DQ models as TensorRT takes them (ONNX Runtime static
+  quantization, QDQ format, symmetric int8 activations, symmetric per-channel int8 weights, float
+  biases), one per Q/DQ placement (``weighted-inputs``: Q/DQ only on the inputs of Conv /
+  ConvTranspose / Gemm / MatMul; ``all``: on every op ONNX Runtime quantizes, residual Add and
+  Concat inputs included), entropy calibration first and percentile / minmax as refinements of a
+  placement that missed the budget. A TensorRT calibration cache from the same calibration pass
+  ships beside it for implicit-quantization builds of the FP32 graph (TensorRT 10 ignores it for
+  the Q/DQ model);
+- mixed precision: the most sensitive layers (``edgekit.optimize.sensitivity``) are left without
+  Q/DQ; TensorRT runs them in FP16 on the device (builder flags ``int8`` + ``fp16``).
+
+TensorRT does not run here: every candidate is gated on its artifact under ONNX Runtime on the CPU
+(``Built.open`` is None, ``Built.intermediate`` runs the Q/DQ ONNX), latency is "not measured here",
+and ``auto`` ships the candidate expected fastest on the device class (``DEVICE_RANK``) within the
+budget, unless a device profile (``edgekit package --device-profile``) gives measured latencies.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -32,18 +40,31 @@ from edgekit.bundle.codec import to_data
 from edgekit.bundle.manifest import Compatibility, Precision, Signature
 from edgekit.compress.trt_calibration_table import CALIBRATORS, write_table
 from edgekit.errors import MissingSDKError
+from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, Refinement
 from edgekit.targets.base import BuildContext, BuildResult
 from edgekit.targets.op_support import UnsupportedNode, raise_unsupported
 from edgekit.validate.ort_runner import ort_cpu_runner
 
 ARTIFACT = "model.onnx"
 CALIBRATION_TABLE = "calibration.cache"
+FP16_EMULATION = "fp16-weights.onnx"  # in the candidate's folder: the fp16 candidate's intermediate
 MIN_TENSORRT = "10.0"
 CalibrationName = Literal["entropy", "percentile", "minmax"]
+PlacementName = Literal["weighted-inputs", "all"]
+PLACEMENTS: tuple[PlacementName, ...] = ("weighted-inputs", "all")
+CALIBRATIONS: tuple[CalibrationName, ...] = ("entropy", "percentile", "minmax")
 NOT_MEASURED = (
     "TensorRT layer info: not measured here (the engine is built on the device)",
     "TensorRT latency: not measured here",
 )
+# Expected speed order on Jetson-class GPUs, lower = faster: TensorRT's developer guide, "Reduced
+# Precision" / "Working with Quantized Types" (https://docs.nvidia.com/deeplearning/tensorrt/latest/
+# inference-library/work-quantized-types.html): lower precision needs less memory bandwidth and runs
+# on faster kernels (INT8 and FP16 Tensor Cores on Xavier / Orin), so INT8 < FP16 < FP32. A mixed
+# candidate runs its layers without Q/DQ in FP16, so it ranks after pure INT8 and before FP16. The
+# guide ranks no Q/DQ placement above the other: both placements share rank 0 (the smaller artifact,
+# then the more accurate, wins the tie). A device profile replaces this order with measurements.
+DEVICE_RANK = {"int8": 0, "int8-mixed": 1, "fp16": 2, "fp32": 3}
 
 # Ops TensorRT 10's ONNX parser has no importer for (onnx-tensorrt docs/operators.md, "N" rows
 # that stayed unsupported through 10.x). Used only when the tensorrt package is absent here; with
@@ -60,11 +81,13 @@ _TRT_PARSER_LACKS = frozenset(
 
 @dataclass(frozen=True)
 class JetsonOptions:
-    """Settings of the ``jetson`` target (``--option jetson.KEY=VALUE``)."""
+    """Settings of the ``jetson`` target (``--option jetson.KEY=VALUE``). ``auto`` = let the search choose."""
 
     workspace_mb: int = 1024  # TensorRT builder workspace bound on the device
     int8_calibration: Literal["auto", "entropy", "percentile", "minmax"] = "auto"  # auto: entropy, then others
     percentile: float = 99.999
+    # auto: both placements; weighted-inputs: Q/DQ on the inputs of quantize_op_types only; all: every op
+    qdq_placement: Literal["auto", "weighted-inputs", "all"] = "auto"
     quantize_op_types: tuple[str, ...] = ("Conv", "ConvTranspose", "Gemm", "MatMul")
     int8_fp16_fallback: bool = True  # let layers left in float run in FP16 (builder flags int8 + fp16)
     max_calib_samples: int = 256
@@ -84,7 +107,7 @@ class JetsonOptions:
 class JetsonTarget:
     name: ClassVar[str] = "jetson"
     runtime: ClassVar[str] = "tensorrt"
-    precisions: ClassVar[tuple[str, ...]] = ("int8", "fp16", "fp32")
+    precisions: ClassVar[tuple[str, ...]] = ("int8", "fp16", "fp32", "auto")
     Options: ClassVar[type] = JetsonOptions
     static_shapes: ClassVar[bool] = True
 
@@ -106,46 +129,59 @@ class JetsonTarget:
         if nodes:
             raise_unsupported(self.name, tool, model_path, nodes)
 
-    def build(self, ctx: BuildContext) -> BuildResult:
+    # -- candidates ---------------------------------------------------------------------------
+    def candidates(self, ctx: BuildContext) -> CandidatePlan:
+        opts: JetsonOptions = ctx.options
+        want = ctx.precision
+        auto = want == "auto"
+        prepared = ctx.model_path
+        first: list[Candidate] = [_float_candidate("fp32", prepared)]
+        refinements: list[Refinement] = []
+        if auto or want == "fp16":
+            first.append(_float_candidate("fp16", prepared))
+        if auto or want == "int8":
+            placements = PLACEMENTS if opts.qdq_placement == "auto" else (opts.qdq_placement,)
+            methods = CALIBRATIONS if opts.int8_calibration == "auto" else (opts.int8_calibration,)
+            for placement in placements:
+                plain = _int8_candidate(prepared, opts, placement, methods[0])
+                first.append(plain)
+                refinements.extend(
+                    Refinement(_int8_candidate(prepared, opts, placement, method), of=plain.name)
+                    for method in methods[1:]
+                )
+        return CandidatePlan(first=tuple(first), refinements=tuple(refinements))
+
+    def finish(self, ctx: BuildContext, built: Built, built_dir: Path) -> BuildResult:
+        """The chosen candidate's files in ``ctx.out_dir``, described for the manifest."""
         ort = _onnxruntime()
         opts: JetsonOptions = ctx.options
+        for path in built.files:
+            shutil.copyfile(built_dir / path, ctx.out_dir / path)
         out = ctx.out_dir / ARTIFACT
-        files = {ARTIFACT: "artifact"}
-        notes: list[str] = list(NOT_MEASURED)
-        flags: tuple[str, ...]
-        if ctx.precision == "fp32":
-            shutil.copyfile(ctx.model_path, out)
-            precision = Precision("fp32", "fp32", "onnx fp32; TensorRT builds the engine on the device")
-            flags = ()
-            intermediate, intermediate_name = ort_cpu_runner(out), "ONNX Runtime CPU on the FP32 ONNX"
-        elif ctx.precision == "fp16":
-            shutil.copyfile(ctx.model_path, out)
-            precision = Precision("fp16", "fp16", "onnx fp32 + TensorRT builder flag fp16")
-            flags = ("fp16",)
-            emulated = fp16_weights_model(ctx.model_path, ctx.work_dir / "fp16-weights.onnx")
-            intermediate = ort_cpu_runner(emulated)
-            intermediate_name = "ONNX Runtime CPU on the FP32 ONNX with weights rounded to FP16 (activations FP32)"
-            notes.append("FP16 kernels run on the device only: activations were computed in FP32 here")
-        elif ctx.precision == "int8":
-            method, int8_notes = self._build_int8(ctx, opts, out)
-            files[CALIBRATION_TABLE] = "calibration"
-            notes.extend(int8_notes)
+        weights = built.precision.weights
+        flags: tuple[str, ...] = ()
+        if weights == "int8":
             flags = ("int8", "fp16") if opts.int8_fp16_fallback else ("int8",)
-            precision = Precision("int8", "int8", method)
-            intermediate, intermediate_name = ort_cpu_runner(out), "ONNX Runtime CPU on the TensorRT Q/DQ ONNX"
-        else:  # the packager checks precisions first; this guards direct callers
-            raise ValueError(f"jetson target cannot build precision {ctx.precision!r}")
-        artifact_signature = static_signature(out, ctx.served, ctx.static_shapes)
+            intermediate = ort_cpu_runner(_int8_stand_in(out, ctx.work_dir, built.excluded_nodes, opts))
+            intermediate_name = "ONNX Runtime CPU on the TensorRT Q/DQ ONNX"
+            if built.excluded_nodes and opts.int8_fp16_fallback:
+                intermediate_name += " (layers without Q/DQ: weights rounded to FP16)"
+        elif weights == "fp16":
+            flags = ("fp16",)
+            intermediate = ort_cpu_runner(fp16_weights_model(out, ctx.work_dir / FP16_EMULATION))
+            intermediate_name = "ONNX Runtime CPU on the FP32 ONNX with weights rounded to FP16 (activations FP32)"
+        else:
+            intermediate, intermediate_name = ort_cpu_runner(out), "ONNX Runtime CPU on the FP32 ONNX"
         target_options = to_data(opts) | {
             "builder_flags": list(flags),
             "engine": "built on the device from the ONNX artifact; cached per GPU, compute capability, "
             "TensorRT version and artifact sha256",
         }
-        if CALIBRATION_TABLE in files:
+        if CALIBRATION_TABLE in built.files:
             target_options["calibration_table"] = CALIBRATION_TABLE
             target_options["calibration_table_tensors"] = "tensor names of the FP32 source graph"
         return BuildResult(
-            files=files,
+            files=dict(built.files),
             compatibility=Compatibility(
                 runtime="tensorrt",
                 runtime_version=MIN_TENSORRT,
@@ -153,61 +189,144 @@ class JetsonTarget:
                 arch=("aarch64", "x86_64"),
                 accelerator="cuda",
             ),
-            artifact_signature=artifact_signature,
+            artifact_signature=static_signature(out, ctx.served, ctx.static_shapes),
             mapping=(),
-            precision=precision,
+            precision=built.precision,
             runnable_here=False,
             op_placement=None,
-            notes=(*notes, f"validated with onnxruntime {ort.__version__} on the CPU"),
+            notes=(*NOT_MEASURED, *built.notes, f"validated with onnxruntime {ort.__version__} on the CPU"),
             target_options=target_options,
             intermediate=intermediate,
             intermediate_name=intermediate_name,
             static=True,
         )
 
-    # -- INT8 -------------------------------------------------------------------------------
-    def _build_int8(self, ctx: BuildContext, opts: JetsonOptions, out: Path) -> tuple[str, list[str]]:
+    def build(self, ctx: BuildContext) -> BuildResult:
+        """Outside the packager: the engine's search on the calibration data alone."""
+        from edgekit.optimize.run import optimise
+
+        return optimise(self, ctx).build
+
+
+# -- candidate builders -------------------------------------------------------------------------
+
+
+def _float_candidate(precision: Literal["fp32", "fp16"], prepared: Path) -> Candidate:
+    """The FP32 ONNX as the artifact; ``fp16`` adds TensorRT's fp16 builder flag and is gated with
+    its weights rounded to FP16 (the FP16 kernels themselves run on the device only)."""
+
+    def build(space: BuildSpace) -> Built:
+        out = space.work_dir / ARTIFACT
+        shutil.copyfile(prepared, out)
+        if precision == "fp32":
+            prec = Precision("fp32", "fp32", "onnx fp32; TensorRT builds the engine on the device")
+            return Built({ARTIFACT: "artifact"}, "tensorrt", prec, open=None, intermediate=ort_cpu_runner(out))
+        emulated = fp16_weights_model(out, space.work_dir / FP16_EMULATION)
+        return Built(
+            {ARTIFACT: "artifact"},
+            "tensorrt",
+            Precision("fp16", "fp16", "onnx fp32 + TensorRT builder flag fp16"),
+            open=None,
+            intermediate=ort_cpu_runner(emulated),
+            notes=("FP16 kernels run on the device only: activations were computed in FP32 here",),
+        )
+
+    return Candidate(
+        name=f"tensorrt {precision}",
+        precision=precision,
+        runtime="tensorrt",
+        build=build,
+        settings={"recipe": f"onnx {precision}"},
+        family=f"tensorrt {precision}",
+        baseline=precision == "fp32",
+        device_rank=DEVICE_RANK[precision],
+    )
+
+
+def _int8_candidate(
+    prepared: Path,
+    opts: JetsonOptions,
+    placement: PlacementName,
+    method: CalibrationName,
+    exclude: tuple[str, ...] = (),
+) -> Candidate:
+    """One TensorRT Q/DQ model. ``exclude``: layers left without Q/DQ (they run FP16 on the device)."""
+    label = f"percentile {opts.percentile}" if method == "percentile" else method
+    name = f"tensorrt int8 q/dq {placement} {label}"
+    if exclude:
+        name += f", {len(exclude)} layer(s) without q/dq"
+
+    def build(space: BuildSpace) -> Built:
         from edgekit.compress.qdq_structure import check_tensorrt_qdq
         from edgekit.validate.calib import sample_count, take
 
-        calib = ctx.calib
-        notes = []
+        calib = space.calib
+        notes: list[str] = []
         n = sample_count(calib)
         if n > opts.max_calib_samples:
             calib = take(calib, 0, opts.max_calib_samples)
             notes.append(f"calibrated on the first {opts.max_calib_samples} of {n} samples (jetson.max_calib_samples)")
-        methods: list[CalibrationName] = (
-            ["entropy", "percentile", "minmax"] if opts.int8_calibration == "auto" else [opts.int8_calibration]
-        )
-        tried: list[tuple[CalibrationName, Path, dict[str, tuple[float, float]], bool]] = []
-        for method in methods:
-            ctx.progress(f"[jetson] int8 Q/DQ, {method} calibration")
-            candidate = ctx.work_dir / f"qdq-{method}.onnx"
-            ranges = quantize_for_tensorrt(ctx.model_path, candidate, calib, method, opts, ctx.work_dir)
-            check_tensorrt_qdq(_load(candidate))
-            if ctx.evaluate is None:
-                notes.append(f"{method} calibration: not compared with fp32 (no evaluation data outside the packager)")
-                tried.append((method, candidate, ranges, True))
-                break
-            comparison = ctx.evaluate(ort_cpu_runner(candidate))
-            verdict = "passed" if comparison.passed else "failed: " + "; ".join(comparison.failures)
-            notes.append(f"tried {method} calibration: {comparison.summary()} on ONNX Runtime CPU ({verdict})")
-            tried.append((method, candidate, ranges, comparison.passed))
-            if comparison.passed:
-                break
-        # The first passing method, else the first tried (the packager's gate then reports the failure).
-        method, candidate, ranges, _ = next((t for t in tried if t[3]), tried[0])
-        shutil.copyfile(candidate, out)
+        out = space.work_dir / ARTIFACT
+        ranges = quantize_for_tensorrt(prepared, out, calib, method, opts, space.work_dir, placement, exclude)
         summary = check_tensorrt_qdq(_load(out))
         write_table(
-            ctx.out_dir / CALIBRATION_TABLE, ranges, method=method, trt_version=opts.calibration_table_trt_version
+            space.work_dir / CALIBRATION_TABLE, ranges, method=method, trt_version=opts.calibration_table_trt_version
         )
         notes.append(
-            f"chose {method} calibration; Q/DQ on {len(summary.quantized_ops)} weighted ops "
+            f"{method} calibration, Q/DQ placement {placement}: Q/DQ on {len(summary.quantized_ops)} weighted ops "
             f"({summary.per_channel_weights} per-channel weights), {len(summary.float_ops)} left in float"
         )
-        label = f"percentile {opts.percentile}" if method == "percentile" else method
-        return f"ort-static qdq s8s8 symmetric per-channel {label} (TensorRT explicit quantization)", notes
+        if exclude:
+            fp16 = "FP16 on the device (builder flags int8 + fp16)" if opts.int8_fp16_fallback else "FP32 on the device"
+            here = "their weights rounded to FP16, activations FP32" if opts.int8_fp16_fallback else "FP32"
+            notes.append(
+                f"mixed precision: {len(exclude)} layer(s) left without Q/DQ run in {fp16}: {', '.join(exclude)}; "
+                f"validated here under ONNX Runtime with {here}"
+            )
+        kept = f", {len(exclude)} layer(s) without Q/DQ" if exclude else ""
+        method_text = (
+            f"ort-static qdq s8s8 symmetric per-channel {label}, Q/DQ placement {placement}{kept} "
+            "(TensorRT explicit quantization)"
+        )
+        return Built(
+            files={ARTIFACT: "artifact", CALIBRATION_TABLE: "calibration"},
+            runtime="tensorrt",
+            precision=Precision("int8", "int8", method_text),
+            open=None,
+            intermediate=ort_cpu_runner(_int8_stand_in(out, space.work_dir, exclude, opts)),
+            notes=tuple(notes),
+            excluded_nodes=exclude,
+        )
+
+    def rank(space: BuildSpace, built: Built) -> list[tuple[tuple[str, ...], float]]:
+        from edgekit.optimize.sensitivity import rank_qdq_layers
+
+        return rank_qdq_layers(prepared, space.work_dir / ARTIFACT, space.calib, space.work_dir, space.calib_batch)
+
+    settings: dict[str, Any] = {"placement": placement, "calibration": method, "exclude": list(exclude)}
+    if method == "percentile":
+        settings["percentile"] = opts.percentile
+    if placement == "weighted-inputs":
+        settings["op_types"] = list(opts.quantize_op_types)
+    return Candidate(
+        name=name,
+        precision="int8",
+        runtime="tensorrt",
+        build=build,
+        settings=settings,
+        family=f"tensorrt int8 q/dq {placement}",
+        device_rank=DEVICE_RANK["int8-mixed" if exclude else "int8"],
+        exclude=None if exclude else (lambda nodes: _int8_candidate(prepared, opts, placement, method, nodes)),
+        rank_layers=None if exclude else rank,
+    )
+
+
+def _int8_stand_in(qdq: Path, work_dir: Path, exclude: Sequence[str], opts: JetsonOptions) -> Path:
+    """What the Q/DQ model is gated with here: itself, or with the weights of the layers left
+    without Q/DQ rounded to FP16 where TensorRT runs those layers in FP16 (activations stay FP32)."""
+    if not exclude or not opts.int8_fp16_fallback:
+        return qdq
+    return fp16_weights_model(qdq, work_dir / "qdq-fp16-layers.onnx", exclude)
 
 
 def quantize_for_tensorrt(
@@ -217,10 +336,20 @@ def quantize_for_tensorrt(
     method: CalibrationName,
     opts: JetsonOptions,
     work_dir: Path,
+    placement: PlacementName = "weighted-inputs",
+    exclude: Sequence[str] = (),
 ) -> dict[str, tuple[float, float]]:
     """Write the TensorRT-style Q/DQ model to ``out_path``; return the calibrated range of every
     float tensor of the FP32 graph (for the calibration cache). One calibration pass serves both:
-    ORT's ``quantize_static`` reads the saved ranges back from its calibration cache."""
+    ORT's ``quantize_static`` reads the saved ranges back from its calibration cache.
+
+    Placement follows TensorRT's developer guide, "Q/DQ Layer-Placement Recommendations"
+    (https://docs.nvidia.com/deeplearning/tensorrt/latest/inference-library/quantized-types-explicit-quantization.html):
+    quantize all inputs of weighted operations (Convolution, Transposed Convolution, GEMM) and, by
+    default, not their outputs (``weighted-inputs``); the same guide asks for Q/DQ on the residual
+    input of skip connections so TensorRT can fuse the Add into the INT8 convolution, which the
+    ``all`` placement gives (Q/DQ on every op ONNX Runtime quantizes, as pytorch-quantization's
+    default of quantizing every input of supported layers). ``exclude``: nodes left without Q/DQ."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.calibrate import create_calibrator, save_tensors_data
 
@@ -229,6 +358,8 @@ def quantize_for_tensorrt(
 
     if method not in CALIBRATORS:
         raise ValueError(f"calibration method {method!r} is not one of {', '.join(CALIBRATORS)}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"Q/DQ placement {placement!r} is not one of {', '.join(PLACEMENTS)}")
     ort_method = {
         "entropy": CalibrationMethod.Entropy,
         "percentile": CalibrationMethod.Percentile,
@@ -250,12 +381,14 @@ def quantize_for_tensorrt(
     tensors = calibrator.compute_data()
     cache = work_dir / f"ranges-tensorrt-{method}.json"
     save_tensors_data(tensors, cache)
+    weighted = placement == "weighted-inputs"
     quantize_static(
         str(model_path),
         str(out_path),
         calibration_data_reader=None,
         quant_format=QuantFormat.QDQ,
-        op_types_to_quantize=list(opts.quantize_op_types),
+        op_types_to_quantize=list(opts.quantize_op_types) if weighted else None,  # None: every op ORT quantizes
+        nodes_to_exclude=list(exclude),
         per_channel=True,
         activation_type=QuantType.QInt8,
         weight_type=QuantType.QInt8,
@@ -267,8 +400,8 @@ def quantize_for_tensorrt(
             "QuantizeBias": False,  # TensorRT takes float biases and folds them itself
             # TensorRT fuses Q/DQ with Relu/Clip itself; keep them explicit so the graph's math holds.
             "QDQKeepRemovableActivations": True,
-            # Q/DQ on the inputs of weighted ops only, not on their outputs (TensorRT's recommendation).
-            "OpTypesToExcludeOutputQuantization": list(opts.quantize_op_types),
+            # weighted-inputs: Q/DQ on the inputs of weighted ops only, not on their outputs
+            "OpTypesToExcludeOutputQuantization": list(opts.quantize_op_types) if weighted else [],
         },
         calibration_cache_path=str(cache),
     )
@@ -302,14 +435,16 @@ def static_signature(model_path: Path, served: Signature, static_shapes: Mapping
     return Signature(inputs=tuple(inputs), outputs=outputs)
 
 
-def fp16_weights_model(model_path: Path, out_path: Path) -> Path:
-    """A copy of the FP32 model whose float32 initializers are rounded to FP16 (kept float32)."""
+def fp16_weights_model(model_path: Path, out_path: Path, nodes: Sequence[str] | None = None) -> Path:
+    """A copy of the model whose float32 initializers are rounded to FP16 (kept float32).
+    ``nodes``: only the initializers those nodes read (the layers a Q/DQ model leaves in float)."""
     import onnx
     from onnx import TensorProto, numpy_helper
 
     model = onnx.load(str(model_path))
+    only = None if nodes is None else {i for n in model.graph.node if n.name in set(nodes) for i in n.input}
     for init in model.graph.initializer:
-        if init.data_type == TensorProto.FLOAT:
+        if init.data_type == TensorProto.FLOAT and (only is None or init.name in only):
             rounded = numpy_helper.to_array(init).astype(np.float16).astype(np.float32)
             init.CopyFrom(numpy_helper.from_array(rounded, init.name))
     onnx.save(model, str(out_path))
@@ -352,4 +487,11 @@ def _onnxruntime() -> Any:
     return onnxruntime
 
 
-__all__ = ["JetsonOptions", "JetsonTarget", "fp16_weights_model", "quantize_for_tensorrt", "static_signature"]
+__all__ = [
+    "DEVICE_RANK",
+    "JetsonOptions",
+    "JetsonTarget",
+    "fp16_weights_model",
+    "quantize_for_tensorrt",
+    "static_signature",
+]

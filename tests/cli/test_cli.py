@@ -224,6 +224,11 @@ def test_cli_package_prints_progress_table_and_bundle_path(capsys, workspace, tm
             "default and at most one TARGET=PRECISION each",
         ),
         (["--expires-days", "-1"], 2, "--expires-days must be >= 0 (0 = never expires), got -1"),
+        (
+            ["--device-profile", "/nonexistent-edgekit/p.json"],
+            2,
+            "--device-profile /nonexistent-edgekit/p.json: cannot read it (No such file or directory)",
+        ),
     ],
 )
 def test_cli_package_bad_arguments_one_error_line(
@@ -458,3 +463,31 @@ def test_cli_console_script_runs(tmp_path: Path) -> None:
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "edgekit.cli"]
     done = subprocess.run([*cmd, "--version"], capture_output=True, text=True, env={**os.environ}, check=False)
     assert (done.returncode, done.stdout) == (0, f"edgekit {__version__}\n")
+
+
+def test_cli_package_keep_candidates_refuses_a_folder_with_files(capsys, workspace, tmp_path: Path) -> None:
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "old.txt").write_text("x")
+    got, out, err = _package(capsys, workspace, tmp_path, "--keep-candidates", str(tmp_path / "kept"))
+    assert (got, out, err) == (
+        2,
+        "",
+        f"edgekit: error: --keep-candidates {tmp_path}/kept: give a new or empty folder\n",
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "bench: give a BUNDLE or --profile DIR (one of them)"),
+        (["--profile", "{dir}"],
+         "bench --profile: give --out profile.json (what `edgekit package --device-profile` reads)"),
+        (["--profile", "{dir}", "--out", "p.json"], "--profile {dir}: no candidates.json there; write the folder with "
+         "`edgekit package ... --keep-candidates DIR`"),
+        (["x.ekb", "--out", "p.json"], "bench: --out is for --profile; a bundle's timing prints (--json for JSON)"),
+    ],
+)  # fmt: skip
+def test_cli_bench_profile_arguments_one_error_line(capsys, tmp_path: Path, argv, message: str) -> None:
+    assert main(["bench", *(a.format(dir=tmp_path) for a in argv)]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"edgekit: error: {message.format(dir=tmp_path)}\n")

@@ -59,3 +59,12 @@ def test_choose_untimed_by_the_device_rank_then_size() -> None:
     assert choose([fp16, missed], "latency", auto=True, baseline=None)[0] is fp16
     # the size objective ignores the rank
     assert choose([fp16, int8, _o("w4", None, 100, device_rank=2)], "size", auto=True, baseline=None)[0].name == "w4"
+
+
+def test_choose_untimed_same_rank_and_near_size_goes_to_the_more_accurate() -> None:
+    # two Q/DQ placements of one model: same speed class, a few scales apart in size
+    edge, margin = _o("weighted", None, 1000, 0.984, device_rank=0), _o("all", None, 1015, 1.0, device_rank=0)
+    pick, why = choose([edge, margin], "latency", auto=True, baseline=None)
+    assert pick is margin and "won by the more accurate" in why
+    much_smaller = _o("small", None, 500, 0.984, device_rank=0)  # not within 2 %: the smaller still wins
+    assert choose([much_smaller, margin], "latency", auto=True, baseline=None)[0] is much_smaller

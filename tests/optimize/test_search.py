@@ -181,3 +181,31 @@ def test_search_ratios_of_quick_round_candidates_are_to_the_quick_round_referenc
     assert chosen.name == "int8 ok" and chosen.timed_in == "final"
     assert slow.timed_in == "quick" and slow.reference_p50_ms is not None  # failed: not in the final round
     assert slow.speed_vs_reference == slow.reference_p50_ms / slow.latency.p50_ms
+
+
+def _untimed(name: str, precision: str, fn, rank: int, baseline: bool = False) -> Candidate:
+    """A candidate whose runtime does not run here: gated through its intermediate, ranked."""
+
+    def build(space: BuildSpace) -> Built:
+        (space.work_dir / "a.bin").write_bytes(b"x" * 100)
+        return Built({"a.bin": "artifact"}, "device", Precision("fp32", "fp32", name), open=None, intermediate=fn)
+
+    return Candidate(name, precision, "device", build, {"recipe": name}, family=name, baseline=baseline,
+                     device_rank=rank)  # fmt: skip
+
+
+def test_search_skips_a_refinement_when_an_untimed_candidate_ranked_as_fast_already_passed(tmp_path: Path) -> None:
+    wrong = lambda feed: {"y": -feed["x"][..., None]}  # noqa: E731  # a one-line stand-in
+    plan = CandidatePlan(
+        first=(
+            _untimed("fp32", "fp32", _exact, 3, baseline=True),
+            _untimed("int8 a", "int8", wrong, 0),
+            _untimed("int8 b", "int8", _exact, 0),
+        ),
+        refinements=(Refinement(_untimed("int8 a percentile", "int8", _exact, 0), of="int8 a"),),
+    )
+    result = _search(tmp_path, plan, "auto")
+    by_name = {o.name: o for o in result.outcomes}
+    assert by_name["int8 a percentile"].status == "skipped"
+    assert by_name["int8 a percentile"].reason.startswith("int8 b (device rank 0) already meets the budget")
+    assert result.chosen.name == "int8 b" and "rank 0" in result.why

@@ -1,4 +1,5 @@
-"""The ``jetson`` target (TensorRT-ready ONNX) and the ``tensorrt`` device runtime.
+"""The ``jetson`` target (TensorRT-ready ONNX, candidates on the optimisation engine) and the
+``tensorrt`` device runtime.
 
 TensorRT needs an NVIDIA GPU; none here. What runs here: the Q/DQ structure TensorRT takes, the
 calibration cache format, the engine-cache key and store, the ONNX Runtime CPU intermediate the
@@ -80,10 +81,13 @@ def _ctx(prepared, root: Path, precision: str, options: JetsonOptions | None = N
 
 @pytest.fixture(scope="module")
 def builds(prepared, tmp_path_factory: pytest.TempPathFactory):
-    """One build per precision: (context, result)."""
+    """One build per precision (int8: entropy, Q/DQ on the inputs of weighted ops only): (context, result)."""
     out = {}
     for precision in ("int8", "fp16", "fp32"):
-        ctx = _ctx(prepared, tmp_path_factory.mktemp(f"jetson-{precision}"), precision)
+        options = (
+            JetsonOptions(qdq_placement="weighted-inputs", int8_calibration="entropy") if precision == "int8" else None
+        )
+        ctx = _ctx(prepared, tmp_path_factory.mktemp(f"jetson-{precision}"), precision, options)
         out[precision] = (ctx, JetsonTarget().build(ctx))
     return out
 
@@ -196,23 +200,34 @@ def test_jetson_fp16_ships_fp32_onnx_with_fp16_flag_and_emulates_fp16_weights(bu
     assert plain.target_options["builder_flags"] == [] and plain.precision.label == "w32a32"
 
 
-def test_jetson_int8_tries_calibration_methods_until_one_passes_the_gate(prepared, tmp_path: Path) -> None:
-    from edgekit.validate.metrics import compare, run_all
+def test_jetson_int8_tries_every_calibration_of_every_placement_when_none_meets_the_gate(prepared, tmp_path) -> None:
+    from edgekit.optimize.run import EngineSettings, optimise
 
-    x = confident_inputs(prepared.path, 16, seed=9)
-    reference = run_all(ort_cpu_runner(prepared.path), {"input": x}, 1)
-    impossible = Tolerance(min_top1_agreement=1.01)  # no candidate can pass: every method is tried
-    ctx = _ctx(
-        prepared,
-        tmp_path,
-        "int8",
-        evaluate=lambda fn: compare(reference, run_all(fn, {"input": x}, 1), "classifier", impossible),
-    )
+    impossible = Tolerance(min_top1_agreement=1.01)  # no candidate can pass: every refinement is built
+    ctx = _ctx(prepared, tmp_path, "int8")
+    searched = optimise(JetsonTarget(), ctx, EngineSettings(tolerance=impossible)).search
+    built = {o.name: o for o in searched.outcomes if o.status in ("failed", "chosen")}
+    for placement in ("weighted-inputs", "all"):
+        for method in ("entropy", "percentile 99.999", "minmax"):
+            assert f"tensorrt int8 q/dq {placement} {method}" in built
+    assert all(o.latency is None and o.device_rank == 0 for o in built.values() if o.precision == "int8")
+    assert "most accurate" in searched.why  # none passed: the most accurate is kept and the gate reports it
+
+
+def test_jetson_all_ops_placement_quantizes_pooling_and_activation_outputs_too(prepared, tmp_path) -> None:
+    ctx = _ctx(prepared, tmp_path, "int8", JetsonOptions(qdq_placement="all", int8_calibration="minmax"))
     result = JetsonTarget().build(ctx)
-    tried = [n for n in result.notes if n.startswith("tried ")]
-    assert [t.split(" calibration")[0] for t in tried] == ["tried entropy", "tried percentile", "tried minmax"]
-    assert all("failed" in t for t in tried)
-    assert "entropy" in result.precision.method  # none passed: the first is kept and the gate reports it
+    model = _onnx(ctx.out_dir / "model.onnx")
+    summary = check_tensorrt_qdq(model)  # still what TensorRT takes: symmetric int8, float biases
+    assert set(summary.quantized_ops) == {"conv1", "conv2", "fc"}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    fed = {
+        producer[n.input[0]].op_type
+        for n in model.graph.node
+        if n.op_type == "QuantizeLinear" and n.input[0] in producer
+    }
+    assert fed - {"Conv", "Gemm", "Relu"}  # Q/DQ also after ops that are not weighted (pooling, reshape)
+    assert "Q/DQ placement all" in result.precision.method and "minmax" in result.precision.method
 
 
 def test_qdq_check_refuses_asymmetric_uint8_and_quantized_bias(prepared, tmp_path: Path) -> None:
@@ -388,6 +403,59 @@ def test_package_jetson_int8_writes_a_verified_bundle_validated_on_the_intermedi
     assert [s.shape for s in manifest.artifact_signature.inputs] == [(1, 3, 16, 16)]
     check_tensorrt_qdq(_onnx(extracted / "model.onnx"))
     assert parse_table((extracted / "calibration.cache").read_text())[0] == "TRT-100000-EntropyCalibration2"
+
+
+def test_jetson_auto_rescues_int8_that_misses_the_dense_gate_by_leaving_layers_without_qdq(keypair, tmp_path) -> None:
+    from edgekit.packager import package
+    from tests.optimize.models import outlier_mlp
+
+    model = outlier_mlp(tmp_path / "outlier.onnx")  # plain INT8 loses the outlier channel's neighbours
+    x = np.random.default_rng(1).standard_normal((80, 16)).astype(np.float32)
+    result = package(model, ["jetson"], "auto", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out")
+    m = result.manifests["jetson"]
+    assert m.validation.passed and m.precision.weights == "int8"
+    assert m.precision.excluded_nodes == ("layer_b", "layer_a") and "sensitivity" in m.precision.excluded_reason
+    assert m.target_options["builder_flags"] == ["int8", "fp16"]  # the layers without Q/DQ run FP16 there
+    rows = {c.id: c for c in m.candidates.candidates}
+    plain = [c for c in rows.values() if c.settings["precision"] == "int8" and not c.excluded_nodes]
+    assert plain and all(c.status == "failed" and c.cosine < 0.5 for c in plain)
+    assert rows["tensorrt fp16"].status == "passed"  # FP16 passes too, but ranks after (mixed) INT8
+    assert rows[m.candidates.chosen].excluded_nodes == ("layer_b", "layer_a")
+    assert any("left without Q/DQ run in FP16 on the device" in n for n in m.validation.notes)
+    assert m.validation.measured_on.endswith("(layers without Q/DQ: weights rounded to FP16)) on the host")
+    report = result.reports["jetson"].read_text()
+    assert "Layers kept in float (mixed precision): layer_b, layer_a" in report
+
+
+def test_fp16_weights_model_rounds_only_the_layers_named(prepared, tmp_path) -> None:
+    from onnx import numpy_helper
+
+    from edgekit.targets.jetson import fp16_weights_model
+
+    src = {i.name: numpy_helper.to_array(i) for i in _onnx(prepared.path).graph.initializer}
+    fc_inputs = {i for n in _onnx(prepared.path).graph.node if n.name == "fc" for i in n.input}
+    out = fp16_weights_model(prepared.path, tmp_path / "fc16.onnx", ["fc"])
+    got = {i.name: numpy_helper.to_array(i) for i in _onnx(out).graph.initializer}
+    for name, value in src.items():
+        rounded = value.dtype == np.float32 and name in fc_inputs
+        expected = value.astype(np.float16).astype(np.float32) if rounded else value
+        assert np.array_equal(got[name], expected), name
+    assert any(not np.array_equal(got[n], src[n]) for n in fc_inputs if n in src)
+
+
+def test_jetson_auto_without_timings_ships_int8_by_device_rank_and_says_latency_not_measured(package_tiny) -> None:
+    result, manifest, extracted = package_tiny("jetson", "auto", samples=60)
+    c = manifest.candidates
+    assert c is not None and c.latency_measured is False
+    statuses = {r.id: r.status for r in c.candidates}
+    assert statuses["tensorrt fp32"] == "passed" and statuses["tensorrt fp16"] == "passed"
+    assert manifest.precision.weights == "int8" and statuses[c.chosen] == "chosen"
+    assert all(r.latency_p50_ms is None for r in c.candidates)
+    assert any("latency not measured here" in n and "rank 0" in n for n in c.notes)
+    assert manifest.validation.latency_p50_ms is None
+    report = result.reports["jetson"].read_text()
+    assert "Latency: not measured here" in report and "expected fastest on the device" in report
+    check_tensorrt_qdq(_onnx(extracted / "model.onnx"))
 
 
 @pytest.mark.skipif(HAS_TENSORRT, reason="checks the behaviour without the tensorrt package")
