@@ -15,7 +15,8 @@ differs per model and per CPU; measure, never assume). Candidates:
   prepared graph and, where ONNX Runtime's transformer optimizer fuses something (attention,
   SkipLayerNormalization, Gelu), on the fused graph; 7-bit weights (``reduce_range``) as a
   refinement of a layout that missed the budget (u8s8 saturation without VNNI); ``int4-weights``:
-  ``MatMulNBits``; under ``auto`` only where the graph has MatMul/Gemm weights;
+  ``MatMulNBits`` with float compute and with accuracy level 4 (int8 compute); under ``auto``
+  only where the graph has MatMul/Gemm weights;
 - under ``auto`` with OpenVINO installed: OpenVINO FP32 IR and NNCF INT8 IR built from the
   original graph (NNCF needs it: FIELD_NOTES), served by the ``openvino`` runtime when one wins.
 
@@ -121,6 +122,10 @@ class CpuTarget:
                 else:
                     label = f"ort MatMulNBits int4 block {opts.int4_block_size}"
                     first.append(_ort_candidate(label, precision, prepared, _int4(opts.int4_block_size)))
+                    # accuracy level 4: int8 compute (activations quantized per call); whether
+                    # it pays depends on the CPU's int8 dot-product support: measured
+                    first.append(_ort_candidate(f"{label} accuracy-level 4", precision, prepared,
+                                                _int4(opts.int4_block_size, 4), accuracy_level=4))  # fmt: skip
             elif auto:
                 why = (
                     f"MatMul/Gemm hold {share:.0%} of the weights (< {WEIGHT_ONLY_SHARE:.0%}): not a MatMul-heavy graph"
@@ -353,9 +358,13 @@ def _fused_fp32(what: str) -> Any:
     return make
 
 
-def _int4(block: int) -> Any:
+def _int4(block: int, accuracy_level: int | None = None) -> Any:
     def make(src: Path, dst: Path, space: BuildSpace) -> Precision:
-        quantize_weights_int4(src, dst, block_size=block)
+        quantize_weights_int4(src, dst, block_size=block, accuracy_level=accuracy_level)
+        if accuracy_level == 4:
+            return Precision(
+                "int4", "int8", f"ort MatMulNBits 4-bit symmetric, block {block}, accuracy level 4 (int8 compute)"
+            )
         return Precision("int4", "fp32", f"ort MatMulNBits 4-bit symmetric, block {block} (MatMul/Gemm weights)")
 
     return make

@@ -163,3 +163,18 @@ def test_engine_int8_weights_says_why_there_is_no_transformer_fused_candidate(ke
     assert rows["ort dynamic int8 transformer-fused"].reason == (
         "onnxruntime's transformer optimizer fused nothing (no attention / LayerNorm / GELU)"
     )
+
+
+def test_engine_int4_weights_measures_float_and_int8_compute_accuracy_levels(keypair, tmp_path: Path) -> None:
+    from bench.transformer import build_encoder
+
+    model = build_encoder(tmp_path / "encoder.onnx", seq=16, dim=64, hidden=128, blocks=1)
+    x = np.random.default_rng(5).standard_normal((40, 16, 64)).astype(np.float32)
+    result = package(model, ["cpu"], "int4-weights", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
+                     allow_failed=True)  # fmt: skip
+    m = result.manifests["cpu"]
+    rows = {c.id: c for c in m.candidates.candidates}
+    level4 = rows["ort MatMulNBits int4 block 32 accuracy-level 4"]
+    assert level4.settings["accuracy_level"] == "4" and level4.status != "error"
+    assert rows["ort MatMulNBits int4 block 32"].status != "error"
+    assert m.candidates.chosen in rows and m.precision.weights == "int4"
