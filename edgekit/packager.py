@@ -691,8 +691,8 @@ def _own_fp32(searched: Any, v: Validation) -> tuple[str, float] | None:
     from edgekit.optimize.report import speed_vs_baseline
 
     own = speed_vs_baseline(searched)
-    if own is None or searched.baseline.name == searched.chosen.name:
-        return None
+    if own is None or searched.baseline.name == searched.chosen.name or searched.chosen.latency_from:
+        return None  # with a device profile the table's ratio already is to the target's own FP32
     vs_source = v.fp32_latency_p50_ms / v.latency_p50_ms
     if searched.baseline.runtime == "onnxruntime" and (own >= 1.0) == (vs_source >= 1.0):
         return None

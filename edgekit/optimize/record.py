@@ -93,6 +93,8 @@ def baseline_note(result: SearchResult) -> tuple[str, ...]:
     base, chosen = result.baseline, result.chosen
     if base is None or base.name == chosen.name or base.p50_ms is None or chosen.p50_ms is None:
         return ()
+    if chosen.latency_from:  # a device profile: the ratios already are to the target's own FP32 there
+        return ()
     return (
         f"speed: {base.p50_ms / chosen.p50_ms:.2f}x {base.name} (the target's fp32 on {base.runtime}; it decides "
         f"'slower than fp32' and what auto ships), p50 {chosen.p50_ms:.3f} vs {base.p50_ms:.3f} ms, "

@@ -105,8 +105,9 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         "",
         *_speed_lines(data),
         "",
-        "| candidate | status | runtime | accuracy vs fp32 | size | p50 ms | p90 ms | IQR ms | speed vs ORT fp32 "
-        "| round |",
+        "| candidate | status | runtime | accuracy vs fp32 | size | p50 ms | p90 ms | IQR ms | speed vs "
+        + ("the target's fp32 on the device" if _profiled(data) else "ORT fp32")
+        + " | round |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in data["candidates"]:
@@ -146,10 +147,20 @@ def speed_vs_baseline(result: SearchResult) -> float | None:
     return base.p50_ms / chosen.p50_ms
 
 
+def _profiled(data: dict[str, Any]) -> bool:
+    return any(c.get("latency_from") not in (None, "host") for c in data["candidates"])
+
+
 def _speed_lines(data: dict[str, Any]) -> list[str]:
     chosen = next((c for c in data["candidates"] if c["status"] == "chosen"), None)
     if chosen is None or chosen.get("speed_vs_fp32") is None:
         return []
+    if chosen.get("latency_from") not in (None, "host"):  # a device profile: ratios to the target's FP32 there
+        return [
+            "",
+            f"Speed of the chosen on the device ({chosen['latency_from']}): {chosen['speed_vs_fp32']:.2f}x "
+            f"{data.get('baseline')} (the target's fp32, timed on the device; the host's ORT fp32 is not compared).",
+        ]
     line = (
         f"Speed of the chosen, one side-by-side round ({chosen['timed_in']}): "
         f"{chosen['speed_vs_fp32']:.2f}x ORT fp32 (source)"

@@ -77,6 +77,12 @@ def test_device_profile_changes_the_choice_to_what_the_device_measured_fastest(k
         n.startswith("latency of 4 candidate(s) from the device profile device.json") for n in m.validation.notes
     )
     assert "Latency from the device profile device.json" in result.reports["cpu"].read_text()
+    # the table's ratio already is to the target's own FP32 on the device: no second ratio, and
+    # nothing in the report calls it ONNX Runtime FP32 on the host
+    assert result.rows[0].own_fp32 is None and not any(n.startswith("speed: ") for n in m.validation.notes)
+    text = result.reports["cpu"].read_text()
+    assert "speed vs the target's fp32 on the device" in text and "x ORT fp32 (source)" not in text
+    assert "Speed of the chosen on the device (device profile device.json" in text
 
 
 def test_device_profile_for_another_model_is_refused(kept, keypair, tmp_path) -> None:
