@@ -2,6 +2,10 @@
 
     decode (front-end's, under the decode cap) -> queue (batcher) -> infer (runtime) -> encode (front-end's)
 
+A request to an idle model skips the queue: it runs in the calling thread (``Batcher.run_inline``)
+when the front-end can be answered from another thread (``Decoded.answer``), so that the
+hung-call watchdog can still answer it; its queue stage is then ~0.
+
 Pre/post-processing, the result cache and budgets join as stages here when they exist. Every
 stage's time is observed into ``edgekit_stage_seconds{model,stage}`` by ``Pipeline.run`` and
 nowhere else; a stage refuses a request by raising a typed ``ServingError`` (or
@@ -19,11 +23,12 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from device_agents.config import AgentConfig
-from device_agents.errors import RuntimeFailure, UnavailableError
+from device_agents.errors import AnsweredError, RuntimeFailure, UnavailableError
 from device_agents.metrics import AgentMetrics
 from device_agents.pipeline.batching import Batcher, Job
 from device_agents.registry import Lease, Registry
 from device_agents.runtimes import ServedModel
+from edgekit.bundle.errors import EdgekitError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -39,6 +44,9 @@ class Decoded(Generic[R]):
     request: R
     inputs: dict[str, np.ndarray]
     timeout_s: float | None = None  # the request's own deadline, if it sets one
+    # Answers the request from another thread (the hung-call watchdog's) with an error, when the
+    # caller's thread is stuck in a runtime call; given, an idle model runs the request inline.
+    answer: Callable[[EdgekitError], None] | None = None
 
 
 class Pipeline:
@@ -84,6 +92,8 @@ class Pipeline:
         start = time.monotonic()
         deadline = start + budget
         observe = self.metrics.observe_stage
+        batcher = self.batcher
+        batched = batcher.batching is not None
         t0 = time.perf_counter()
         if not self.decode_slots.acquire(timeout=DECODE_WAIT_S):
             raise UnavailableError(
@@ -91,11 +101,19 @@ class Pipeline:
                 reason="decode_busy",
                 retry_after_s=self.retry_after_s,
             )
+        if batched:
+            batcher.arrive(1)  # a batch forming now may wait for this one
+        lease: Lease | None = None
         try:
-            lease: Lease = self.registry.lease(self.name, version)
-            with lease:
-                decoded = decode(lease.model)
-                inputs = lease.model.check_inputs(decoded.inputs)
+            lease = self.registry.lease(self.name, version)
+            decoded = decode(lease.model)
+            inputs = lease.model.check_inputs(decoded.inputs)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            if batched:
+                batcher.arrive(-1)
+            raise
         finally:
             self.decode_slots.release()
         t1 = time.perf_counter()
@@ -103,12 +121,23 @@ class Pipeline:
         if decoded.timeout_s is not None:
             deadline = min(deadline, start + decoded.timeout_s)
         job = Job(inputs, version, deadline)
-        self.batcher.submit(job)
-        self.batcher.wait(job)
-        if job.started:
-            observe(self.name, "queue", job.started - job.enqueued)
-            observe(self.name, "infer", job.finished - job.started)
-        if job.outputs is None:  # wait() returned without an error: the batcher set them
+        try:
+            if batched:
+                batcher.arrive(-1)
+            if decoded.answer is not None and batcher.run_inline(job, lease, decoded.answer):
+                pass  # ran here, on the model that decoded it; run_inline released the lease
+            else:
+                lease.release()
+                batcher.submit(job)
+                batcher.wait(job)
+        finally:
+            if job.started:  # every stage time is observed here, whoever ran the job
+                observe(self.name, "queue", job.started - job.enqueued)
+                if job.finished:
+                    observe(self.name, "infer", job.finished - job.started)
+        if job.answered:
+            raise AnsweredError(f"model {self.name}: the hung-call watchdog answered this request")
+        if job.outputs is None:  # no error raised: the batcher set them
             raise RuntimeFailure(f"model {self.name} returned no outputs")
         t2 = time.perf_counter()
         out = encode(decoded.request, job.outputs, job.served_version)

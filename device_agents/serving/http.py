@@ -37,7 +37,7 @@ import numpy as np
 
 from device_agents import __version__
 from device_agents.config import ServerConfig
-from device_agents.errors import RequestTooLargeError, ServingError
+from device_agents.errors import AnsweredError, RequestTooLargeError, ServingError
 from device_agents.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from device_agents.pipeline import Decoded
 from device_agents.runtimes import ServedModel
@@ -206,13 +206,17 @@ class _Handler(BaseHTTPRequestHandler):
         if handler is None:
             self.send_error(HTTPStatus.NOT_IMPLEMENTED, f"Unsupported method ({self.command!r})")
             return
-        start = time.perf_counter()
-        self._status, self._sent = 0, 0
+        self._start = time.perf_counter()
+        self._status, self._sent, self._answered = 0, 0, False
         try:
             handler()
             self.wfile.flush()
         except (TimeoutError, ConnectionError):
             self.close_connection = True  # the client stalled mid-body or went away
+        if not self._answered:  # else the watchdog's answer logged it
+            self._log_access()
+
+    def _log_access(self) -> None:
         if access_log.isEnabledFor(logging.DEBUG):
             access_log.debug(
                 '%s "%s %s" %d %d %.3fms',
@@ -221,7 +225,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.path,
                 self._status,
                 self._sent,
-                (time.perf_counter() - start) * 1000,
+                (time.perf_counter() - self._start) * 1000,
             )
 
     def parse_request(self) -> bool:
@@ -431,12 +435,26 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._send(200, out, _BINARY, (("Inference-Header-Content-Length", str(json_len)),))
             code = 200
+        except AnsweredError:
+            self.close_connection = True  # the watchdog wrote the answer (and counted it)
+            return
         except EdgekitError as exc:
             self._send_error(exc)
             code = exc.http_status
         finally:
             reservation.close()
         service.metrics.observe_request(self._label, code, time.perf_counter() - start)
+
+    def _answer_hung(self, name: str, exc: EdgekitError) -> None:
+        """Answer this request from the watchdog's thread: this handler's thread is stuck in a
+        runtime call (run inline) that hung. It writes nothing when (if ever) it comes back."""
+        service = self.server.service
+        self._label = name if service.serves(name) else ""
+        self._answered = True
+        self.close_connection = True
+        self._send_error(exc)
+        service.metrics.observe_request(self._label, exc.http_status, time.perf_counter() - self._start)
+        self._log_access()
 
     def _codec(
         self, raw: bytes, name: str, reservation: Reservation
@@ -454,7 +472,7 @@ class _Handler(BaseHTTPRequestHandler):
             served.append(model)
             body = inflate(raw, encoding, limit, reservation)
             request = decode_request(body, header_length, model.inputs, model.outputs, max_bytes=limit)
-            return Decoded(request, request.inputs, request.timeout_s)
+            return Decoded(request, request.inputs, request.timeout_s, lambda exc: self._answer_hung(name, exc))
 
         def encode(request: InferRequest, results: dict[str, np.ndarray], version: int) -> tuple[bytes, int | None]:
             return encode_response(name, version, request, results, served[0].outputs)
