@@ -8,7 +8,7 @@ hung-call watchdog can still answer it; its queue stage is then ~0.
 
 Pre/post-processing, the result cache and budgets join as stages here when they exist. Every
 stage's time is observed into ``edgekit_stage_seconds{model,stage}`` by ``Pipeline.run`` and
-nowhere else; a stage refuses a request by raising a typed ``ServingError`` (or
+nowhere else (a request's stages together, once); a stage refuses a request by raising a typed ``ServingError`` (or
 ``InferenceInputError``), which the front-end maps to one status.
 """
 
@@ -26,7 +26,7 @@ from device_agents.config import AgentConfig
 from device_agents.errors import AnsweredError, RuntimeFailure, UnavailableError
 from device_agents.metrics import AgentMetrics
 from device_agents.pipeline.batching import Batcher, Job
-from device_agents.registry import Lease, Registry
+from device_agents.registry import Registry
 from device_agents.runtimes import ServedModel
 from edgekit.bundle.errors import EdgekitError
 
@@ -75,7 +75,7 @@ class Pipeline:
             queue_size=server.queue_size,
             hung_call_s=server.hung_call_s,
             retry_after_s=server.retry_after_s,
-            on_batch=metrics.batch_size.labels(name).observe,
+            on_batch=lambda rows: metrics.observe_batch(name, rows),
             on_hung=self._hung,
             on_failure=self._failed,
         )
@@ -91,9 +91,9 @@ class Pipeline:
         budget = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
         start = time.monotonic()
         deadline = start + budget
-        observe = self.metrics.observe_stage
         batcher = self.batcher
         batched = batcher.batching is not None
+        stages: list[tuple[str, float]] = []  # observed together, once, whatever stage ends the request
         t0 = time.perf_counter()
         if not self.decode_slots.acquire(timeout=DECODE_WAIT_S):
             raise UnavailableError(
@@ -101,48 +101,47 @@ class Pipeline:
                 reason="decode_busy",
                 retry_after_s=self.retry_after_s,
             )
-        if batched:
-            batcher.arrive(1)  # a batch forming now may wait for this one
-        lease: Lease | None = None
         try:
+            if batched:
+                batcher.arrive(1)  # a batch forming now may wait for this one
             lease = self.registry.lease(self.name, version)
-            decoded = decode(lease.model)
-            inputs = lease.model.check_inputs(decoded.inputs)
-        except BaseException:
-            if lease is not None:
+            try:
+                decoded = decode(lease.model)
+                inputs = lease.model.check_inputs(decoded.inputs)
+            except BaseException:
                 lease.release()
-            if batched:
-                batcher.arrive(-1)
-            raise
+                if batched:
+                    batcher.arrive(-1)
+                raise
+            finally:
+                self.decode_slots.release()
+            stages.append(("decode", time.perf_counter() - t0))
+            if decoded.timeout_s is not None:
+                deadline = min(deadline, start + decoded.timeout_s)
+            job = Job(inputs, version, deadline)
+            try:
+                if batched:
+                    batcher.arrive(-1)
+                if decoded.answer is None or not batcher.run_inline(job, lease, decoded.answer):
+                    lease.release()  # (run_inline released it when it ran the job here)
+                    batcher.submit(job)
+                    batcher.wait(job)
+            finally:
+                if job.started:
+                    stages.append(("queue", job.started - job.enqueued))
+                    if job.finished:
+                        stages.append(("infer", job.finished - job.started))
+            if job.answered:
+                raise AnsweredError(f"model {self.name}: the hung-call watchdog answered this request")
+            if job.outputs is None:  # no error raised: the batcher set them
+                raise RuntimeFailure(f"model {self.name} returned no outputs")
+            t2 = time.perf_counter()
+            out = encode(decoded.request, job.outputs, job.served_version)
+            stages.append(("encode", time.perf_counter() - t2))
+            return out
         finally:
-            self.decode_slots.release()
-        t1 = time.perf_counter()
-        observe(self.name, "decode", t1 - t0)
-        if decoded.timeout_s is not None:
-            deadline = min(deadline, start + decoded.timeout_s)
-        job = Job(inputs, version, deadline)
-        try:
-            if batched:
-                batcher.arrive(-1)
-            if decoded.answer is not None and batcher.run_inline(job, lease, decoded.answer):
-                pass  # ran here, on the model that decoded it; run_inline released the lease
-            else:
-                lease.release()
-                batcher.submit(job)
-                batcher.wait(job)
-        finally:
-            if job.started:  # every stage time is observed here, whoever ran the job
-                observe(self.name, "queue", job.started - job.enqueued)
-                if job.finished:
-                    observe(self.name, "infer", job.finished - job.started)
-        if job.answered:
-            raise AnsweredError(f"model {self.name}: the hung-call watchdog answered this request")
-        if job.outputs is None:  # no error raised: the batcher set them
-            raise RuntimeFailure(f"model {self.name} returned no outputs")
-        t2 = time.perf_counter()
-        out = encode(decoded.request, job.outputs, job.served_version)
-        observe(self.name, "encode", time.perf_counter() - t2)
-        return out
+            if stages:
+                self.metrics.observe_stages(self.name, stages)
 
     def _failed(self, version: int, job: Job | None) -> None:
         """A request the runtime failed to run (a 500): counted against ``version`` unless the

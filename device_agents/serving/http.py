@@ -43,7 +43,7 @@ from device_agents.pipeline import Decoded
 from device_agents.runtimes import ServedModel
 from device_agents.service import AgentService
 from device_agents.serving.bodies import ByteBudget, Reservation, inflate
-from device_agents.serving.codec import InferRequest, decode_request, encode_response, tensor_metadata
+from device_agents.serving.codec import HeaderCache, InferRequest, decode_request, encode_response, tensor_metadata
 from edgekit.bundle.codec import to_data
 from edgekit.bundle.errors import EdgekitError, InferenceInputError, ModelNotFoundError
 
@@ -105,6 +105,7 @@ class AgentServer(ThreadingHTTPServer):
         self.budget = ByteBudget(self.limits.max_buffered_bytes)  # bodies as received
         self.inflate_budget = ByteBudget(self.limits.max_buffered_bytes)  # what gzip/deflate bodies inflate to
         self.request_queue_size = min(max(128, self.limits.max_connections), socket.SOMAXCONN)
+        self.headers = HeaderCache()  # v2 JSON headers seen before: not parsed again
         self._conns: dict[int, _Connection] = {}
         self._conns_lock = threading.Lock()
         super().__init__((host, port), _Handler)
@@ -471,11 +472,13 @@ class _Handler(BaseHTTPRequestHandler):
         def decode(model: ServedModel) -> Decoded[InferRequest]:
             served.append(model)
             body = inflate(raw, encoding, limit, reservation)
-            request = decode_request(body, header_length, model.inputs, model.outputs, max_bytes=limit)
+            request = decode_request(
+                body, header_length, model.inputs, model.outputs, max_bytes=limit, cache=self.server.headers
+            )
             return Decoded(request, request.inputs, request.timeout_s, lambda exc: self._answer_hung(name, exc))
 
         def encode(request: InferRequest, results: dict[str, np.ndarray], version: int) -> tuple[bytes, int | None]:
-            return encode_response(name, version, request, results, served[0].outputs)
+            return encode_response(name, version, request, results, served[0].outputs, self.server.headers)
 
         return decode, encode
 
