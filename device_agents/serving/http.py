@@ -30,7 +30,7 @@ from email.utils import formatdate
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import unquote
 
 import numpy as np
@@ -105,7 +105,7 @@ class AgentServer(ThreadingHTTPServer):
         self.budget = ByteBudget(self.limits.max_buffered_bytes)  # bodies as received
         self.inflate_budget = ByteBudget(self.limits.max_buffered_bytes)  # what gzip/deflate bodies inflate to
         self.request_queue_size = min(max(128, self.limits.max_connections), socket.SOMAXCONN)
-        self.headers = HeaderCache()  # v2 JSON headers seen before: not parsed again
+        self.header_cache = HeaderCache()  # v2 JSON headers seen before: not parsed again
         self._conns: dict[int, _Connection] = {}
         self._conns_lock = threading.Lock()
         super().__init__((host, port), _Handler)
@@ -241,27 +241,23 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         self.command, self.path, self.request_version = words
         self.close_connection = self.request_version == "HTTP/1.0"
-        headers = _Headers()
-        for _ in range(_MAX_HEADERS + 1):
-            raw = self.rfile.readline(_MAX_LINE + 1)
-            if raw in (b"\r\n", b"\n", b""):
-                break
-            name, sep, value = raw.decode("iso-8859-1").partition(":")
-            key = name.strip().lower()
-            value = value.strip()
-            if len(raw) > _MAX_LINE or not sep or not key:
-                self.close_connection = True
-                self.send_error(HTTPStatus.BAD_REQUEST, "Bad header line")
-                return False
-            if key == "content-length" and dict.get(headers, key, value) != value:  # request smuggling
-                self.close_connection = True
-                self.send_error(HTTPStatus.BAD_REQUEST, "Conflicting Content-Length headers")
-                return False
-            headers[key] = value
-        else:
-            self.close_connection = True
-            self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"More than {_MAX_HEADERS} headers")
+        block = self._header_block()
+        if block is False:
             return False
+        if block is None:
+            headers = _Headers()
+            for _ in range(_MAX_HEADERS + 1):
+                raw = self.rfile.readline(_MAX_LINE + 1)
+                if raw in (b"\r\n", b"\n", b""):
+                    break
+                if len(raw) > _MAX_LINE or not self._add_header(headers, raw.decode("iso-8859-1")):
+                    return False
+            else:
+                self.close_connection = True
+                self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"More than {_MAX_HEADERS} headers")
+                return False
+        else:
+            headers = block
         self.headers = headers  # type: ignore[assignment]  # _Headers offers what this server reads of Message
         connection = (headers.get("connection") or "").lower()
         if connection == "close":
@@ -273,23 +269,57 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
         return True
 
+    def _header_block(self) -> _Headers | Literal[False] | None:
+        """The headers when all of them are in the read buffer already (the usual case: one
+        ``peek``, one ``split``); None to read them line by line; False after answering a 4xx."""
+        buffered = self.rfile.peek(_MAX_LINE)  # type: ignore[attr-defined]  # rfile is a BufferedReader
+        if buffered.startswith(b"\r\n"):
+            self.rfile.read(2)  # no headers: the blank line only
+            return _Headers()
+        end = buffered.find(b"\r\n\r\n")  # the first blank line ends the headers
+        if end < 0 or b"\n" in buffered[:end].replace(b"\r\n", b""):  # incomplete, or bare-LF lines
+            return None
+        lines = self.rfile.read(end + 4)[:end].decode("iso-8859-1").split("\r\n")
+        if len(lines) > _MAX_HEADERS:
+            self.close_connection = True
+            self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"More than {_MAX_HEADERS} headers")
+            return False
+        headers = _Headers()
+        for line in lines:
+            if not self._add_header(headers, line):
+                return False
+        return headers
+
+    def _add_header(self, headers: _Headers, line: str) -> bool:
+        """Add one ``Name: value`` line; False after answering a 400 (bad line, request smuggling)."""
+        name, sep, value = line.partition(":")
+        key = name.strip().lower()
+        value = value.strip()
+        if not sep or not key:
+            self.close_connection = True
+            self.send_error(HTTPStatus.BAD_REQUEST, "Bad header line")
+            return False
+        if key == "content-length" and dict.get(headers, key, value) != value:  # request smuggling
+            self.close_connection = True
+            self.send_error(HTTPStatus.BAD_REQUEST, "Conflicting Content-Length headers")
+            return False
+        headers[key] = value
+        return True
+
     def log_message(self, format: str, *args: Any) -> None:  # stdlib signature
         log.debug("%s %s", self.address_string(), format % args)
 
     def _send(
         self, code: int, body: bytes = b"", content_type: str = _JSON, headers: tuple[tuple[str, str], ...] = ()
     ) -> None:
-        head = [
-            f"HTTP/1.1 {code} {_REASONS.get(code, '')}",
-            f"Server: {self.server_version}",
-            f"Date: {_http_date()}",
-            f"Content-Type: {content_type}",
-            f"Content-Length: {len(body)}",
-        ]
-        head += [f"{k}: {v}" for k, v in headers]
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers)
         if self.close_connection:
-            head.append("Connection: close")
-        self.wfile.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+            extra += "Connection: close\r\n"
+        head = (
+            f"HTTP/1.1 {code} {_REASONS.get(code, '')}\r\nServer: {self.server_version}\r\nDate: {_http_date()}\r\n"
+            f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
+        )
+        self.wfile.write(head.encode("latin-1") + body)
         self._status, self._sent = code, len(body)
 
     def _send_json(self, code: int, doc: Any, headers: tuple[tuple[str, str], ...] = ()) -> None:
@@ -309,11 +339,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_raw_body(self, reservation: Reservation) -> bytes:
         """The body as sent (``Content-Length`` bytes), its size reserved from the buffer budget."""
-        if self.headers.get("Transfer-Encoding"):
+        headers: dict[str, str] = self.headers  # type: ignore[assignment]  # a _Headers: lower-case keys
+        if headers.get("transfer-encoding"):
             self.close_connection = True
             raise InferenceInputError("chunked request bodies are not supported; send Content-Length")
         try:
-            length = int(self.headers.get("Content-Length", "0"))
+            length = int(headers.get("content-length", "0"))
         except ValueError as exc:
             self.close_connection = True
             raise InferenceInputError("Content-Length is not a number") from exc
@@ -464,8 +495,9 @@ class _Handler(BaseHTTPRequestHandler):
         Callable[[InferRequest, dict[str, np.ndarray], int], tuple[bytes, int | None]],
     ]:
         """The decode and encode stages of this request (v2 JSON / binary extension)."""
-        header_length = _header_length(self.headers.get("Inference-Header-Content-Length"))
-        encoding = self.headers.get("Content-Encoding")
+        headers: dict[str, str] = self.headers  # type: ignore[assignment]  # a _Headers: lower-case keys
+        header_length = _header_length(headers.get("inference-header-content-length"))
+        encoding = headers.get("content-encoding")
         limit = self.server.max_request_bytes
         served: list[ServedModel] = []
 
@@ -473,12 +505,12 @@ class _Handler(BaseHTTPRequestHandler):
             served.append(model)
             body = inflate(raw, encoding, limit, reservation)
             request = decode_request(
-                body, header_length, model.inputs, model.outputs, max_bytes=limit, cache=self.server.headers
+                body, header_length, model.inputs, model.outputs, max_bytes=limit, cache=self.server.header_cache
             )
             return Decoded(request, request.inputs, request.timeout_s, lambda exc: self._answer_hung(name, exc))
 
         def encode(request: InferRequest, results: dict[str, np.ndarray], version: int) -> tuple[bytes, int | None]:
-            return encode_response(name, version, request, results, served[0].outputs, self.server.headers)
+            return encode_response(name, version, request, results, served[0].outputs, self.server.header_cache)
 
         return decode, encode
 
@@ -517,7 +549,8 @@ def is_loopback(host: str) -> bool:
 
 def _route(path: str) -> list[str]:
     path = path.split("?", 1)[0]
-    return [unquote(p) for p in path.strip("/").split("/")]
+    parts = path.strip("/").split("/")
+    return [unquote(p) for p in parts] if "%" in path else parts
 
 
 def _model_route(parts: list[str]) -> tuple[str, int | None, list[str]]:
