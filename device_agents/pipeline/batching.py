@@ -216,6 +216,7 @@ class Batcher:
         self._slot_free = threading.Condition(self._lock)  # a call slot was freed / an inline call ended
         self._free = workers  # call slots left: a running batch or inline call holds one
         self._inline = 0  # inline calls running
+        self._slot_waiters = 0  # threads waiting on _slot_free (notified only when there are some)
         self._waiting = 0  # submitted, not yet in a running batch
         self.arriving = 0  # being decoded for this model (batched models only): on their way to the queue
         self.inflight = 0  # submitted, not yet answered
@@ -272,24 +273,21 @@ class Batcher:
         to a batch. True: ``lease`` was released and the job is done as ``wait`` leaves it (its
         error raised). ``answer`` answers the caller from the watchdog's thread if the call hangs
         (the job is then ``answered``, nothing raised; this returns once that answer was given)."""
+        me = threading.get_ident()
         with self._lock:
             if self._stopping or self._waiting or not self._free or (self.batching is not None and self.arriving):
                 return False
             self._free -= 1
             self._inline += 1
             self.inflight += 1
-        try:
-            self._run([job], lease, answer)
-            if job.answered:
-                job.done.wait()  # the watchdog's answer has been written
-            elif job.error is None and job.finished > job.deadline:
-                job.error = DeadlineExceededError(f"model {self.name}: the request's deadline passed while it ran")
-        finally:
-            with self._slot_free:
-                self._inline -= 1
-                self.inflight -= 1
-                self._slot_free.notify_all()
-        if job.error is not None and not job.answered:
+            call = self._calls[me] = _Call(time.monotonic(), lease.model, [job], answer)
+        self._run(call.jobs, lease, call)  # gives the slot and the counts back (or the watchdog does)
+        if job.answered:
+            job.done.wait()  # the watchdog's answer has been written
+            return True
+        if job.error is None and job.finished > job.deadline:
+            job.error = DeadlineExceededError(f"model {self.name}: the request's deadline passed while it ran")
+        if job.error is not None:
             raise job.error
         return True
 
@@ -308,8 +306,10 @@ class Batcher:
         for t in live:
             t.join(max(0.0, deadline - time.monotonic()))
         with self._slot_free:
+            self._slot_waiters += 1
             while self._inline and time.monotonic() < deadline:
                 self._slot_free.wait(max(0.0, deadline - time.monotonic()))
+            self._slot_waiters -= 1
             inline_left = self._inline
         left = []
         if not self._forming.acquire(timeout=0.1):
@@ -368,14 +368,17 @@ class Batcher:
     def _claim(self) -> None:
         """Wait for a free call slot (inline calls or other workers' batches may hold them all)."""
         with self._slot_free:
+            self._slot_waiters += 1
             while not self._free:
                 self._slot_free.wait()
+            self._slot_waiters -= 1
             self._free -= 1
 
     def _release(self) -> None:
         with self._slot_free:
             self._free += 1
-            self._slot_free.notify_all()
+            if self._slot_waiters:
+                self._slot_free.notify_all()
 
     def _next_batch(self) -> list[Job] | None:
         """The next batch, holding a call slot (``_run`` gives it back)."""
@@ -459,18 +462,19 @@ class Batcher:
                 self._held.append(job)
         return rows
 
-    def _run(
-        self, batch: list[Job], lease: Lease | None = None, answer: Callable[[EdgekitError], None] | None = None
-    ) -> None:
-        """Run ``batch`` holding a call slot (given back here); ``lease``: the caller's, released here."""
-        start = time.monotonic()
-        rows = 0
-        for job in batch:
-            rows += job.rows
-        for job in batch:
-            job.started, job.batch_rows = start, rows
+    def _run(self, batch: list[Job], lease: Lease | None = None, inline: _Call | None = None) -> None:
+        """Run ``batch`` holding a call slot (given back here); ``lease``: the caller's, released
+        here; ``inline``: the caller's own call, registered already (``run_inline``)."""
+        call: _Call | None = inline
+        start = inline.started if inline is not None else time.monotonic()
+        if len(batch) == 1:
+            rows = batch[0].rows
+            batch[0].started, batch[0].batch_rows = start, rows
+        else:
+            rows = sum(j.rows for j in batch)
+            for job in batch:
+                job.started, job.batch_rows = start, rows
         me = threading.get_ident()
-        call: _Call | None = None
         failed_version: int | None = None  # the runtime failed the batch: counted before the answers
         try:
             feed = (
@@ -481,9 +485,10 @@ class Batcher:
             held = lease if lease is not None else self.lease(batch[0].version)
             lease = None
             with held:
-                call = _Call(start, held.model, batch, answer)
-                with self._lock:
-                    self._calls[me] = call
+                if call is None:
+                    call = _Call(start, held.model, batch)
+                    with self._lock:
+                        self._calls[me] = call
                 stall_point("infer_stall")
                 outputs = held.model.infer(feed, checked=True)
                 version = held.version
@@ -518,9 +523,13 @@ class Batcher:
             with self._slot_free:
                 self._calls.pop(me, None)
                 hung = call is not None and call.hung
-                if not hung:  # a hung call's slot was given back by the watchdog
+                if not hung:  # a hung call's slot (and counts) were given back by the watchdog
                     self._free += 1
-                    self._slot_free.notify_all()
+                    if inline is not None:
+                        self._inline -= 1
+                        self.inflight -= 1
+                    if self._slot_waiters:
+                        self._slot_free.notify_all()
             if failed_version is not None and not hung:  # out of _calls: not a hang
                 for job in batch:
                     self._count_failure(failed_version, job)
@@ -571,7 +580,11 @@ class Batcher:
                             job.answered = True  # set with the hung mark: the caller, back, writes nothing
                     del self._calls[tid]
                     self._free += 1  # the stuck call no longer counts against the model's concurrency
-                    self._slot_free.notify_all()
+                    if call.answer is not None:
+                        self._inline -= 1  # a drain does not wait for it
+                        self.inflight -= 1
+                    if self._slot_waiters:
+                        self._slot_free.notify_all()
             for _, call in hung:
                 log.error(
                     "%s: a runtime call has run %.1f s (over server.hung_call_s = %g); reloading the model",
