@@ -259,12 +259,12 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             headers = block
         self.headers = headers  # type: ignore[assignment]  # _Headers offers what this server reads of Message
-        connection = (headers.get("connection") or "").lower()
+        connection = (dict.get(headers, "connection") or "").lower()
         if connection == "close":
             self.close_connection = True
         elif connection == "keep-alive":
             self.close_connection = False
-        if (headers.get("expect") or "").lower() == "100-continue":
+        if (dict.get(headers, "expect") or "").lower() == "100-continue":
             self.send_response_only(HTTPStatus.CONTINUE)
             self.end_headers()
         return True
@@ -339,12 +339,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_raw_body(self, reservation: Reservation) -> bytes:
         """The body as sent (``Content-Length`` bytes), its size reserved from the buffer budget."""
-        headers: dict[str, str] = self.headers  # type: ignore[assignment]  # a _Headers: lower-case keys
-        if headers.get("transfer-encoding"):
+        # a _Headers: lower-case keys, read with dict.get (no .lower() per look-up)
+        headers: dict[str, str] = self.headers  # type: ignore[assignment]
+        if dict.get(headers, "transfer-encoding"):
             self.close_connection = True
             raise InferenceInputError("chunked request bodies are not supported; send Content-Length")
         try:
-            length = int(headers.get("content-length", "0"))
+            length = int(dict.get(headers, "content-length", "0"))
         except ValueError as exc:
             self.close_connection = True
             raise InferenceInputError("Content-Length is not a number") from exc
@@ -495,9 +496,10 @@ class _Handler(BaseHTTPRequestHandler):
         Callable[[InferRequest, dict[str, np.ndarray], int], tuple[bytes, int | None]],
     ]:
         """The decode and encode stages of this request (v2 JSON / binary extension)."""
-        headers: dict[str, str] = self.headers  # type: ignore[assignment]  # a _Headers: lower-case keys
-        header_length = _header_length(headers.get("inference-header-content-length"))
-        encoding = headers.get("content-encoding")
+        # a _Headers: lower-case keys, read with dict.get (no .lower() per look-up)
+        headers: dict[str, str] = self.headers  # type: ignore[assignment]
+        header_length = _header_length(dict.get(headers, "inference-header-content-length"))
+        encoding = dict.get(headers, "content-encoding")
         limit = self.server.max_request_bytes
         served: list[ServedModel] = []
 
