@@ -95,21 +95,26 @@ class Pipeline:
         batched = batcher.batching is not None
         stages: list[tuple[str, float]] = []  # observed together, once, whatever stage ends the request
         t0 = time.perf_counter()
+        if batched:
+            batcher.arrive(1)  # on its way (waiting for a decode slot, then decoding): a batch may wait for it
         if not self.decode_slots.acquire(timeout=DECODE_WAIT_S):
+            if batched:
+                batcher.arrive(-1)
             raise UnavailableError(
                 f"{self.name}: every decode slot (server.max_concurrent_decodes) is busy",
                 reason="decode_busy",
                 retry_after_s=self.retry_after_s,
             )
         try:
-            if batched:
-                batcher.arrive(1)  # a batch forming now may wait for this one
-            lease = self.registry.lease(self.name, version)
             try:
-                decoded = decode(lease.model)
-                inputs = lease.model.check_inputs(decoded.inputs)
+                lease = self.registry.lease(self.name, version)
+                try:
+                    decoded = decode(lease.model)
+                    inputs = lease.model.check_inputs(decoded.inputs)
+                except BaseException:
+                    lease.release()
+                    raise
             except BaseException:
-                lease.release()
                 if batched:
                     batcher.arrive(-1)
                 raise

@@ -26,10 +26,14 @@ TF-Serving's batchers, made adaptive):
   for this model are still being decoded (on their way to the queue) and running them apart
   would cost more than the wait. It then waits for them up to ``max_wait_ms`` and no longer than
   the fixed cost of one call, measured at run time (``CallCost``: the part of a call's time that
-  does not grow with its rows, which is what batching saves). A model whose batches cost as much
-  per row as single requests (fixed cost ~0) never waits: batching then costs nothing over
-  running unbatched. An idle model with nothing queued and nothing on its way runs a request
-  inline (above), as an unbatched model does.
+  does not grow with its rows, which is what batching saves). An idle model with nothing queued
+  and nothing on its way runs a request inline (above), as an unbatched model does.
+- When batching does not pay (a call's fixed cost under ``_HANDOFF_S``, what handing a request
+  to a worker and back costs: a model whose batch of n costs n single calls, such as a small
+  compute-bound conv net), the model is run as if unbatched: requests run inline whenever a slot
+  is free, and workers take queued jobs one at a time, except one batch in ``_EXPLORE_EVERY``
+  that still coalesces, so the cost model sees when batching starts to pay. Batching therefore
+  never costs more than not batching, beyond that one batch in sixteen.
 - ``min_batch_size``: a batch below it waits (past ``max_wait_ms``) until its head's deadline
   nears; a batch still runs before that deadline.
 
@@ -67,6 +71,12 @@ log = logging.getLogger("edgekit.agent")
 # A batch below min_batch_size still runs this long (or twice its recent run time) before its
 # head's deadline.
 _DEADLINE_MARGIN_S = 0.02
+# What handing a request to a worker and back costs (~40 us measured here, see ``Done``): a batch
+# pays only when each call it saves costs more than that (its fixed part, ``CallCost.fixed_s``).
+_HANDOFF_S = 0.00005
+# While batching does not pay, one batch in this many still coalesces what is queued, so that the
+# cost model keeps seeing batch sizes and notices when batching starts to pay.
+_EXPLORE_EVERY = 16
 
 
 class Done:
@@ -159,6 +169,10 @@ class CallCost:
         self._nt = d * self._nt + rows * seconds
 
     @property
+    def measured(self) -> bool:
+        return self._w > 0
+
+    @property
     def mean_s(self) -> float:
         return self._t / self._w if self._w else 0.0
 
@@ -224,6 +238,7 @@ class Batcher:
         self._abandoned: set[int] = set()
         self._stopping = False
         self.cost = CallCost()
+        self._formed = 0  # batches formed (for _EXPLORE_EVERY)
         self._threads: list[threading.Thread] = []
         for _ in range(workers):
             self._spawn()
@@ -275,8 +290,10 @@ class Batcher:
         (the job is then ``answered``, nothing raised; this returns once that answer was given)."""
         me = threading.get_ident()
         with self._lock:
-            if self._stopping or self._waiting or not self._free or (self.batching is not None and self.arriving):
+            if self._stopping or self._waiting or not self._free:
                 return False
+            if self.batching is not None and self.arriving and self.batching_pays():
+                return False  # a batch with the requests on their way may save a call
             self._free -= 1
             self._inline += 1
             self.inflight += 1
@@ -394,10 +411,19 @@ class Batcher:
             batch, rows = [head], head.rows
             cfg = self.batching
             if cfg is not None:
-                rows = self._gather(head, batch, rows, cfg)
+                self._formed += 1
+                if self.batching_pays() or self._formed % _EXPLORE_EVERY == 0:
+                    rows = self._gather(head, batch, rows, cfg)
             with self._lock:
                 self._waiting -= len(batch)
             return batch
+
+    def batching_pays(self) -> bool:
+        """Whether a call this batcher saves costs more than handing requests over: its fixed
+        part at least ``_HANDOFF_S``, or not measured yet (assumed to, as a plain batcher would).
+        When not, jobs run one at a time like an unbatched model's (inline when a slot is free),
+        except one batch in ``_EXPLORE_EVERY``."""
+        return not self.cost.measured or self.cost.fixed_s >= _HANDOFF_S
 
     def _wait_until(self, head: Job, batch: list[Job], rows: int, cfg: BatchingConfig) -> float | None:
         """How long this batch may wait for more (a ``time.monotonic()``), None to run it now;

@@ -425,3 +425,65 @@ def test_call_cost_splits_a_call_s_time_into_fixed_and_per_row_parts() -> None:
     for rows in (1, 8, 16, 2, 32):
         cost.record(rows, 0.003 + 0.0005 * rows)
     assert cost.fixed_s == pytest.approx(0.003, rel=0.05)
+
+
+def test_a_batcher_whose_calls_have_no_fixed_cost_runs_jobs_one_at_a_time(lifecycle: Lifecycle, gate: Gate) -> None:
+    from device_agents.pipeline.batching import _EXPLORE_EVERY
+
+    batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=1.0))
+    for rows in (1, 2, 4, 1, 2, 4):
+        batcher.cost.record(rows, 0.001 * rows)  # batching saves nothing: run as an unbatched model would
+    assert not batcher.batching_pays()
+    first = _job(1)
+    batcher.submit(first)
+    assert gate.entered.wait(10)
+    queued = [_job(1, seed=i) for i in range(3)]
+    for job in queued:
+        batcher.submit(job)
+    gate.opened.set()
+    for job in (first, *queued):
+        batcher.wait(job)
+    assert gate.rows[:4] == [1, 1, 1, 1]
+    # one batch in _EXPLORE_EVERY still coalesces, so that the cost model keeps seeing batch sizes
+    gate.opened.clear()
+    gate.entered.clear()
+    batcher._formed = _EXPLORE_EVERY - 2
+    running = _job(1)
+    batcher.submit(running)
+    assert gate.entered.wait(10)
+    later = [_job(1, seed=i) for i in range(3)]
+    for job in later:
+        batcher.submit(job)
+    gate.opened.set()
+    for job in (running, *later):
+        batcher.wait(job)
+    assert gate.rows[4:] == [1, 3]
+    batcher.stop(5)
+
+
+def test_a_batched_model_runs_inline_while_batching_does_not_pay(lifecycle: Lifecycle, gate: Gate) -> None:
+    gate.opened.set()
+    pipeline = _pipeline(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=10_000.0))
+    try:
+        pipeline.batcher.arrive(1)  # another request on its way
+        for rows in (1, 2, 4, 1, 2, 4):
+            pipeline.batcher.cost.record(rows, 60.0)  # all fixed: worth waiting for it, so not inline
+        done: list[dict[str, np.ndarray]] = []
+        waiting = threading.Thread(target=lambda: done.append(_request(pipeline, [])))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while pipeline.batcher.depth() != 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert pipeline.batcher.depth() == 1  # queued, waiting for the one on its way
+        pipeline.batcher.arrive(-1)
+        waiting.join(10)
+        assert done and gate.threads[-1] != waiting.ident
+        pipeline.batcher.cost = CallCost()
+        for rows in (1, 2, 4, 1, 2, 4):
+            pipeline.batcher.cost.record(rows, 0.001 * rows)  # nothing saved by batching: inline
+        pipeline.batcher.arrive(1)
+        _request(pipeline, [])
+        assert gate.threads[-1] == threading.get_ident()
+        pipeline.batcher.arrive(-1)
+    finally:
+        pipeline.stop(5)
