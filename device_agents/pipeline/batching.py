@@ -28,9 +28,10 @@ TF-Serving's batchers, made adaptive):
   the fixed cost of one call, measured at run time (``CallCost``: the part of a call's time that
   does not grow with its rows, which is what batching saves). An idle model with nothing queued
   and nothing on its way runs a request inline (above), as an unbatched model does.
-- When batching does not pay (a call's fixed cost under ``_HANDOFF_S``, what handing a request
-  to a worker and back costs: a model whose batch of n costs n single calls, such as a small
-  compute-bound conv net), the model is run as if unbatched: requests run inline whenever a slot
+- When batching does not pay (a call's fixed cost under twice ``_HANDOFF_S``, what handing a
+  request to a worker and back costs, or under ``_MIN_FIXED_SHARE`` of a single call: a model
+  whose batch of n costs about n single calls, such as a small compute-bound conv net), the model
+  is run as if unbatched: requests run inline whenever a slot
   is free, and workers take queued jobs one at a time, except one batch in ``_EXPLORE_EVERY``
   that still coalesces, so the cost model sees when batching starts to pay. Batching therefore
   never costs more than not batching, beyond that one batch in sixteen.
@@ -71,9 +72,11 @@ log = logging.getLogger("edgekit.agent")
 # A batch below min_batch_size still runs this long (or twice its recent run time) before its
 # head's deadline.
 _DEADLINE_MARGIN_S = 0.02
-# What handing a request to a worker and back costs (~40 us measured here, see ``Done``): a batch
-# pays only when each call it saves costs more than that (its fixed part, ``CallCost.fixed_s``).
+# What handing a request to a worker and back costs (~40 us measured here, see ``Done``). A batch of
+# n saves n - 1 calls' fixed part and costs n hand-offs (and the wait for its companions): it pays
+# only when the fixed part is over twice that and at least _MIN_FIXED_SHARE of a single call.
 _HANDOFF_S = 0.00005
+_MIN_FIXED_SHARE = 0.2
 # While batching does not pay, one batch in this many still coalesces what is queued, so that the
 # cost model keeps seeing batch sizes and notices when batching starts to pay.
 _EXPLORE_EVERY = 16
@@ -175,6 +178,11 @@ class CallCost:
     @property
     def mean_s(self) -> float:
         return self._t / self._w if self._w else 0.0
+
+    @property
+    def per_row_s(self) -> float:
+        """The part of a call's time that grows with each row (0 until two sizes were seen)."""
+        return max(0.0, (self.mean_s - self.fixed_s) / (self._n / self._w)) if self._w and self._n else 0.0
 
     @property
     def fixed_s(self) -> float:
@@ -419,11 +427,16 @@ class Batcher:
             return batch
 
     def batching_pays(self) -> bool:
-        """Whether a call this batcher saves costs more than handing requests over: its fixed
-        part at least ``_HANDOFF_S``, or not measured yet (assumed to, as a plain batcher would).
+        """Whether batching saves more than it costs: a call's fixed part over twice
+        ``_HANDOFF_S`` and at least ``_MIN_FIXED_SHARE`` of a single call, or not measured yet
+        (assumed to, as a plain batcher would).
         When not, jobs run one at a time like an unbatched model's (inline when a slot is free),
         except one batch in ``_EXPLORE_EVERY``."""
-        return not self.cost.measured or self.cost.fixed_s >= _HANDOFF_S
+        cost = self.cost
+        if not cost.measured:
+            return True
+        fixed = cost.fixed_s
+        return fixed >= 2 * _HANDOFF_S and fixed >= _MIN_FIXED_SHARE * (fixed + cost.per_row_s)
 
     def _wait_until(self, head: Job, batch: list[Job], rows: int, cfg: BatchingConfig) -> float | None:
         """How long this batch may wait for more (a ``time.monotonic()``), None to run it now;

@@ -425,6 +425,22 @@ def test_call_cost_splits_a_call_s_time_into_fixed_and_per_row_parts() -> None:
     for rows in (1, 8, 16, 2, 32):
         cost.record(rows, 0.003 + 0.0005 * rows)
     assert cost.fixed_s == pytest.approx(0.003, rel=0.05)
+    assert cost.per_row_s == pytest.approx(0.0005, rel=0.05)
+
+
+def test_batching_pays_only_when_a_call_s_fixed_part_is_a_real_share_of_it(lifecycle: Lifecycle) -> None:
+    batcher = _batcher(lifecycle, BatchingConfig())
+    try:
+        assert batcher.batching_pays()  # nothing measured: batch, as a plain dynamic batcher would
+        for rows in (1, 4, 16, 1, 4, 16):
+            batcher.cost.record(rows, 0.003 + 0.0001 * rows)  # an MLP reading its weights once per call
+        assert batcher.batching_pays()
+        batcher.cost = CallCost()
+        for rows in (1, 4, 16, 1, 4, 16):
+            batcher.cost.record(rows, 0.00015 + 0.001 * rows)  # a small conv net: 13% of a single call is fixed
+        assert not batcher.batching_pays()
+    finally:
+        batcher.stop(5)
 
 
 def test_a_batcher_whose_calls_have_no_fixed_cost_runs_jobs_one_at_a_time(lifecycle: Lifecycle, gate: Gate) -> None:
