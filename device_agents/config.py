@@ -207,9 +207,11 @@ class BatchingConfig:
     """``[models.<name>.batching]``: coalesce concurrent requests into one runtime call.
 
     Only for a model whose batch axis (axis 0 of every input) is dynamic. A batch is run when it
-    holds ``max_batch_size`` samples, or ``max_wait_ms`` after its first request arrived if it
-    holds at least ``min_batch_size`` (else as soon as its oldest request's deadline nears).
-    With ``preferred_batch_sizes``, a batch that reaches one of them before the wait is up runs at once.
+    holds ``max_batch_size`` samples or one of ``preferred_batch_sizes``, or when waiting for
+    more is over: ``max_wait_ms`` is the longest its first request waits for companions, and it
+    waits only while the model is busy or requests are still being decoded (and then no longer
+    than a call's measured fixed cost: see ``pipeline/batching.py``). A batch below
+    ``min_batch_size`` waits until its oldest request's deadline nears.
     """
 
     max_batch_size: int = 8

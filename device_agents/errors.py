@@ -56,3 +56,10 @@ class RuntimeFailure(ServingError):
     """The runtime raised (or hung) on a valid input: counts against the model's health."""
 
     http_status = 500
+
+
+class AnsweredError(ServingError):
+    """The request was answered already from another thread (its inline runtime call hung and
+    the watchdog answered it): the front-end writes nothing more and closes the connection."""
+
+    http_status = 500

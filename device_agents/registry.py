@@ -135,8 +135,8 @@ class Registry:
         close = False
         with self._cond:
             entry.inflight -= 1
-            if entry.inflight == 0:
-                close = entry.retired and not entry.closed
+            if entry.inflight == 0 and entry.retired:  # only retire() waits, and only on a retired entry
+                close = not entry.closed
                 if close:
                     entry.closed = True
                 self._cond.notify_all()

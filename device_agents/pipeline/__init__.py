@@ -2,9 +2,13 @@
 
     decode (front-end's, under the decode cap) -> queue (batcher) -> infer (runtime) -> encode (front-end's)
 
+A request to an idle model skips the queue: it runs in the calling thread (``Batcher.run_inline``)
+when the front-end can be answered from another thread (``Decoded.answer``), so that the
+hung-call watchdog can still answer it; its queue stage is then ~0.
+
 Pre/post-processing, the result cache and budgets join as stages here when they exist. Every
 stage's time is observed into ``edgekit_stage_seconds{model,stage}`` by ``Pipeline.run`` and
-nowhere else; a stage refuses a request by raising a typed ``ServingError`` (or
+nowhere else (a request's stages together, once); a stage refuses a request by raising a typed ``ServingError`` (or
 ``InferenceInputError``), which the front-end maps to one status.
 """
 
@@ -19,11 +23,12 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from device_agents.config import AgentConfig
-from device_agents.errors import RuntimeFailure, UnavailableError
+from device_agents.errors import AnsweredError, RuntimeFailure, UnavailableError
 from device_agents.metrics import AgentMetrics
 from device_agents.pipeline.batching import Batcher, Job
-from device_agents.registry import Lease, Registry
+from device_agents.registry import Registry
 from device_agents.runtimes import ServedModel
+from edgekit.bundle.errors import EdgekitError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -39,6 +44,9 @@ class Decoded(Generic[R]):
     request: R
     inputs: dict[str, np.ndarray]
     timeout_s: float | None = None  # the request's own deadline, if it sets one
+    # Answers the request from another thread (the hung-call watchdog's) with an error, when the
+    # caller's thread is stuck in a runtime call; given, an idle model runs the request inline.
+    answer: Callable[[EdgekitError], None] | None = None
 
 
 class Pipeline:
@@ -67,7 +75,7 @@ class Pipeline:
             queue_size=server.queue_size,
             hung_call_s=server.hung_call_s,
             retry_after_s=server.retry_after_s,
-            on_batch=metrics.batch_size.labels(name).observe,
+            on_batch=lambda rows: metrics.observe_batch(name, rows),
             on_hung=self._hung,
             on_failure=self._failed,
         )
@@ -83,37 +91,62 @@ class Pipeline:
         budget = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
         start = time.monotonic()
         deadline = start + budget
-        observe = self.metrics.observe_stage
+        batcher = self.batcher
+        batched = batcher.batching is not None
+        stages: list[tuple[str, float]] = []  # observed together, once, whatever stage ends the request
         t0 = time.perf_counter()
+        if batched:
+            batcher.arrive(1)  # on its way (waiting for a decode slot, then decoding): a batch may wait for it
         if not self.decode_slots.acquire(timeout=DECODE_WAIT_S):
+            if batched:
+                batcher.arrive(-1)
             raise UnavailableError(
                 f"{self.name}: every decode slot (server.max_concurrent_decodes) is busy",
                 reason="decode_busy",
                 retry_after_s=self.retry_after_s,
             )
         try:
-            lease: Lease = self.registry.lease(self.name, version)
-            with lease:
-                decoded = decode(lease.model)
-                inputs = lease.model.check_inputs(decoded.inputs)
+            try:
+                lease = self.registry.lease(self.name, version)
+                try:
+                    decoded = decode(lease.model)
+                    inputs = lease.model.check_inputs(decoded.inputs)
+                except BaseException:
+                    lease.release()
+                    raise
+            except BaseException:
+                if batched:
+                    batcher.arrive(-1)
+                raise
+            finally:
+                self.decode_slots.release()
+            stages.append(("decode", time.perf_counter() - t0))
+            if decoded.timeout_s is not None:
+                deadline = min(deadline, start + decoded.timeout_s)
+            job = Job(inputs, version, deadline)
+            try:
+                if batched:
+                    batcher.arrive(-1)
+                if decoded.answer is None or not batcher.run_inline(job, lease, decoded.answer):
+                    lease.release()  # (run_inline released it when it ran the job here)
+                    batcher.submit(job)
+                    batcher.wait(job)
+            finally:
+                if job.started:
+                    stages.append(("queue", job.started - job.enqueued))
+                    if job.finished:
+                        stages.append(("infer", job.finished - job.started))
+            if job.answered:
+                raise AnsweredError(f"model {self.name}: the hung-call watchdog answered this request")
+            if job.outputs is None:  # no error raised: the batcher set them
+                raise RuntimeFailure(f"model {self.name} returned no outputs")
+            t2 = time.perf_counter()
+            out = encode(decoded.request, job.outputs, job.served_version)
+            stages.append(("encode", time.perf_counter() - t2))
+            return out
         finally:
-            self.decode_slots.release()
-        t1 = time.perf_counter()
-        observe(self.name, "decode", t1 - t0)
-        if decoded.timeout_s is not None:
-            deadline = min(deadline, start + decoded.timeout_s)
-        job = Job(inputs, version, deadline)
-        self.batcher.submit(job)
-        self.batcher.wait(job)
-        if job.started:
-            observe(self.name, "queue", job.started - job.enqueued)
-            observe(self.name, "infer", job.finished - job.started)
-        if job.outputs is None:  # wait() returned without an error: the batcher set them
-            raise RuntimeFailure(f"model {self.name} returned no outputs")
-        t2 = time.perf_counter()
-        out = encode(decoded.request, job.outputs, job.served_version)
-        observe(self.name, "encode", time.perf_counter() - t2)
-        return out
+            if stages:
+                self.metrics.observe_stages(self.name, stages)
 
     def _failed(self, version: int, job: Job | None) -> None:
         """A request the runtime failed to run (a 500): counted against ``version`` unless the

@@ -1,18 +1,50 @@
 """One model's request queue, worker pool and dynamic batcher.
 
-Every served name has one ``Batcher``: a bounded FIFO queue (full -> ``OverloadedError``, a 429)
-and ``workers`` threads that run the runtime. Without ``[models.<name>.batching]`` each job runs
-alone. With it, one worker at a time forms a batch from the head of the queue: jobs whose inputs
-agree on everything but axis 0 are concatenated (different batch sizes coalesce) until the batch
-holds ``max_batch_size`` samples or a preferred size, or ``max_wait_ms`` has passed since the
-head arrived and it holds ``min_batch_size`` (a smaller batch still runs before the head's
-deadline); it runs at once when every request in flight is in it already (one client waiting
-for its answer cannot send the next request, so waiting would only add latency). The head is
-always in the batch, so no job starves; the results are split back by rows.
+Every served name has one ``Batcher``: a bounded FIFO queue (full -> ``OverloadedError``, a 429),
+``workers`` threads that run the runtime, and ``workers`` call slots: the model's concurrency
+limit, shared by the workers and by inline calls.
+
+Inline calls. A request that finds the model idle (a free slot, nothing queued, no batch to wait
+for) runs in the calling thread (``run_inline``): handing it to a worker and back costs two
+thread wake-ups (~40 us here), more than a small model's whole call. Everything else is as for a
+worker's call: the slot, the stage times, the watchdog (an inline call that hangs is answered
+through the caller's ``answer`` hook from the watchdog's thread, since the caller's own thread is
+stuck in the runtime).
+
+Batching. Without ``[models.<name>.batching]`` each job runs alone. With it, one worker at a
+time forms a batch from the head of the queue: jobs whose inputs agree on everything but axis 0
+are concatenated (different batch sizes coalesce) until the batch holds ``max_batch_size``
+samples or a preferred size; the head is always in the batch, so no job starves; the results
+are split back by rows. How long a batch waits for more (the greedy policy of Triton's and
+TF-Serving's batchers, made adaptive):
+
+- What queued while the model was busy always joins at once, whatever the wait.
+- While another call of this model runs, the batch waits for companions up to ``max_wait_ms``
+  after its head arrived (it could not run sooner on a free core anyway), and runs at once when
+  every request in flight is in it (one client waiting for its answer cannot send the next).
+- When the model is idle, waiting would leave it idle: the batch runs at once, unless requests
+  for this model are still being decoded (on their way to the queue) and running them apart
+  would cost more than the wait. It then waits for them up to ``max_wait_ms`` and no longer than
+  the fixed cost of one call, measured at run time (``CallCost``: the part of a call's time that
+  does not grow with its rows, which is what batching saves). An idle model with nothing queued
+  and nothing on its way runs a request inline (above), as an unbatched model does.
+- When batching does not pay (a call's fixed cost under twice ``_HANDOFF_S``, what handing a
+  request to a worker and back costs, or under ``_MIN_FIXED_SHARE`` of a single call: a model
+  whose batch of n costs about n single calls, such as a small compute-bound conv net), the model
+  is run as if unbatched: requests run inline whenever a slot
+  is free, and workers take queued jobs one at a time, except one batch in ``_EXPLORE_EVERY``
+  that still coalesces, so the cost model sees when batching starts to pay. Batching therefore
+  never costs more than not batching, beyond that one batch in sixteen.
+- ``min_batch_size``: a batch below it waits (past ``max_wait_ms``) until its head's deadline
+  nears; a batch still runs before that deadline.
+
+So ``max_wait_ms`` is the longest a request waits for companions, never a wait imposed on every
+batch.
 
 A runtime call running longer than ``hung_call_s`` is hung: its jobs fail with a 500, the
 model is dropped from the registry (the next call loads it again from the store; the hung one
-is closed if its call ever returns) and a fresh worker replaces the stuck thread.
+is closed if its call ever returns) and a fresh worker replaces the stuck thread (a stuck
+inline caller is answered through its hook and its slot freed).
 """
 
 from __future__ import annotations
@@ -40,6 +72,14 @@ log = logging.getLogger("edgekit.agent")
 # A batch below min_batch_size still runs this long (or twice its recent run time) before its
 # head's deadline.
 _DEADLINE_MARGIN_S = 0.02
+# What handing a request to a worker and back costs (~40 us measured here, see ``Done``). A batch of
+# n saves n - 1 calls' fixed part and costs n hand-offs (and the wait for its companions): it pays
+# only when the fixed part is over twice that and at least _MIN_FIXED_SHARE of a single call.
+_HANDOFF_S = 0.00005
+_MIN_FIXED_SHARE = 0.2
+# While batching does not pay, one batch in this many still coalesces what is queued, so that the
+# cost model keeps seeing batch sizes and notices when batching starts to pay.
+_EXPLORE_EVERY = 16
 
 
 class Done:
@@ -82,7 +122,6 @@ class Job:
     version: int | None  # a version the request asked for, else None (the served one)
     deadline: float  # time.monotonic()
     rows: int = 1
-    key: tuple[Any, ...] = ()
     enqueued: float = field(default_factory=time.monotonic)
     started: float = 0.0
     finished: float = 0.0
@@ -91,12 +130,70 @@ class Job:
     outputs: dict[str, np.ndarray] | None = None
     error: EdgekitError | None = None
     cancelled: bool = False
+    answered: bool = False  # the watchdog answered it through the caller's hook (an inline call hung)
     done: Done = field(default_factory=Done)
+    _key: tuple[Any, ...] | None = None
 
     def __post_init__(self) -> None:
         first = next(iter(self.inputs.values()), None)
         self.rows = int(first.shape[0]) if first is not None and first.ndim else 1
-        self.key = (self.version, *((n, a.shape[1:], a.dtype.str) for n, a in sorted(self.inputs.items())))
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """What jobs sharing a batch agree on: the version asked for, every input's name, shape
+        past axis 0 and dtype (computed when a batch is formed: unbatched jobs never need it)."""
+        if self._key is None:
+            self._key = (self.version, *((n, a.shape[1:], a.dtype.str) for n, a in sorted(self.inputs.items())))
+        return self._key
+
+
+class CallCost:
+    """A runtime call's time as ``fixed_s + per_row_s * rows``, fitted at run time.
+
+    Exponentially weighted least squares over recent calls (weight ``1 - decay`` for the newest):
+    the fixed part is what batching saves per call saved. Before any call it is 0; until calls of
+    at least two sizes were seen the split is unknown, and ``fixed_s`` is the whole mean call time
+    (as if batching saved everything: the batcher then waits up to ``max_wait_ms``, as a plain
+    dynamic batcher would).
+    """
+
+    __slots__ = ("_n", "_nn", "_nt", "_t", "_w", "decay")
+
+    def __init__(self, decay: float = 0.95) -> None:
+        self.decay = decay
+        self._w = self._n = self._nn = self._t = self._nt = 0.0
+
+    def record(self, rows: int, seconds: float) -> None:
+        d = self.decay
+        self._w = d * self._w + 1.0
+        self._n = d * self._n + rows
+        self._nn = d * self._nn + rows * rows
+        self._t = d * self._t + seconds
+        self._nt = d * self._nt + rows * seconds
+
+    @property
+    def measured(self) -> bool:
+        return self._w > 0
+
+    @property
+    def mean_s(self) -> float:
+        return self._t / self._w if self._w else 0.0
+
+    @property
+    def per_row_s(self) -> float:
+        """The part of a call's time that grows with each row (0 until two sizes were seen)."""
+        return max(0.0, (self.mean_s - self.fixed_s) / (self._n / self._w)) if self._w and self._n else 0.0
+
+    @property
+    def fixed_s(self) -> float:
+        if not self._w:
+            return 0.0
+        mean_n, mean_t = self._n / self._w, self._t / self._w
+        var = self._nn / self._w - mean_n * mean_n
+        if var < 0.25:  # (nearly) one batch size so far: the fixed part cannot be told apart
+            return mean_t
+        slope = (self._nt / self._w - mean_n * mean_t) / var
+        return max(0.0, mean_t - slope * mean_n)
 
 
 @dataclass(eq=False)
@@ -104,6 +201,7 @@ class _Call:
     started: float
     model: ServedModel
     jobs: list[Job]
+    answer: Callable[[EdgekitError], None] | None = None  # set for an inline call: how to answer its caller
     hung: bool = False
 
 
@@ -137,12 +235,18 @@ class Batcher:
         self._held: deque[Job] = deque()  # taken out while forming a batch, not run yet (queue order)
         self._forming = threading.Lock()  # one worker forms a batch at a time (and owns _held): batches fill up
         self._lock = threading.Lock()  # guards the counters, _calls, _abandoned, _stopping
+        self._slot_free = threading.Condition(self._lock)  # a call slot was freed / an inline call ended
+        self._free = workers  # call slots left: a running batch or inline call holds one
+        self._inline = 0  # inline calls running
+        self._slot_waiters = 0  # threads waiting on _slot_free (notified only when there are some)
         self._waiting = 0  # submitted, not yet in a running batch
+        self.arriving = 0  # being decoded for this model (batched models only): on their way to the queue
         self.inflight = 0  # submitted, not yet answered
-        self._calls: dict[int, _Call] = {}  # worker thread id -> its running call
+        self._calls: dict[int, _Call] = {}  # thread id -> its running call (a worker's or an inline caller's)
         self._abandoned: set[int] = set()
         self._stopping = False
-        self._run_s = 0.0  # moving average of a batch's runtime call
+        self.cost = CallCost()
+        self._formed = 0  # batches formed (for _EXPLORE_EVERY)
         self._threads: list[threading.Thread] = []
         for _ in range(workers):
             self._spawn()
@@ -150,6 +254,11 @@ class Batcher:
         self._watchdog.start()
 
     # -- the request side ------------------------------------------------------------------
+    def arrive(self, delta: int) -> None:
+        """Count a request for this model entering (+1) or leaving (-1) its decode stage."""
+        with self._lock:
+            self.arriving += delta
+
     def submit(self, job: Job) -> None:
         """Queue ``job``; ``OverloadedError`` when the queue is full, ``UnavailableError`` when stopping."""
         with self._lock:
@@ -181,11 +290,38 @@ class Batcher:
             with self._lock:
                 self.inflight -= 1
 
+    def run_inline(self, job: Job, lease: Lease, answer: Callable[[EdgekitError], None]) -> bool:
+        """Run ``job`` in the calling thread if the model is idle; False (nothing done, ``lease``
+        still the caller's) if not: a slot is taken, jobs are queued, or requests are on their way
+        to a batch. True: ``lease`` was released and the job is done as ``wait`` leaves it (its
+        error raised). ``answer`` answers the caller from the watchdog's thread if the call hangs
+        (the job is then ``answered``, nothing raised; this returns once that answer was given)."""
+        me = threading.get_ident()
+        with self._lock:
+            if self._stopping or self._waiting or not self._free:
+                return False
+            if self.batching is not None and self.arriving and self.batching_pays():
+                return False  # a batch with the requests on their way may save a call
+            self._free -= 1
+            self._inline += 1
+            self.inflight += 1
+            call = self._calls[me] = _Call(time.monotonic(), lease.model, [job], answer)
+        self._run(call.jobs, lease, call)  # gives the slot and the counts back (or the watchdog does)
+        if job.answered:
+            job.done.wait()  # the watchdog's answer has been written
+            return True
+        if job.error is None and job.finished > job.deadline:
+            job.error = DeadlineExceededError(f"model {self.name}: the request's deadline passed while it ran")
+        if job.error is not None:
+            raise job.error
+        return True
+
     def depth(self) -> int:
         return self._waiting
 
     def stop(self, timeout_s: float) -> bool:
-        """Refuse new jobs, let the workers finish the queued ones; True if all finished in time."""
+        """Refuse new jobs, let the workers finish the queued ones and the inline calls end;
+        True if all finished in time."""
         with self._lock:
             self._stopping = True
             live = [t for t in self._threads if t.is_alive() and t.ident not in self._abandoned]
@@ -194,6 +330,12 @@ class Batcher:
         deadline = time.monotonic() + timeout_s
         for t in live:
             t.join(max(0.0, deadline - time.monotonic()))
+        with self._slot_free:
+            self._slot_waiters += 1
+            while self._inline and time.monotonic() < deadline:
+                self._slot_free.wait(max(0.0, deadline - time.monotonic()))
+            self._slot_waiters -= 1
+            inline_left = self._inline
         left = []
         if not self._forming.acquire(timeout=0.1):
             return False
@@ -212,7 +354,7 @@ class Batcher:
         for job in left:
             job.error = UnavailableError(f"model {self.name} is shutting down", reason="draining")
             job.done.set()
-        return not any(t.is_alive() for t in live) and not left
+        return not any(t.is_alive() for t in live) and not left and not inline_left
 
     # -- the worker side -------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -248,18 +390,76 @@ class Batcher:
             if self._usable(job):
                 return job
 
+    def _claim(self) -> None:
+        """Wait for a free call slot (inline calls or other workers' batches may hold them all)."""
+        with self._slot_free:
+            self._slot_waiters += 1
+            while not self._free:
+                self._slot_free.wait()
+            self._slot_waiters -= 1
+            self._free -= 1
+
+    def _release(self) -> None:
+        with self._slot_free:
+            self._free += 1
+            if self._slot_waiters:
+                self._slot_free.notify_all()
+
     def _next_batch(self) -> list[Job] | None:
+        """The next batch, holding a call slot (``_run`` gives it back)."""
         with self._forming:
-            head = self._take()
-            if head is None:
-                return None
+            while True:
+                head = self._take()
+                if head is None:
+                    return None
+                self._claim()  # the head stays counted as waiting: no inline call overtakes it
+                if self._usable(head):  # its deadline may have passed while every slot was busy
+                    break
+                self._release()
             batch, rows = [head], head.rows
             cfg = self.batching
             if cfg is not None:
-                rows = self._gather(head, batch, rows, cfg)
+                self._formed += 1
+                if self.batching_pays() or self._formed % _EXPLORE_EVERY == 0:
+                    rows = self._gather(head, batch, rows, cfg)
             with self._lock:
                 self._waiting -= len(batch)
             return batch
+
+    def batching_pays(self) -> bool:
+        """Whether batching saves more than it costs: a call's fixed part over twice
+        ``_HANDOFF_S`` and at least ``_MIN_FIXED_SHARE`` of a single call, or not measured yet
+        (assumed to, as a plain batcher would).
+        When not, jobs run one at a time like an unbatched model's (inline when a slot is free),
+        except one batch in ``_EXPLORE_EVERY``."""
+        cost = self.cost
+        if not cost.measured:
+            return True
+        fixed = cost.fixed_s
+        return fixed >= 2 * _HANDOFF_S and fixed >= _MIN_FIXED_SHARE * (fixed + cost.per_row_s)
+
+    def _wait_until(self, head: Job, batch: list[Job], rows: int, cfg: BatchingConfig) -> float | None:
+        """How long this batch may wait for more (a ``time.monotonic()``), None to run it now;
+        the policy in the module docstring."""
+        now = time.monotonic()
+        with self._lock:
+            busy = bool(self._calls)
+            arriving = self.arriving
+            everyone = self.inflight <= len(batch) + len(self._held)
+        if rows >= cfg.min_batch_size:
+            if busy:
+                if everyone and not arriving:
+                    return None  # every request in flight is here: waiting could only add latency
+                until = head.enqueued + cfg.max_wait_ms / 1000
+            else:
+                if not arriving:
+                    return None  # idle model, nothing on its way: waiting would only leave it idle
+                until = head.enqueued + min(cfg.max_wait_ms / 1000, self.cost.fixed_s)
+            return until if now < until else None
+        until = head.deadline - max(_DEADLINE_MARGIN_S, 2 * self.cost.mean_s)
+        if now >= head.enqueued + cfg.max_wait_ms / 1000 and now >= until:
+            return None
+        return max(until, head.enqueued + cfg.max_wait_ms / 1000)
 
     def _gather(self, head: Job, batch: list[Job], rows: int, cfg: BatchingConfig) -> int:
         """Add queued jobs that can share ``head``'s batch, in queue order, until it is full or
@@ -267,30 +467,25 @@ class Batcher:
         job: Job | None
         kept: deque[Job] = deque()
         blocked = False  # a same-shape job did not fit: nothing behind it may overtake it
+        key = head.key
         for job in self._held:
-            if not blocked and job.key == head.key and rows + job.rows <= cfg.max_batch_size:
+            if not blocked and job.key == key and rows + job.rows <= cfg.max_batch_size:
                 batch.append(job)
                 rows += job.rows
             else:
-                blocked = blocked or job.key == head.key
+                blocked = blocked or job.key == key
                 kept.append(job)
         self._held = kept
         while not blocked and rows < cfg.max_batch_size and rows not in cfg.preferred_batch_sizes:
             try:
                 job = self._incoming.get_nowait()  # what is queued already joins whatever the wait
             except queue.Empty:
-                if rows >= cfg.min_batch_size and self.inflight <= len(batch) + len(self._held):
-                    break  # every request in flight is here: waiting could only add latency
-                now = time.monotonic()
-                until = head.enqueued + cfg.max_wait_ms / 1000
-                if now >= until:
-                    if rows >= cfg.min_batch_size:
-                        break
-                    until = head.deadline - max(_DEADLINE_MARGIN_S, 2 * self._run_s)
-                    if now >= until:
-                        break
+                until = self._wait_until(head, batch, rows, cfg)
+                if until is None:
+                    break
                 try:
-                    job = self._incoming.get(timeout=until - now)
+                    # woken by a new job, or at most every ms: the model may fall idle meanwhile
+                    job = self._incoming.get(timeout=max(0.0, min(until - time.monotonic(), 0.001)))
                 except queue.Empty:
                     continue
             if job is None:
@@ -298,23 +493,27 @@ class Batcher:
                 break
             if not self._usable(job):
                 continue
-            if job.key == head.key and rows + job.rows <= cfg.max_batch_size:
+            if job.key == key and rows + job.rows <= cfg.max_batch_size:
                 batch.append(job)
                 rows += job.rows
             else:
-                blocked = job.key == head.key
+                blocked = job.key == key
                 self._held.append(job)
         return rows
 
-    def _run(self, batch: list[Job]) -> None:
-        if not batch:
-            return
-        start = time.monotonic()
-        rows = sum(j.rows for j in batch)
-        for job in batch:
-            job.started, job.batch_rows = start, rows
+    def _run(self, batch: list[Job], lease: Lease | None = None, inline: _Call | None = None) -> None:
+        """Run ``batch`` holding a call slot (given back here); ``lease``: the caller's, released
+        here; ``inline``: the caller's own call, registered already (``run_inline``)."""
+        call: _Call | None = inline
+        start = inline.started if inline is not None else time.monotonic()
+        if len(batch) == 1:
+            rows = batch[0].rows
+            batch[0].started, batch[0].batch_rows = start, rows
+        else:
+            rows = sum(j.rows for j in batch)
+            for job in batch:
+                job.started, job.batch_rows = start, rows
         me = threading.get_ident()
-        call: _Call | None = None
         failed_version: int | None = None  # the runtime failed the batch: counted before the answers
         try:
             feed = (
@@ -322,16 +521,19 @@ class Batcher:
                 if len(batch) == 1
                 else {n: np.concatenate([j.inputs[n] for j in batch]) for n in batch[0].inputs}
             )
-            with self.lease(batch[0].version) as lease:
-                call = _Call(start, lease.model, batch)
-                with self._lock:
-                    self._calls[me] = call
+            held = lease if lease is not None else self.lease(batch[0].version)
+            lease = None
+            with held:
+                if call is None:
+                    call = _Call(start, held.model, batch)
+                    with self._lock:
+                        self._calls[me] = call
                 stall_point("infer_stall")
-                outputs = lease.model.infer(feed, checked=True)
-                version = lease.version
+                outputs = held.model.infer(feed, checked=True)
+                version = held.version
             if call.hung:
                 return  # its jobs were answered by the watchdog
-            self._run_s = 0.8 * self._run_s + 0.2 * (time.monotonic() - start)
+            self.cost.record(rows, time.monotonic() - start)
             self.on_batch(rows)
             self._split(batch, outputs, rows, version)
         except EdgekitError as exc:
@@ -355,13 +557,23 @@ class Batcher:
             for job in batch:
                 job.error = failure
         finally:
-            with self._lock:
+            if lease is not None:
+                lease.release()  # never got to run
+            with self._slot_free:
                 self._calls.pop(me, None)
-            if failed_version is not None and call is not None and not call.hung:  # out of _calls: not a hang
+                hung = call is not None and call.hung
+                if not hung:  # a hung call's slot (and counts) were given back by the watchdog
+                    self._free += 1
+                    if inline is not None:
+                        self._inline -= 1
+                        self.inflight -= 1
+                    if self._slot_waiters:
+                        self._slot_free.notify_all()
+            if failed_version is not None and not hung:  # out of _calls: not a hang
                 for job in batch:
                     self._count_failure(failed_version, job)
-            end = time.monotonic()
-            if call is None or not call.hung:
+            if not hung:
+                end = time.monotonic()
                 for job in batch:
                     job.finished = end
                     job.done.set()
@@ -394,14 +606,24 @@ class Batcher:
         while True:
             time.sleep(period)
             now = time.monotonic()
-            with self._lock:
+            with self._slot_free:
                 if self._stopping and not self._calls:
                     return
                 hung = [(tid, c) for tid, c in self._calls.items() if not c.hung and now - c.started > self.hung_call_s]
                 for tid, call in hung:
                     call.hung = True
-                    self._abandoned.add(tid)
+                    if call.answer is None:
+                        self._abandoned.add(tid)  # a worker: it ends if its call ever returns
+                    else:
+                        for job in call.jobs:
+                            job.answered = True  # set with the hung mark: the caller, back, writes nothing
                     del self._calls[tid]
+                    self._free += 1  # the stuck call no longer counts against the model's concurrency
+                    if call.answer is not None:
+                        self._inline -= 1  # a drain does not wait for it
+                        self.inflight -= 1
+                    if self._slot_waiters:
+                        self._slot_free.notify_all()
             for _, call in hung:
                 log.error(
                     "%s: a runtime call has run %.1f s (over server.hung_call_s = %g); reloading the model",
@@ -416,7 +638,13 @@ class Batcher:
                 for job in call.jobs:
                     job.error = failure
                     job.finished = now
+                    if call.answer is not None:
+                        try:
+                            call.answer(failure)
+                        except Exception:  # the caller's connection may be gone: nothing else to tell
+                            log.exception("%s: could not answer a hung inline call", self.name)
                     job.done.set()
                     self._count_failure(call.model.manifest.version, None)  # a hang is not replayed
                 self.on_hung(call.model)
-                self._spawn()
+                if call.answer is None:
+                    self._spawn()

@@ -73,6 +73,27 @@ class ServedModel:
         self.latency = LatencyWindow()  # runtime time of each successful ``infer`` (self-test baseline)
         # Whether an exception of the runtime says "this input is wrong" (a 400, not a model failure).
         self._rejects_input = getattr(runner, "rejects_input", None)
+        # What check_inputs compares, built once: (name, dtype, shape with None for dynamic axes)
+        self._expected = tuple(
+            (s.name, np_dtype(s.dtype), tuple(d if isinstance(d, int) else None for d in s.shape))
+            for s in manifest.signature.inputs
+        )
+        # served name -> artifact name for tensors that go across as they are (no transpose, no
+        # quantization, the same dtype): most bundles; None if any tensor needs converting
+        self._direct_in = self._direct(manifest.signature.inputs)
+        self._direct_out = self._direct(manifest.signature.outputs)
+        self._out_dtypes = {s.name: np_dtype(s.dtype) for s in manifest.signature.outputs}
+
+    def _direct(self, specs: tuple[TensorSpec, ...]) -> dict[str, str] | None:
+        names = {}
+        for spec in specs:
+            m = self._in_map.get(spec.name)
+            art_name = m.artifact if m else spec.name
+            art = self._artifact_specs.get(art_name)
+            if (m is not None and m.transpose) or art is None or art.quant is not None or art.dtype != spec.dtype:
+                return None
+            names[spec.name] = art_name
+        return names
 
     def rejects_input(self, exc: Exception) -> bool:
         return bool(self._rejects_input is not None and self._rejects_input(exc))
@@ -87,6 +108,20 @@ class ServedModel:
 
     def check_inputs(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Validate names, dtypes and shapes against the served signature; return cast copies."""
+        if len(inputs) == len(self._expected):  # the common case: every input as served, checked in one pass
+            fast: dict[str, np.ndarray] = {}
+            for name, dtype, shape in self._expected:
+                arr = inputs.get(name)
+                if (
+                    not isinstance(arr, np.ndarray)
+                    or arr.dtype != dtype
+                    or arr.ndim != len(shape)
+                    or any(want is not None and got != want for got, want in zip(arr.shape, shape, strict=True))
+                ):
+                    break
+                fast[name] = arr
+            else:
+                return fast
         expected = {s.name: s for s in self.inputs}
         unknown = sorted(set(inputs) - set(expected))
         if unknown:
@@ -123,11 +158,16 @@ class ServedModel:
         """Run with served tensors; ``checked=True``: ``inputs`` came from ``check_inputs`` already."""
         if not checked:
             inputs = self.check_inputs(inputs)
+        direct = self._direct_in
         feed = {}
-        for name, arr in inputs.items():
-            m = self._in_map.get(name)
-            art_name = m.artifact if m else name
-            feed[art_name] = _to_artifact(arr, m, self._artifact_specs.get(art_name))
+        if direct is not None:
+            for name, arr in inputs.items():
+                feed[direct[name]] = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+        else:
+            for name, arr in inputs.items():
+                m = self._in_map.get(name)
+                art_name = m.artifact if m else name
+                feed[art_name] = _to_artifact(arr, m, self._artifact_specs.get(art_name))
         t0 = time.monotonic()
         if self._lock is not None:
             with self._lock:
@@ -137,6 +177,15 @@ class ServedModel:
         t1 = time.monotonic()
         self.latency.record(t1, (t1 - t0) * 1000)
         result = {}
+        direct_out = self._direct_out
+        if direct_out is not None:
+            for spec_name, art_name in direct_out.items():
+                got = raw.get(art_name)
+                if got is None:
+                    raise RuntimeError(f"runtime returned no {art_name!r} (outputs: {', '.join(raw)})")
+                want = self._out_dtypes[spec_name]
+                result[spec_name] = np.ascontiguousarray(got if got.dtype == want else got.astype(want))
+            return result
         for spec in self.outputs:
             m = self._out_map.get(spec.name)
             art_name = m.artifact if m else spec.name

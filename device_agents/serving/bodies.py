@@ -34,6 +34,7 @@ class ByteBudget:
         self.capacity = capacity
         self.used = 0
         self._cond = threading.Condition()
+        self._waiters = 0  # reserve() calls waiting for room: release notifies only when there are some
 
     def reserve(self, n: int, retry_after_s: int = 1) -> None:
         if n > self.capacity:
@@ -50,13 +51,18 @@ class ByteBudget:
                         reason="decode_busy",
                         retry_after_s=retry_after_s,
                     )
-                self._cond.wait(left)
+                self._waiters += 1
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self._waiters -= 1
             self.used += n
 
     def release(self, n: int) -> None:
         with self._cond:
             self.used -= n
-            self._cond.notify_all()
+            if self._waiters:
+                self._cond.notify_all()
 
 
 class Reservation:

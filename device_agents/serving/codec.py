@@ -9,14 +9,20 @@ Binary extension (as ``tritonclient.http`` sends it by default): the body is a J
 ``Inference-Header-Content-Length`` bytes followed by the raw little-endian tensors of every
 input whose ``parameters.binary_data_size`` is set, in input order. Outputs come back the same
 way when asked with ``parameters.binary_data`` (per output) or ``binary_data_output`` (request).
+
+A client sends the same JSON header with every request of one shape (tritonclient builds it once
+per ``InferInput``): ``HeaderCache`` keeps what parsing and checking a binary-only header found
+(its tensors' dtypes, shapes and offsets), and the JSON header of a binary-only response, so that
+a repeated header is a dict look-up instead of a ``json.loads``, its checks and a ``json.dumps``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -65,6 +71,49 @@ class InferRequest:
     timeout_s: float | None = None  # from parameters.timeout (microseconds)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What a binary-only request header decodes to against one signature, whatever the data."""
+
+    inputs: Sequence[TensorSpec]  # the signature it was checked against (compared by identity)
+    outputs: Sequence[TensorSpec]
+    max_bytes: int
+    body_length: int  # header + every tensor's bytes
+    tensors: tuple[tuple[str, np.dtype[Any], tuple[int, ...], int, int], ...]  # name, dtype, shape, offset, count
+    request: InferRequest  # its inputs empty
+
+
+class HeaderCache:
+    """Bounded maps: request header bytes -> ``_Plan``; response key -> JSON header bytes.
+
+    At ``max_entries`` the oldest entry goes (clients that send a fresh ``id`` with every request
+    only churn it). Thread-safe: a lookup is one ``dict.get``, an insert takes a lock."""
+
+    def __init__(self, max_entries: int = 256) -> None:
+        self.max_entries = max_entries
+        self._requests: dict[bytes, _Plan] = {}
+        self._responses: dict[tuple[Any, ...], bytes] = {}
+        self._lock = threading.Lock()
+
+    def plan(self, header: bytes) -> _Plan | None:
+        return self._requests.get(header)
+
+    def response(self, key: tuple[Any, ...]) -> bytes | None:
+        return self._responses.get(key)
+
+    def keep_plan(self, header: bytes, plan: _Plan) -> None:
+        self._keep(self._requests, header, plan)
+
+    def keep_response(self, key: tuple[Any, ...], header: bytes) -> None:
+        self._keep(self._responses, key, header)
+
+    def _keep(self, table: dict[Any, Any], key: Any, value: Any) -> None:
+        with self._lock:
+            while len(table) >= self.max_entries:
+                del table[next(iter(table))]
+            table[key] = value
+
+
 def _refuse_constant(name: str) -> float:
     raise ValueError(f"{name} is not JSON; send non-finite values in a binary tensor")
 
@@ -80,15 +129,33 @@ def decode_request(
     outputs: Sequence[TensorSpec],
     *,
     max_bytes: int = 1 << 62,
+    cache: HeaderCache | None = None,
 ) -> InferRequest:
     """Parse and check a request body against the served signature; raise ``InferenceInputError``.
 
-    ``max_bytes`` bounds every tensor's declared size before it is allocated."""
+    ``max_bytes`` bounds every tensor's declared size before it is allocated. ``cache``: a
+    binary-only header seen before against the same signature is not parsed again."""
     json_end = len(body) if header_length is None else header_length
     if not 0 <= json_end <= len(body):
         raise InferenceInputError(
             f"Inference-Header-Content-Length {header_length} is outside the {len(body)}-byte body"
         )
+    header = bytes(body[:json_end]) if cache is not None and json_end < len(body) else None
+    if header is not None and cache is not None:
+        plan = cache.plan(header)
+        if (
+            plan is not None
+            and plan.inputs is inputs
+            and plan.outputs is outputs
+            and plan.max_bytes == max_bytes
+            and plan.body_length == len(body)
+        ):
+            known = {
+                name: _frombuffer(body, dtype, count, offset).reshape(shape)
+                for name, dtype, shape, offset, count in plan.tensors
+            }
+            r = plan.request
+            return InferRequest(r.id, known, r.outputs, r.binary_output, r.timeout_s)
     try:
         doc = json.loads(body[:json_end] if json_end < len(body) else body, parse_constant=_refuse_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -98,11 +165,16 @@ def decode_request(
     specs = {s.name: s for s in inputs}
     offset = json_end
     tensors: dict[str, np.ndarray] = {}
+    layout: list[tuple[str, np.dtype[Any], tuple[int, ...], int, int]] = []  # the binary ones, for the cache
+    binary = 0
     for item in doc["inputs"]:
         name, arr, used = _decode_input(item, specs, body, offset, max_bytes)
         if name in tensors:
             raise InferenceInputError(f"input {name!r} is given twice")
         tensors[name] = arr
+        if used:
+            binary += 1
+            layout.append((name, arr.dtype, arr.shape, offset, arr.size))
         offset += used
     if offset != len(body):
         raise InferenceInputError(
@@ -111,13 +183,19 @@ def decode_request(
         )
     params = _parameters(doc, "request")
     req_id = doc.get("id")
-    return InferRequest(
+    request = InferRequest(
         id=None if req_id is None else str(req_id),
         inputs=tensors,
         outputs=_requested_outputs(doc, {s.name for s in outputs}, params),
         binary_output=bool(params.get("binary_data_output", False)),
         timeout_s=_timeout_s(params),
     )
+    if header is not None and cache is not None and binary == len(tensors):
+        cache.keep_plan(
+            header,
+            _Plan(inputs, outputs, max_bytes, len(body), tuple(layout), replace(request, inputs={})),
+        )
+    return request
 
 
 def _timeout_s(params: Mapping[str, Any]) -> float | None:
@@ -188,10 +266,7 @@ def _decode_input(
             )
         if offset + size > len(body):
             raise InferenceInputError(f"input {name!r}: the body ends before its {size} bytes of binary data")
-        arr = np.frombuffer(body, dtype=dtype, count=count, offset=offset)
-        if not arr.flags.aligned:
-            arr = arr.copy()
-        return name, arr.reshape(shape).astype(dtype.newbyteorder("="), copy=False), size
+        return name, _frombuffer(body, dtype, count, offset).reshape(shape), size
     if "data" not in item:
         raise InferenceInputError(f'input {name!r}: give "data" or parameters.binary_data_size')
     if not isinstance(item["data"], list):
@@ -206,6 +281,14 @@ def _decode_input(
     if arr.size != count:
         raise InferenceInputError(f"input {name!r}: {arr.size} values given for shape {shape} ({count} values)")
     return name, arr.reshape(shape), 0
+
+
+def _frombuffer(body: bytes | bytearray, dtype: np.dtype[Any], count: int, offset: int) -> np.ndarray:
+    """``count`` values of little-endian ``dtype`` at ``offset``, aligned and in native byte order."""
+    arr = np.frombuffer(body, dtype=dtype, count=count, offset=offset)
+    if not arr.flags.aligned:
+        arr = arr.copy()
+    return arr.astype(dtype.newbyteorder("="), copy=False)
 
 
 def _flat_count(data: list[Any]) -> int:
@@ -233,9 +316,21 @@ def encode_response(
     request: InferRequest,
     results: Mapping[str, np.ndarray],
     outputs: Sequence[TensorSpec],
+    cache: HeaderCache | None = None,
 ) -> tuple[bytes, int | None]:
-    """The response body and, when it carries binary tensors, its JSON header length."""
+    """The response body and, when it carries binary tensors, its JSON header length.
+
+    ``cache``: the JSON header of a binary-only response without an ``id`` is built once per
+    model, version, outputs asked for and their shapes and dtypes."""
     wanted = request.outputs if request.outputs is not None else tuple((s.name, request.binary_output) for s in outputs)
+    key: tuple[Any, ...] | None = None
+    if cache is not None and request.id is None and all(binary for _, binary in wanted):
+        arrays = [results[name] for name, _ in wanted]
+        key = (model_name, version, wanted, *((a.shape, a.dtype.str) for a in arrays))
+        cached = cache.response(key)
+        if cached is not None:
+            tensors = [a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes() for a in arrays]
+            return cached + b"".join(tensors), len(cached)
     datatypes = {s.name: MANIFEST_TO_V2[s.dtype] for s in outputs}  # ServedModel returns the served dtypes
     blobs: list[bytes] = []
     items = []
@@ -260,4 +355,6 @@ def encode_response(
     header = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
     if not blobs:
         return header, None
+    if key is not None and cache is not None:
+        cache.keep_response(key, header)
     return header + b"".join(blobs), len(header)

@@ -30,20 +30,20 @@ from email.utils import formatdate
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import unquote
 
 import numpy as np
 
 from device_agents import __version__
 from device_agents.config import ServerConfig
-from device_agents.errors import RequestTooLargeError, ServingError
+from device_agents.errors import AnsweredError, RequestTooLargeError, ServingError
 from device_agents.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from device_agents.pipeline import Decoded
 from device_agents.runtimes import ServedModel
 from device_agents.service import AgentService
 from device_agents.serving.bodies import ByteBudget, Reservation, inflate
-from device_agents.serving.codec import InferRequest, decode_request, encode_response, tensor_metadata
+from device_agents.serving.codec import HeaderCache, InferRequest, decode_request, encode_response, tensor_metadata
 from edgekit.bundle.codec import to_data
 from edgekit.bundle.errors import EdgekitError, InferenceInputError, ModelNotFoundError
 
@@ -105,6 +105,7 @@ class AgentServer(ThreadingHTTPServer):
         self.budget = ByteBudget(self.limits.max_buffered_bytes)  # bodies as received
         self.inflate_budget = ByteBudget(self.limits.max_buffered_bytes)  # what gzip/deflate bodies inflate to
         self.request_queue_size = min(max(128, self.limits.max_connections), socket.SOMAXCONN)
+        self.header_cache = HeaderCache()  # v2 JSON headers seen before: not parsed again
         self._conns: dict[int, _Connection] = {}
         self._conns_lock = threading.Lock()
         super().__init__((host, port), _Handler)
@@ -206,13 +207,17 @@ class _Handler(BaseHTTPRequestHandler):
         if handler is None:
             self.send_error(HTTPStatus.NOT_IMPLEMENTED, f"Unsupported method ({self.command!r})")
             return
-        start = time.perf_counter()
-        self._status, self._sent = 0, 0
+        self._start = time.perf_counter()
+        self._status, self._sent, self._answered = 0, 0, False
         try:
             handler()
             self.wfile.flush()
         except (TimeoutError, ConnectionError):
             self.close_connection = True  # the client stalled mid-body or went away
+        if not self._answered:  # else the watchdog's answer logged it
+            self._log_access()
+
+    def _log_access(self) -> None:
         if access_log.isEnabledFor(logging.DEBUG):
             access_log.debug(
                 '%s "%s %s" %d %d %.3fms',
@@ -221,7 +226,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.path,
                 self._status,
                 self._sent,
-                (time.perf_counter() - start) * 1000,
+                (time.perf_counter() - self._start) * 1000,
             )
 
     def parse_request(self) -> bool:
@@ -236,36 +241,69 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         self.command, self.path, self.request_version = words
         self.close_connection = self.request_version == "HTTP/1.0"
-        headers = _Headers()
-        for _ in range(_MAX_HEADERS + 1):
-            raw = self.rfile.readline(_MAX_LINE + 1)
-            if raw in (b"\r\n", b"\n", b""):
-                break
-            name, sep, value = raw.decode("iso-8859-1").partition(":")
-            key = name.strip().lower()
-            value = value.strip()
-            if len(raw) > _MAX_LINE or not sep or not key:
-                self.close_connection = True
-                self.send_error(HTTPStatus.BAD_REQUEST, "Bad header line")
-                return False
-            if key == "content-length" and dict.get(headers, key, value) != value:  # request smuggling
-                self.close_connection = True
-                self.send_error(HTTPStatus.BAD_REQUEST, "Conflicting Content-Length headers")
-                return False
-            headers[key] = value
-        else:
-            self.close_connection = True
-            self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"More than {_MAX_HEADERS} headers")
+        block = self._header_block()
+        if block is False:
             return False
+        if block is None:
+            headers = _Headers()
+            for _ in range(_MAX_HEADERS + 1):
+                raw = self.rfile.readline(_MAX_LINE + 1)
+                if raw in (b"\r\n", b"\n", b""):
+                    break
+                if len(raw) > _MAX_LINE or not self._add_header(headers, raw.decode("iso-8859-1")):
+                    return False
+            else:
+                self.close_connection = True
+                self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"More than {_MAX_HEADERS} headers")
+                return False
+        else:
+            headers = block
         self.headers = headers  # type: ignore[assignment]  # _Headers offers what this server reads of Message
-        connection = (headers.get("connection") or "").lower()
+        connection = (dict.get(headers, "connection") or "").lower()
         if connection == "close":
             self.close_connection = True
         elif connection == "keep-alive":
             self.close_connection = False
-        if (headers.get("expect") or "").lower() == "100-continue":
+        if (dict.get(headers, "expect") or "").lower() == "100-continue":
             self.send_response_only(HTTPStatus.CONTINUE)
             self.end_headers()
+        return True
+
+    def _header_block(self) -> _Headers | Literal[False] | None:
+        """The headers when all of them are in the read buffer already (the usual case: one
+        ``peek``, one ``split``); None to read them line by line; False after answering a 4xx."""
+        buffered = self.rfile.peek(_MAX_LINE)  # type: ignore[attr-defined]  # rfile is a BufferedReader
+        if buffered.startswith(b"\r\n"):
+            self.rfile.read(2)  # no headers: the blank line only
+            return _Headers()
+        end = buffered.find(b"\r\n\r\n")  # the first blank line ends the headers
+        if end < 0 or b"\n" in buffered[:end].replace(b"\r\n", b""):  # incomplete, or bare-LF lines
+            return None
+        lines = self.rfile.read(end + 4)[:end].decode("iso-8859-1").split("\r\n")
+        if len(lines) > _MAX_HEADERS:
+            self.close_connection = True
+            self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"More than {_MAX_HEADERS} headers")
+            return False
+        headers = _Headers()
+        for line in lines:
+            if not self._add_header(headers, line):
+                return False
+        return headers
+
+    def _add_header(self, headers: _Headers, line: str) -> bool:
+        """Add one ``Name: value`` line; False after answering a 400 (bad line, request smuggling)."""
+        name, sep, value = line.partition(":")
+        key = name.strip().lower()
+        value = value.strip()
+        if not sep or not key:
+            self.close_connection = True
+            self.send_error(HTTPStatus.BAD_REQUEST, "Bad header line")
+            return False
+        if key == "content-length" and dict.get(headers, key, value) != value:  # request smuggling
+            self.close_connection = True
+            self.send_error(HTTPStatus.BAD_REQUEST, "Conflicting Content-Length headers")
+            return False
+        headers[key] = value
         return True
 
     def log_message(self, format: str, *args: Any) -> None:  # stdlib signature
@@ -274,17 +312,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _send(
         self, code: int, body: bytes = b"", content_type: str = _JSON, headers: tuple[tuple[str, str], ...] = ()
     ) -> None:
-        head = [
-            f"HTTP/1.1 {code} {_REASONS.get(code, '')}",
-            f"Server: {self.server_version}",
-            f"Date: {_http_date()}",
-            f"Content-Type: {content_type}",
-            f"Content-Length: {len(body)}",
-        ]
-        head += [f"{k}: {v}" for k, v in headers]
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers)
         if self.close_connection:
-            head.append("Connection: close")
-        self.wfile.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+            extra += "Connection: close\r\n"
+        head = (
+            f"HTTP/1.1 {code} {_REASONS.get(code, '')}\r\nServer: {self.server_version}\r\nDate: {_http_date()}\r\n"
+            f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
+        )
+        self.wfile.write(head.encode("latin-1") + body)
         self._status, self._sent = code, len(body)
 
     def _send_json(self, code: int, doc: Any, headers: tuple[tuple[str, str], ...] = ()) -> None:
@@ -304,11 +339,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_raw_body(self, reservation: Reservation) -> bytes:
         """The body as sent (``Content-Length`` bytes), its size reserved from the buffer budget."""
-        if self.headers.get("Transfer-Encoding"):
+        # a _Headers: lower-case keys, read with dict.get (no .lower() per look-up)
+        headers: dict[str, str] = self.headers  # type: ignore[assignment]
+        if dict.get(headers, "transfer-encoding"):
             self.close_connection = True
             raise InferenceInputError("chunked request bodies are not supported; send Content-Length")
         try:
-            length = int(self.headers.get("Content-Length", "0"))
+            length = int(dict.get(headers, "content-length", "0"))
         except ValueError as exc:
             self.close_connection = True
             raise InferenceInputError("Content-Length is not a number") from exc
@@ -431,12 +468,26 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._send(200, out, _BINARY, (("Inference-Header-Content-Length", str(json_len)),))
             code = 200
+        except AnsweredError:
+            self.close_connection = True  # the watchdog wrote the answer (and counted it)
+            return
         except EdgekitError as exc:
             self._send_error(exc)
             code = exc.http_status
         finally:
             reservation.close()
         service.metrics.observe_request(self._label, code, time.perf_counter() - start)
+
+    def _answer_hung(self, name: str, exc: EdgekitError) -> None:
+        """Answer this request from the watchdog's thread: this handler's thread is stuck in a
+        runtime call (run inline) that hung. It writes nothing when (if ever) it comes back."""
+        service = self.server.service
+        self._label = name if service.serves(name) else ""
+        self._answered = True
+        self.close_connection = True
+        self._send_error(exc)
+        service.metrics.observe_request(self._label, exc.http_status, time.perf_counter() - self._start)
+        self._log_access()
 
     def _codec(
         self, raw: bytes, name: str, reservation: Reservation
@@ -445,19 +496,23 @@ class _Handler(BaseHTTPRequestHandler):
         Callable[[InferRequest, dict[str, np.ndarray], int], tuple[bytes, int | None]],
     ]:
         """The decode and encode stages of this request (v2 JSON / binary extension)."""
-        header_length = _header_length(self.headers.get("Inference-Header-Content-Length"))
-        encoding = self.headers.get("Content-Encoding")
+        # a _Headers: lower-case keys, read with dict.get (no .lower() per look-up)
+        headers: dict[str, str] = self.headers  # type: ignore[assignment]
+        header_length = _header_length(dict.get(headers, "inference-header-content-length"))
+        encoding = dict.get(headers, "content-encoding")
         limit = self.server.max_request_bytes
         served: list[ServedModel] = []
 
         def decode(model: ServedModel) -> Decoded[InferRequest]:
             served.append(model)
             body = inflate(raw, encoding, limit, reservation)
-            request = decode_request(body, header_length, model.inputs, model.outputs, max_bytes=limit)
-            return Decoded(request, request.inputs, request.timeout_s)
+            request = decode_request(
+                body, header_length, model.inputs, model.outputs, max_bytes=limit, cache=self.server.header_cache
+            )
+            return Decoded(request, request.inputs, request.timeout_s, lambda exc: self._answer_hung(name, exc))
 
         def encode(request: InferRequest, results: dict[str, np.ndarray], version: int) -> tuple[bytes, int | None]:
-            return encode_response(name, version, request, results, served[0].outputs)
+            return encode_response(name, version, request, results, served[0].outputs, self.server.header_cache)
 
         return decode, encode
 
@@ -496,7 +551,8 @@ def is_loopback(host: str) -> bool:
 
 def _route(path: str) -> list[str]:
     path = path.split("?", 1)[0]
-    return [unquote(p) for p in path.strip("/").split("/")]
+    parts = path.strip("/").split("/")
+    return [unquote(p) for p in parts] if "%" in path else parts
 
 
 def _model_route(parts: list[str]) -> tuple[str, int | None, list[str]]:

@@ -132,3 +132,82 @@ def test_encode_is_read_back_by_tritonclient(binary: bool) -> None:
     np.testing.assert_array_equal(parsed.as_numpy("y"), results["y"])
     np.testing.assert_array_equal(parsed.as_numpy("z"), results["z"])
     assert parsed.get_output("z")["datatype"] == "INT64"
+
+
+# -- the header cache: a repeated binary-only header is not parsed again -----------------------------
+
+
+def _binary_request(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> tuple[bytes, int]:
+    header = {
+        "inputs": [
+            {"name": "a", "shape": list(a.shape), "datatype": "FP16", "parameters": {"binary_data_size": a.nbytes}},
+            {"name": "b", "shape": [2], "datatype": "INT8", "parameters": {"binary_data_size": 2}},
+            {"name": "c", "shape": [2], "datatype": "BOOL", "parameters": {"binary_data_size": 2}},
+        ],
+        "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
+    }
+    return _binary_body(header, a.tobytes(), b.tobytes(), c.tobytes())
+
+
+def test_decode_a_repeated_binary_header_is_not_parsed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from device_agents.serving import codec
+
+    cache = codec.HeaderCache()
+    b, c = np.array([1, 2], np.int8), np.array([True, False])
+    first = np.arange(6, dtype=np.float16).reshape(2, 3)
+    body, hlen = _binary_request(first, b, c)
+    assert decode_request(body, hlen, INPUTS, OUTPUTS, cache=cache).inputs["a"].tolist() == first.tolist()
+
+    def no_parsing(*args: object, **kwargs: object) -> object:
+        raise AssertionError("the header was parsed again")
+
+    monkeypatch.setattr(codec.json, "loads", no_parsing)
+    second = first + 10
+    body, hlen = _binary_request(second, b, c)
+    req = decode_request(body, hlen, INPUTS, OUTPUTS, cache=cache)
+    np.testing.assert_array_equal(req.inputs["a"], second)
+    np.testing.assert_array_equal(req.inputs["b"], b)
+    np.testing.assert_array_equal(req.inputs["c"], c)
+    assert req.outputs == (("y", True),) and req.id is None
+
+
+def test_decode_checks_a_cached_header_again_against_another_signature_or_body_length() -> None:
+    from device_agents.serving.codec import HeaderCache
+
+    cache = HeaderCache()
+    a, b, c = np.zeros((2, 3), np.float16), np.array([1, 2], np.int8), np.array([True, False])
+    body, hlen = _binary_request(a, b, c)
+    decode_request(body, hlen, INPUTS, OUTPUTS, cache=cache)
+    other = (TensorSpec("a", "float32", ("n", 3)), *INPUTS[1:])  # same names, another dtype
+    with pytest.raises(InferenceInputError, match="datatype 'FP16' given, the model takes FP32"):
+        decode_request(body, hlen, other, OUTPUTS, cache=cache)
+    with pytest.raises(InferenceInputError, match="binary data is"):
+        decode_request(body + b"\0", hlen, INPUTS, OUTPUTS, cache=cache)
+
+
+def test_encode_a_repeated_binary_response_header_is_built_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from device_agents.serving import codec
+
+    cache = codec.HeaderCache()
+    req = codec.InferRequest(None, {}, (("y", True),), True)
+    y = np.arange(4, dtype=np.float32).reshape(2, 2)
+    first, first_len = encode_response("m", 3, req, {"y": y, "z": np.zeros(1, np.int64)}, OUTPUTS, cache)
+
+    def no_dumping(*args: object, **kwargs: object) -> object:
+        raise AssertionError("the header was built again")
+
+    monkeypatch.setattr(codec.json, "dumps", no_dumping)
+    again, again_len = encode_response("m", 3, req, {"y": y + 1, "z": np.zeros(1, np.int64)}, OUTPUTS, cache)
+    assert again_len == first_len and again[:first_len] == first[:first_len]
+    assert first_len is not None
+    result = InferResult.from_response_body(again, header_length=first_len)
+    np.testing.assert_array_equal(result.as_numpy("y"), y + 1)
+
+
+def test_header_cache_keeps_at_most_max_entries() -> None:
+    from device_agents.serving.codec import HeaderCache
+
+    cache = HeaderCache(max_entries=2)
+    for i in range(3):
+        cache.keep_response(("k", i), b"h")
+    assert cache.response(("k", 0)) is None and cache.response(("k", 2)) == b"h"

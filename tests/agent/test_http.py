@@ -308,3 +308,46 @@ def test_malformed_json_outputs_are_never_written_as_invalid_json() -> None:
         (TensorSpec("y", "float32", (3,)),),
     )
     assert json_len is None and json.loads(out)["outputs"][0]["data"] == [1.0, None, None]
+
+
+def _exchange(agent: RunningAgent, *chunks: bytes) -> bytes:
+    """Send ``chunks`` as separate writes on one connection; what the server answers until it closes."""
+    import socket
+    import time
+
+    host, port = agent.address.split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i, chunk in enumerate(chunks):
+            if i:
+                time.sleep(0.05)  # another segment: the server may have parsed what came so far
+            sock.sendall(chunk)
+        answer = b""
+        while data := sock.recv(65536):
+            answer += data
+    return answer
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        (b"GET /v2/health/live HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",),  # all buffered at once
+        (b"GET /v2/health/live HTTP/1.1\r\nHost: a\r\n", b"Connection: close\r\n\r\n"),  # headers in two parts
+        (b"GET /v2/health/live HTTP/1.1\nHost: a\nConnection: close\n\n",),  # bare-LF lines
+        (b"GET /v2/health/live HTTP/1.0\r\n\r\n",),  # no headers at all
+    ],
+    ids=["one-write", "split", "bare-lf", "no-headers"],
+)
+def test_request_headers_parse_however_they_arrive(agent: RunningAgent, chunks: tuple[bytes, ...]) -> None:
+    answer = _exchange(agent, *chunks)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    assert answer.count(b"HTTP/1.1 ") == 1
+
+
+def test_bad_header_blocks_are_4xx(agent: RunningAgent) -> None:
+    smuggled = b"POST /v2/health/live HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab"
+    assert _exchange(agent, smuggled).startswith(b"HTTP/1.1 400 ")
+    no_colon = b"GET /v2/health/live HTTP/1.1\r\nHost a\r\n\r\n"
+    assert _exchange(agent, no_colon).startswith(b"HTTP/1.1 400 ")
+    many = b"GET /v2/health/live HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(101)) + b"\r\n"
+    assert _exchange(agent, many).startswith(b"HTTP/1.1 431 ")

@@ -18,11 +18,17 @@ import numpy as np
 import pytest
 
 from device_agents.config import AgentConfig, BatchingConfig, ModelConfig, load_config
-from device_agents.errors import DeadlineExceededError, OverloadedError, RuntimeFailure, UnavailableError
+from device_agents.errors import (
+    AnsweredError,
+    DeadlineExceededError,
+    OverloadedError,
+    RuntimeFailure,
+    UnavailableError,
+)
 from device_agents.lifecycle import Lifecycle
 from device_agents.pipeline import Decoded, Pipeline
-from device_agents.pipeline.batching import Batcher, Job
-from edgekit.bundle.errors import ConfigError
+from device_agents.pipeline.batching import Batcher, CallCost, Job
+from edgekit.bundle.errors import ConfigError, EdgekitError
 from tests.agent.bundles import read_manifest, rebundle
 from tests.agent.conftest import Bundles, write_config
 from tests.factories import sample_inputs
@@ -36,11 +42,13 @@ class Gate:
         self.opened = threading.Event()
         self.entered = threading.Event()
         self.rows: list[int] = []
+        self.threads: list[int] = []  # the thread each call ran in
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.entered.set()
         self.opened.wait(30)
         self.rows.append(len(next(iter(inputs.values()))))
+        self.threads.append(threading.get_ident())
         return dict(self.inner.run(inputs))
 
     def describe(self) -> dict[str, Any]:
@@ -265,3 +273,233 @@ def test_batching_a_stateful_model_is_a_config_error(bundles: Bundles) -> None:
     batched.check("tiny", manifest)  # dynamic batch, stateless: fine
     with pytest.raises(ConfigError, match=r"agent.models.tiny.batching: model tiny v1 is stateful"):
         batched.check("tiny", manifest.with_updates(stateful=True))
+
+
+# -- inline calls: a request to an idle model runs in the caller's thread --------------------------
+
+
+def _pipeline(lifecycle: Lifecycle, batching: BatchingConfig | None = None, **server: Any) -> Pipeline:
+    return Pipeline("tiny", lifecycle.registry, _config(lifecycle, batching, **server), lifecycle.metrics,
+                    threading.Semaphore(4))  # fmt: skip
+
+
+def _request(pipeline: Pipeline, answers: list[EdgekitError] | None, seed: int = 0) -> dict[str, np.ndarray]:
+    """One request through ``pipeline``; ``answers``: the front-end can be answered from another thread."""
+    x = sample_inputs(1, seed=seed)
+    answer = None if answers is None else answers.append
+    out: dict[str, np.ndarray] = pipeline.run(
+        None, lambda model: Decoded(None, {"input": x}, answer=answer), lambda req, out, v: out
+    )
+    return out
+
+
+def test_a_request_to_an_idle_unbatched_model_runs_in_the_calling_thread(lifecycle: Lifecycle, gate: Gate) -> None:
+    gate.opened.set()
+    pipeline = _pipeline(lifecycle)
+    try:
+        _request(pipeline, [])  # answerable from another thread: inline
+        assert gate.threads == [threading.get_ident()]
+        _request(pipeline, None)  # not answerable if it hung: handed to a worker
+        assert gate.threads[1] != threading.get_ident()
+        assert gate.threads[1] in {t.ident for t in pipeline.batcher._threads}
+    finally:
+        pipeline.stop(5)
+
+
+def test_a_request_to_a_busy_model_is_queued_within_its_concurrency_limit(lifecycle: Lifecycle, gate: Gate) -> None:
+    pipeline = _pipeline(lifecycle)  # workers = 1: one runtime call at a time
+    results: list[dict[str, np.ndarray]] = []
+    first = threading.Thread(target=lambda: results.append(_request(pipeline, [])))
+    first.start()
+    assert gate.entered.wait(10)  # the first request runs inline, holding the model's one call slot
+    second = threading.Thread(target=lambda: results.append(_request(pipeline, [], seed=1)))
+    second.start()
+    deadline = time.monotonic() + 10
+    while pipeline.batcher.depth() != 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert pipeline.batcher.depth() == 1 and len(gate.rows) == 0  # queued, not run beside the first
+    gate.opened.set()
+    first.join(10)
+    second.join(10)
+    assert len(results) == 2
+    assert gate.threads[0] == first.ident and gate.threads[1] in {t.ident for t in pipeline.batcher._threads}
+    pipeline.stop(5)
+
+
+def test_the_watchdog_answers_a_hung_inline_call_through_its_hook(lifecycle: Lifecycle, gate: Gate) -> None:
+    hung_model = lifecycle.registry.get("tiny")
+    hung_before = lifecycle.metrics.hung_calls.labels("tiny")._value.get()
+    pipeline = _pipeline(lifecycle, hung_call_s=0.3)  # workers = 1
+    answers: list[EdgekitError] = []
+    raised: list[BaseException] = []
+
+    def stuck() -> None:
+        try:
+            _request(pipeline, answers)
+        except BaseException as exc:  # what the stuck caller sees once its call returns
+            raised.append(exc)
+
+    caller = threading.Thread(target=stuck)
+    caller.start()
+    assert gate.entered.wait(10)
+    deadline = time.monotonic() + 10
+    while not answers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # answered from the watchdog's thread while the caller's thread is still inside the runtime
+    assert len(answers) == 1 and isinstance(answers[0], RuntimeFailure) and caller.is_alive()
+    assert "hung: its runtime call ran over server.hung_call_s (0.3 s)" in str(answers[0])
+    assert lifecycle.metrics.hung_calls.labels("tiny")._value.get() == hung_before + 1
+    # the stuck call gave its slot back: the reloaded model answers the next request (gate bypassed)
+    fresh = lifecycle.registry.get("tiny")
+    assert fresh is not hung_model
+    x = sample_inputs(1, seed=6)
+    out = _request(pipeline, [], seed=6)
+    np.testing.assert_allclose(out["probs"], fresh.runner.run({"input": x})["probs"], rtol=1e-5)
+    gate.opened.set()
+    caller.join(10)
+    assert len(raised) == 1 and isinstance(raised[0], AnsweredError)  # the front-end writes nothing more
+    pipeline.stop(5)
+
+
+# -- when a batch waits ---------------------------------------------------------------------------
+
+
+def test_an_idle_batcher_dispatches_without_waiting_max_wait(lifecycle: Lifecycle, gate: Gate) -> None:
+    gate.opened.set()
+    batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=10_000.0))
+    first = _job(1)
+    batcher.submit(first)
+    assert first.done.wait(10)  # done, but its caller has not collected it: still counted in flight
+    second = _job(1, seed=1)
+    batcher.submit(second)
+    # the model is idle and nothing is on its way: the batch runs now, not 10 s after its head came
+    assert second.done.wait(5) and second.outputs is not None
+    batcher.wait(first)
+    batcher.wait(second)
+    assert gate.rows == [1, 1]
+    batcher.stop(5)
+
+
+def test_a_batch_waits_for_requests_being_decoded_when_a_call_s_fixed_cost_is_worth_it(
+    lifecycle: Lifecycle, gate: Gate
+) -> None:
+    gate.opened.set()
+    batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=10_000.0))
+    for rows in (1, 2, 4, 1, 2, 4):
+        batcher.cost.record(rows, 60.0)  # every call 60 s whatever its rows: all of it is saved by batching
+    assert batcher.cost.fixed_s == pytest.approx(60.0)
+    batcher.arrive(1)  # a request is being decoded
+    head = _job(1)
+    batcher.submit(head)
+    time.sleep(0.05)
+    assert not head.done.is_set()  # waiting for the one on its way
+    late = _job(1, seed=1)
+    batcher.submit(late)
+    batcher.arrive(-1)
+    batcher.wait(head)
+    batcher.wait(late)
+    assert gate.rows == [2] and head.batch_rows == 2
+    batcher.stop(5)
+
+
+def test_a_batch_does_not_wait_when_a_call_has_no_fixed_cost(lifecycle: Lifecycle, gate: Gate) -> None:
+    gate.opened.set()
+    batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=10_000.0))
+    for rows in (1, 2, 4, 1, 2, 4):
+        batcher.cost.record(rows, 0.001 * rows)  # a batch of n costs n single calls: nothing to save
+    assert batcher.cost.fixed_s == pytest.approx(0.0, abs=1e-9)
+    batcher.arrive(1)  # a request is being decoded, but waiting for it would save nothing
+    head = _job(1)
+    batcher.submit(head)
+    assert head.done.wait(5) and head.outputs is not None
+    batcher.arrive(-1)
+    batcher.wait(head)
+    batcher.stop(5)
+
+
+def test_call_cost_splits_a_call_s_time_into_fixed_and_per_row_parts() -> None:
+    cost = CallCost()
+    assert cost.fixed_s == 0.0
+    cost.record(4, 0.005)
+    assert cost.fixed_s == pytest.approx(0.005)  # one size seen: the split is unknown, all counted fixed
+    for rows in (1, 8, 16, 2, 32):
+        cost.record(rows, 0.003 + 0.0005 * rows)
+    assert cost.fixed_s == pytest.approx(0.003, rel=0.05)
+    assert cost.per_row_s == pytest.approx(0.0005, rel=0.05)
+
+
+def test_batching_pays_only_when_a_call_s_fixed_part_is_a_real_share_of_it(lifecycle: Lifecycle) -> None:
+    batcher = _batcher(lifecycle, BatchingConfig())
+    try:
+        assert batcher.batching_pays()  # nothing measured: batch, as a plain dynamic batcher would
+        for rows in (1, 4, 16, 1, 4, 16):
+            batcher.cost.record(rows, 0.003 + 0.0001 * rows)  # an MLP reading its weights once per call
+        assert batcher.batching_pays()
+        batcher.cost = CallCost()
+        for rows in (1, 4, 16, 1, 4, 16):
+            batcher.cost.record(rows, 0.00015 + 0.001 * rows)  # a small conv net: 13% of a single call is fixed
+        assert not batcher.batching_pays()
+    finally:
+        batcher.stop(5)
+
+
+def test_a_batcher_whose_calls_have_no_fixed_cost_runs_jobs_one_at_a_time(lifecycle: Lifecycle, gate: Gate) -> None:
+    from device_agents.pipeline.batching import _EXPLORE_EVERY
+
+    batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=1.0))
+    for rows in (1, 2, 4, 1, 2, 4):
+        batcher.cost.record(rows, 0.001 * rows)  # batching saves nothing: run as an unbatched model would
+    assert not batcher.batching_pays()
+    first = _job(1)
+    batcher.submit(first)
+    assert gate.entered.wait(10)
+    queued = [_job(1, seed=i) for i in range(3)]
+    for job in queued:
+        batcher.submit(job)
+    gate.opened.set()
+    for job in (first, *queued):
+        batcher.wait(job)
+    assert gate.rows[:4] == [1, 1, 1, 1]
+    # one batch in _EXPLORE_EVERY still coalesces, so that the cost model keeps seeing batch sizes
+    gate.opened.clear()
+    gate.entered.clear()
+    batcher._formed = _EXPLORE_EVERY - 2
+    running = _job(1)
+    batcher.submit(running)
+    assert gate.entered.wait(10)
+    later = [_job(1, seed=i) for i in range(3)]
+    for job in later:
+        batcher.submit(job)
+    gate.opened.set()
+    for job in (running, *later):
+        batcher.wait(job)
+    assert gate.rows[4:] == [1, 3]
+    batcher.stop(5)
+
+
+def test_a_batched_model_runs_inline_while_batching_does_not_pay(lifecycle: Lifecycle, gate: Gate) -> None:
+    gate.opened.set()
+    pipeline = _pipeline(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=10_000.0))
+    try:
+        pipeline.batcher.arrive(1)  # another request on its way
+        for rows in (1, 2, 4, 1, 2, 4):
+            pipeline.batcher.cost.record(rows, 60.0)  # all fixed: worth waiting for it, so not inline
+        done: list[dict[str, np.ndarray]] = []
+        waiting = threading.Thread(target=lambda: done.append(_request(pipeline, [])))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while pipeline.batcher.depth() != 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert pipeline.batcher.depth() == 1  # queued, waiting for the one on its way
+        pipeline.batcher.arrive(-1)
+        waiting.join(10)
+        assert done and gate.threads[-1] != waiting.ident
+        pipeline.batcher.cost = CallCost()
+        for rows in (1, 2, 4, 1, 2, 4):
+            pipeline.batcher.cost.record(rows, 0.001 * rows)  # nothing saved by batching: inline
+        pipeline.batcher.arrive(1)
+        _request(pipeline, [])
+        assert gate.threads[-1] == threading.get_ident()
+        pipeline.batcher.arrive(-1)
+    finally:
+        pipeline.stop(5)
