@@ -136,7 +136,7 @@ def test_apple_palettize4_stores_16_entry_luts_and_the_intermediate_computes_wit
     compressed = [w for w in package_weights(program) if w.compressed]
     assert {(w.op_type, w.compression) for w in compressed} == {("constexpr_lut_to_dense", "palettized-4bit")}
     module = onnx_to_torch(freeze_graph(prepared.path, ctx.work_dir / "again.onnx", {"input": (1, 3, 16, 16)}).path)
-    _, uncompressed = load_program(ctx.work_dir / "uncompressed.mlpackage")
+    _, uncompressed = load_program(next(ctx.work_dir.rglob("uncompressed.mlpackage")))
     report = load_into_torch(module, package_weights(program), package_weights(uncompressed))
     assert len(report.compressed_loaded) == 3
     assert report.min_compressed_cosine is not None and report.min_compressed_cosine > 0.9
@@ -360,7 +360,7 @@ def test_apple_intermediate_takes_a_compressed_weight_coremltools_fused_a_scale_
     assert f"1 with a scale coremltools fused in divided out ({fused.name})" in " ".join(result.notes)
     # loaded into torch, the SE conv holds the package's compressed weight with the 0.2 divided out
     module = onnx_to_torch(freeze_graph(prepared.path, tmp_path / "again.onnx", {"input": (1, 3, 16, 16)}).path)
-    _, uncompressed = load_program(ctx.work_dir / "uncompressed.mlpackage")
+    _, uncompressed = load_program(next(ctx.work_dir.rglob("uncompressed.mlpackage")))
     report = load_into_torch(module, package_weights(program), package_weights(uncompressed))
     assert report.by_value == report.rescaled == (fused.name,)
     (se2,) = [p for p in module.parameters() if tuple(p.shape) == (8, 4, 1, 1)]
