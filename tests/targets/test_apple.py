@@ -553,3 +553,49 @@ def test_coreml_runtime_predicts_like_the_golden_vectors(apple_bundle) -> None:
     finally:
         served.close()
     assert np.mean(got.argmax(1) == golden["out_probs"].argmax(1)) >= 0.75
+
+
+# -- the optimisation engine (--precision auto) -------------------------------------------------------
+
+
+def test_apple_device_rank_follows_coremltools_performance_guide() -> None:
+    from edgekit.targets.apple import device_rank
+
+    ranks = [device_rank(p, "ALL") for p in ("int8", "palettize4", "palettize6", "int8-weights", "fp16", "fp32")]
+    assert ranks == sorted(ranks) and len(set(ranks)) == len(ranks)  # W8A8 first, then fewer weight bits
+    # activation quantization slows the CPU/GPU down: W8A8 last where the Neural Engine is excluded
+    assert device_rank("int8", "CPU_ONLY") > device_rank("fp16", "CPU_ONLY")
+    assert device_rank("int8", "CPU_AND_GPU") > device_rank("palettize4", "CPU_AND_GPU")
+
+
+def test_apple_auto_without_w8a8_deployment_target_skips_it_with_the_reason(prepared, tmp_path: Path) -> None:
+    plan = AppleTarget().candidates(_ctx(prepared, tmp_path, "auto", AppleOptions(minimum_deployment_target="iOS16")))
+    assert [c.precision for c in plan.first] == ["palettize4", "palettize6", "int8-weights", "fp16"]
+    reasons = dict(plan.skipped)
+    assert "W8A8 needs Core ML 7" in reasons["coreml w8a8 (coremltools.optimize.torch)"]
+    assert "Neural Engine computes in fp16" in reasons["coreml fp32"]
+    assert all(c.device_rank is not None for c in plan.first)
+
+
+@pytest.mark.slow
+def test_apple_auto_records_every_candidate_with_latency_not_measured_here(package_tiny, tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result, manifest, _ = package_tiny("apple", "auto", samples=40, options={"apple": {"weight_threshold": 0}})
+    report = manifest.candidates
+    assert report is not None and not report.latency_measured
+    rows = {c.id: c for c in report.candidates}
+    assert {c.settings["precision"] for c in report.candidates if c.status != "skipped"} == {
+        "int8", "palettize4", "palettize6", "int8-weights", "fp16",
+    }  # fmt: skip
+    assert rows["coreml fp32"].status == "skipped"
+    assert all(c.latency_p50_ms is None for c in report.candidates)
+    assert all(c.status == "skipped" or c.size_bytes for c in report.candidates)
+    # the choice: the passing candidate Apple's guide ranks fastest (W8A8 on the Neural Engine)
+    passing = [c for c in report.candidates if c.status in ("passed", "chosen")]
+    assert passing and report.chosen == "coreml w8a8 (coremltools.optimize.torch)"
+    assert manifest.precision.label == "w8a8" and manifest.validation.passed
+    assert any("latency not measured here" in n for n in report.notes)
+    text = result.reports["apple"].read_text()
+    assert "latency not measured here" in text and "coreml palettized 4-bit" in text
+    assert manifest.validation.latency_p50_ms is None

@@ -11,6 +11,7 @@ TPU: marked ``requires_edgetpu``.
 from __future__ import annotations
 
 import ctypes.util
+import json
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -525,3 +526,79 @@ def test_coral_16x8_keeps_int16_activations_on_the_cpu_and_says_the_edgetpu_cann
 def test_coral_refuses_16x8_for_the_edgetpu() -> None:
     with pytest.raises(ConfigError, match=r"coral\.activations=int16: the Edge TPU runs int8 activations only"):
         CoralOptions(activations="int16", edgetpu=True)
+
+
+# -- the Edge TPU path, with a stand-in for edgetpu_compiler ---------------------------------------------
+
+# edgetpu_compiler is not installable here (x86-64 Debian package from Coral's own repository). This
+# stand-in writes what the real one writes (``<stem>_edgetpu.tflite`` and its operation log, same
+# table layout) and maps ops by Coral's documented rule: int8 ops run on the Edge TPU up to the first
+# op that is not (a float op, e.g. DEQUANTIZE); that op and every op after it stay on the CPU
+# (coral.ai/docs/edgetpu/models-intro). It does not compile anything: the copied model is what the
+# host validates anyway (the uncompiled int8 model), and the bundle is never run on an Edge TPU here.
+FAKE_COMPILER = """\
+import shutil, sys
+from pathlib import Path
+import numpy as np
+from ai_edge_litert.interpreter import Interpreter
+args = sys.argv[1:]
+out = Path(args[args.index("-o") + 1])
+src = Path(args[-1])
+shutil.copyfile(src, out / f"{src.stem}_edgetpu.tflite")
+it = Interpreter(model_path=str(src))
+rows, on_cpu = [], False
+for op in it._get_ops_details():
+    dtype = it._get_tensor_details(op["outputs"][0], 0)["dtype"]
+    on_cpu = on_cpu or op["op_name"] == "DEQUANTIZE" or np.dtype(dtype) == np.float32
+    rows.append((op["op_name"], "More than one subgraph is not supported" if on_cpu else "Mapped to Edge TPU"))
+table = ["Operator                       Count      Status", ""]
+table += [f"{name:<30} 1          {status}" for name, status in rows]
+(out / f"{src.stem}_edgetpu.log").write_text("Edge TPU Compiler version 0.stand-in\\n\\n" + "\\n".join(table) + "\\n")
+print("Edge TPU Compiler version 0.stand-in")
+"""
+
+
+@pytest.mark.slow
+def test_coral_with_the_edgetpu_ranks_by_cpu_fallback_and_does_not_time_here(
+    outlier: tuple[Path, dict[str, np.ndarray]],
+    keypair: tuple[Path, Path],
+    open_bundle: Callable[[Path], tuple[Path, Manifest]],
+    tmp_path: Path,
+) -> None:
+    import sys
+
+    compiler = tmp_path / "edgetpu_compiler"
+    compiler.write_text(f"#!{sys.executable}\n{FAKE_COMPILER}")
+    compiler.chmod(0o755)
+    model, calib = outlier
+    with no_network():
+        result = edgekit.package(
+            model, targets=["coral"], precision="auto", calib=calib, key=keypair[0], out_dir=tmp_path,
+            options={"coral": {"edgetpu": True, "edgetpu_compiler": str(compiler)}},
+        )  # fmt: skip
+    _, manifest = open_bundle(result.bundles["coral"])
+    assert manifest.compatibility.accelerator == "edgetpu"
+    assert {f.path: f.role for f in manifest.files if f.role != "golden"} == {
+        "model_edgetpu.tflite": "artifact", "model_edgetpu.log": "report",
+    }  # fmt: skip
+    report = manifest.candidates
+    assert report is not None and not report.latency_measured
+    rows = {c.id: c for c in report.candidates}
+    assert all(c.latency_p50_ms is None for c in report.candidates)  # the Edge TPU is not here
+    assert rows[SIXTEEN_BY_EIGHT].status == "skipped" and "int8 activations only" in rows[SIXTEEN_BY_EIGHT].reason
+    assert rows["int8 minmax per-channel"].status == "failed"
+    chosen = rows[report.chosen]
+    assert chosen.excluded_nodes and manifest.validation.passed  # rescued by ops kept in float
+    assert any("expected fastest on the device" in n and "latency not measured here" in n for n in report.notes)
+    assert "Edge TPU latency: not measured here" in manifest.validation.notes
+    assert manifest.validation.measured_on.startswith("intermediate (uncompiled int8 .tflite")
+    placement = manifest.op_placement
+    assert placement is not None and placement.tool == "edgetpu_compiler" and placement.log_file == "model_edgetpu.log"
+    # the first layer stays float here (it produces the outlier): it and everything after it run on the CPU
+    assert placement.fallback == len(placement.entries) and placement.accelerated == 0
+    assert {e.device for e in placement.entries if e.op == "DEQUANTIZE"} == {"CPU"}
+    data = json.loads(result.reports["coral"].with_suffix(".json").read_text())
+    ranks = {c["name"]: c["device_rank"] for c in data["candidates"]}
+    assert ranks["int8 minmax per-channel"] == ranks["int8 minmax per-tensor"] == 0  # fully int8
+    # ops of the graph from the first one kept in float on: all four (3 FULLY_CONNECTED, RESHAPE)
+    assert ranks[report.chosen] == 4
