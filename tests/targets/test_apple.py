@@ -387,7 +387,7 @@ def test_apple_w8a8_package_holds_activation_quantization_and_the_intermediate_c
     assert result.precision.label == "w8a8" and "LinearQuantizer" in result.precision.method
     assert result.compatibility.hardware == {"minimum_deployment_target": "iOS17"}  # the lowest W8A8 runs on
     assert result.target_options["minimum_deployment_target"] == "iOS17"
-    assert [step.kind for step in result.provenance] == ["fix_shapes", "simplify", "quantize", "convert"]
+    assert [step.kind for step in result.provenance] == ["fix_shapes", "simplify", "quantize", "convert", "select"]
     # the intermediate is the quantized torch graph, holding the package's FP16 activation scales exactly
     module = inspect.getclosurevars(result.intermediate).nonlocals["module"]  # what torch_runner runs
     package_scales = [q.scale for q in package_activation_quant(program)]
@@ -466,7 +466,7 @@ def test_apple_w8a8_converts_a_dynamic_hw_yolo_style_detector_and_passes_its_gat
     assert manifest.precision.label == "w8a8" and v.kind == "dense" and v.passed and v.cosine > 0.99
     assert "frozen: static input shapes images=1x3x64x64" in v.notes
     kinds = [step.kind for step in manifest.provenance if step.kind != "prepare"]
-    assert kinds == ["fix_shapes", "simplify", "quantize", "convert"]
+    assert kinds == ["fix_shapes", "simplify", "quantize", "convert", "select"]
 
 
 # -- check_model -------------------------------------------------------------------------------------

@@ -371,7 +371,8 @@ def test_coral_auto_packages_a_dynamic_hw_yolo_style_detector_and_records_its_ca
     assert manifest.signature.inputs[0].shape == (1, 3, 64, 64)
     assert manifest.artifact_signature.inputs[0].shape == (1, 64, 64, 3)
     steps = [step for step in manifest.provenance if step.kind != "prepare"]
-    assert [step.kind for step in steps] == ["fix_shapes", "simplify", "rename_nodes", "convert", "quantize"]
+    kinds = ["fix_shapes", "simplify", "rename_nodes", "convert", "quantize", "select"]
+    assert [step.kind for step in steps] == kinds and steps[5].settings["candidate"] == report.chosen
     assert steps[0].settings == {"images": "1x3x64x64"} and steps[1].tool.startswith("onnxslim ")
     assert steps[1].settings["shape_ops_left"] == "0" and steps[1].after is not None and steps[1].after > 0.9999
     assert steps[3].tool.startswith("onnx2tf ") and steps[4].settings["activations"] == manifest.precision.activations
