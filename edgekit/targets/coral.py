@@ -228,8 +228,15 @@ class CoralTarget:
                 if opts.calibration == "auto":
                     better = QuantVariant("percentile", pc, opts.percentile)
                     refinements.append(Refinement(_int8_candidate(shared, better, compiler), of=variant.label))
+        pinned = [
+            f"{k}={v}" for k, v in (("calibration", "percentile"), ("per_channel", "off")) if getattr(opts, k) == v
+        ]
         if opts.activations == "int16" or (auto and opts.activations == "auto"):
-            if compiler is not None and opts.activations == "auto":
+            if pinned and opts.activations == "auto":
+                skipped.append(
+                    (SIXTEEN_BY_EIGHT, f"16x8 uses min/max ranges and per-channel weights; targets.coral.{pinned[0]}")
+                )
+            elif compiler is not None and opts.activations == "auto":
                 skipped.append(
                     (
                         SIXTEEN_BY_EIGHT,

@@ -599,3 +599,8 @@ def test_apple_auto_records_every_candidate_with_latency_not_measured_here(packa
     text = result.reports["apple"].read_text()
     assert "latency not measured here" in text and "coreml palettized 4-bit" in text
     assert manifest.validation.latency_p50_ms is None
+
+
+def test_apple_explicit_precision_builds_only_that_candidate(prepared, tmp_path: Path) -> None:
+    plan = AppleTarget().candidates(_ctx(prepared, tmp_path, "palettize6"))
+    assert [c.precision for c in plan.first] == ["palettize6"] and not plan.skipped

@@ -468,7 +468,8 @@ def test_coral_int8_that_misses_the_gate_is_rescued_by_keeping_ops_in_float(
     assert chosen.excluded_nodes and chosen.cosine is not None and chosen.cosine > 0.99
     assert manifest.precision.excluded_nodes == chosen.excluded_nodes and manifest.precision.excluded_reason
     assert manifest.precision.label == "w8a8" and "op(s) kept in float" in manifest.precision.method
-    assert manifest.validation.passed and manifest.validation.cosine > 0.99
+    cosine = manifest.validation.cosine
+    assert manifest.validation.passed and cosine is not None and cosine > 0.99
     notes = manifest.validation.notes
     assert any(n.startswith("mixed precision:") and "run on the CPU" in n for n in notes)
     placement = manifest.op_placement
@@ -603,3 +604,48 @@ def test_coral_with_the_edgetpu_ranks_by_cpu_fallback_and_does_not_time_here(
     assert ranks["int8 minmax per-channel"] == ranks["int8 minmax per-tensor"] == 0  # fully int8
     # ops of the graph from the first one kept in float on: all four (3 FULLY_CONNECTED, RESHAPE)
     assert ranks[report.chosen] == 4
+
+
+def _plan_ctx(tmp_path: Path, precision: str, **options: object) -> BuildContext:
+    from edgekit.bundle.manifest import Signature, TensorSpec
+
+    served = Signature(
+        inputs=(TensorSpec("input", "float32", ("n", 3, 16, 16), layout="NCHW"),),
+        outputs=(TensorSpec("probs", "float32", ("n", 10)),),
+    )
+    return BuildContext(
+        model_path=tmp_path / "never-read.onnx", served=served, precision=precision, calib={},
+        static_shapes={"input": (1, 3, 16, 16)}, out_dir=tmp_path, work_dir=tmp_path,
+        options=CoralOptions(**options), progress=lambda _m: None,  # type: ignore[arg-type]  # typed fields
+    )  # fmt: skip
+
+
+def test_coral_candidates_follow_the_options_that_pin_them(tmp_path: Path) -> None:
+    def names(precision: str, **options: object) -> tuple[list[str], list[str], list[str]]:
+        plan = CoralTarget().candidates(_plan_ctx(tmp_path, precision, edgetpu=False, **options))
+        return [c.name for c in plan.first], [r.candidate.name for r in plan.refinements], [n for n, _ in plan.skipped]
+
+    assert names("auto") == (
+        ["int8 minmax per-channel", "int8 minmax per-tensor", SIXTEEN_BY_EIGHT],
+        ["int8 percentile per-channel 99.99", "int8 percentile per-tensor 99.99"],
+        [],
+    )
+    assert names("int8") == (names("auto")[0][:2], names("auto")[1], [])  # 16x8 only under auto or when asked
+    assert names("auto", per_channel="on", calibration="percentile", percentile=99.9) == (
+        ["int8 percentile per-channel 99.9"], [], [SIXTEEN_BY_EIGHT]
+    )  # fmt: skip
+    assert names("int8", activations="int16") == ([SIXTEEN_BY_EIGHT], [], [])
+    assert names("auto", activations="int8")[0] == ["int8 minmax per-channel", "int8 minmax per-tensor"]
+
+
+def test_coral_candidates_for_the_edgetpu_skip_16x8_and_carry_a_device_rank(tmp_path: Path) -> None:
+    compiler = tmp_path / "edgetpu_compiler"
+    compiler.write_text("#!/bin/sh\nexit 1\n")  # never run: candidates are only described here
+    compiler.chmod(0o755)
+    plan = CoralTarget().candidates(_plan_ctx(tmp_path, "auto", edgetpu=True, edgetpu_compiler=str(compiler)))
+    assert [c.name for c in plan.first] == ["int8 minmax per-channel", "int8 minmax per-tensor"]
+    ((name, why),) = plan.skipped
+    assert name == SIXTEEN_BY_EIGHT and "the Edge TPU runs int8 activations only" in why
+    assert [c.device_rank for c in plan.first] == [0, 0]  # fully int8: nothing falls back to the CPU
+    off = CoralTarget().candidates(_plan_ctx(tmp_path, "auto", edgetpu=False))
+    assert all(c.device_rank is None for c in off.first)  # timed here instead
