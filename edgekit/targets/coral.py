@@ -364,12 +364,12 @@ def _built(
     precision = _precision(converted, variant, conversion.samples)
     excluded = variant.denylisted if variant is not None else ()
     if compiler is None or converted.activations != "int8":
-        runner = served_runner
         return Built(
             files={ARTIFACT: "artifact"},
             runtime="litert",
             precision=precision,
-            open=lambda threads: runner(converted.quantized, artifact_sig, mapping, space.served, threads),
+            # opened as the litert runtime opens it: timed here on host LiteRT (XNNPACK)
+            open=lambda threads: served_runner(converted.quantized, artifact_sig, mapping, space.served, threads),
             excluded_nodes=excluded,
             detail=_CoralBuild(converted, variant, conversion.samples, None),
         )
