@@ -62,8 +62,8 @@ def package(
     ``key``: the private signing key (``edgekit keygen``). ``tolerance``: gate overrides such as
     ``{"min_top1_agreement": 0.97}``. ``overwrite``: replace existing bundles; ``allow_failed``:
     also write bundles that miss the gate (marked failed; ``result.passed`` is false).
-    ``precision="auto"`` (cpu, intel, jetson): the optimisation engine chooses among every candidate by
-    ``objective`` (``latency`` or ``size``) within the gate (``max_drop``: the allowed top-1 drop
+    ``precision="auto"`` (cpu, intel, jetson, coral, apple): the optimisation engine chooses among
+    every candidate by ``objective`` (``latency`` or ``size``) within the gate (``max_drop``: the allowed top-1 drop
     for classifiers), never slower than FP32; ``mixed_precision`` lets an explicit ``int8`` keep
     its most sensitive layers in float; ``threads``: the device runtime's thread count candidates
     are timed at; ``calib_samples``: the stratified calibration subset's size. ``keep_candidates``:

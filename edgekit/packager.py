@@ -227,8 +227,8 @@ def package(
     ``PackageResult.passed``); without it such a target raises ``PackageValidationError``.
     ``log_dir``: keep each target's converter output as ``LOG_DIR/<target>.log``.
 
-    Targets with candidates (cpu, intel, jetson) go through the optimisation engine (``edgekit.optimize``):
-    ``objective`` (``latency`` or ``size``) orders the candidates within the gate,
+    Targets with candidates (cpu, intel, jetson, coral, apple) go through the optimisation engine
+    (``edgekit.optimize``): ``objective`` (``latency`` or ``size``) orders the candidates within the gate,
     ``mixed_precision`` lets an explicit ``int8`` keep its most sensitive layers in float (``auto``
     always may), ``threads`` is the device runtime's thread count latency is measured at (0: the
     runtime's default), ``calib_samples`` bounds the stratified calibration subset. ``max_drop``: the

@@ -51,6 +51,9 @@ class Built:
     intermediate: RunFn | None = None  # accuracy where ``open`` is None (a faithful stand-in)
     notes: tuple[str, ...] = ()
     excluded_nodes: tuple[str, ...] = ()  # layers kept in higher precision (mixed precision)
+    # what the target's ``finish`` needs of this build (a converted model, its own description);
+    # opaque to the engine
+    detail: Any = None
 
 
 @dataclass(frozen=True)

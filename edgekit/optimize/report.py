@@ -46,6 +46,7 @@ def outcome_data(o: Outcome) -> dict[str, Any]:
         "excluded_nodes": list(o.excluded_nodes),
         # where the latency was measured: this host, a device profile, or nowhere ("not measured here")
         "latency_from": o.latency_from or ("host" if lat is not None else None),
+        "device_rank": o.device_rank,  # the target's expected device speed order where latency is not measured
     }
 
 

@@ -74,6 +74,11 @@ def optimise(
     ref_path = reference_path or ctx.source_path or ctx.model_path
     reference_open = ort_open(ref_path)
     reference: RunFn = reference_open(0)
+    served = ctx.served
+    if getattr(target, "static_shapes", False):  # the artifact takes the static shapes only: measure at them
+        from edgekit.packager import _static_signature
+
+        served = _static_signature(ctx.served, ctx.static_shapes)
     kind = output_kind(ctx.served)
     batch = fixed_batch(ctx.served) or 16
     classes = None
@@ -82,14 +87,14 @@ def optimise(
         scores = run_all(reference, dict(ctx.calib), batch, pad=fixed_batch(ctx.served) is not None)[first]
         classes = np.asarray(scores).reshape(sample_count(ctx.calib), -1).argmax(-1)
     data = search_data(ctx.calib, settings.calib_samples, classes)
-    calib_batch = fixed_batch(ctx.served) or min(16, sample_count(data.calib))
+    calib_batch = fixed_batch(served) or min(16, sample_count(data.calib))
     plan = target.candidates(ctx)
     result = search(
         plan,
         target=target.name,
         work_dir=ctx.work_dir / "candidates",
         data=data,
-        served=ctx.served,
+        served=served,
         reference=reference,
         reference_open=reference_open,
         kind=kind,

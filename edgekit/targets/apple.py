@@ -10,6 +10,13 @@ Path: ONNX -> frozen graph (input shapes fixed, constants folded, onnxslim; ``ed
   or per group of output channels with ``palettize_granularity=per_grouped_channel`` on iOS18+;
   needs scikit-learn).
 
+The target describes candidates; the optimisation engine (``edgekit.optimize``) builds and
+chooses. Under ``--precision auto`` every precision above is a candidate (fp32 is skipped: the
+Neural Engine computes in fp16) plus W8A8 (``int8``: ``build_w8a8``), each judged by the
+intermediate carrying its own package's weights; an explicit precision builds only that one.
+Core ML latency cannot be measured here, so ``auto`` ships the candidate Apple's documentation
+ranks fastest within the budget (``device_rank``) and the report says latency was not measured.
+
 Core ML prediction does not run on Linux. The package is checked structurally (spec, inputs and
 outputs, compression ops really present) and numerically through the torch graph it was
 converted from, with the weights the saved package holds (LUT + indices / int8 + scales,
@@ -44,6 +51,7 @@ from edgekit.bundle.manifest import (
     TensorSpec,
 )
 from edgekit.errors import ConfigError, MissingSDKError, ValidationFailedError
+from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan
 from edgekit.targets.base import BuildContext, BuildResult
 from edgekit.targets.op_support import raise_unsupported
 
@@ -95,7 +103,15 @@ class AppleOptions:
 class AppleTarget:
     name: ClassVar[str] = "apple"
     runtime: ClassVar[str] = "coreml"
-    precisions: ClassVar[tuple[str, ...]] = ("fp16", "int8", "int8-weights", "palettize6", "palettize4", "fp32")
+    precisions: ClassVar[tuple[str, ...]] = (
+        "fp16",
+        "int8",
+        "int8-weights",
+        "palettize6",
+        "palettize4",
+        "fp32",
+        "auto",
+    )
     Options: ClassVar[type] = AppleOptions
     static_shapes: ClassVar[bool] = True
 
@@ -109,94 +125,208 @@ class AppleTarget:
         if nodes:
             raise_unsupported(self.name, "onnx2torch (the ONNX -> PyTorch step before coremltools)", model_path, nodes)
 
-    def build(self, ctx: BuildContext) -> BuildResult:
-        ct = _sdk("coremltools", "the apple target")
-        torch = _sdk("torch", "the apple target")
-        from edgekit.compress.mlpackage_weights import load_into_torch, load_program, package_weights
-
-        opts: AppleOptions = ctx.options
-        if ctx.precision == "int8":
-            return build_w8a8(ctx)
-        deployment = deployment_target(opts, ctx.precision)
-        if ctx.precision in _PALETTE_BITS and opts.palettize_mode == "kmeans":
-            _sdk("sklearn", "k-means palettization")  # coremltools imports it lazily: fail before converting
-        inputs, frozen, module, example = _torch_graph(ctx)
-        with torch.no_grad():
-            traced = torch.jit.trace(module, example, check_trace=False)
-        ctx.progress(f"[apple] coremltools {ct.__version__}: mlprogram, {ctx.precision}")
-        mlmodel = _mlprogram(ct, traced, inputs, ctx.served, deployment, fp32=ctx.precision == "fp32")
-        compressed, precision = _compress(ct, mlmodel, ctx.precision, opts)
-        package = ctx.out_dir / PACKAGE
-        compressed.save(str(package))
-
-        spec, program = load_program(package)
-        artifact_signature, mapping = _interface(spec, ctx.served, inputs)
-        weights = package_weights(program)
-        summary = check_compression(weights, ctx.precision, opts)
-        reference = weights
-        if compressed is not mlmodel:  # the same program before compression ties each weight to its torch tensor
-            mlmodel.save(str(ctx.work_dir / "uncompressed.mlpackage"))
-            reference = package_weights(load_program(ctx.work_dir / "uncompressed.mlpackage")[1])
-        intermediate_module = copy.deepcopy(module)
-        report = load_into_torch(intermediate_module, weights, reference)
-        fp16_activations = ctx.precision != "fp32"
-        files = {p.relative_to(ctx.out_dir).as_posix(): "artifact" for p in sorted(package.rglob("*")) if p.is_file()}
-        worst = report.min_compressed_cosine
-        notes = [
-            *(f"frozen: {step}" for step in frozen.steps),
-            summary,
-            f"intermediate: {len(report.compressed_loaded)} compressed and {len(report.plain_loaded)} plain weights "
-            "read back from the saved package" + (f" (worst cosine to the fp32 weight {worst:.4f})" if worst else ""),
-            "Core ML latency: not measured here",
-        ]
-        if report.by_value:
-            notes.append(
-                f"intermediate: {len(report.by_value)} weight(s) found by value, {len(report.rescaled)} with a scale "
-                f"coremltools fused in divided out ({', '.join(report.rescaled[:3])})"
+    # -- candidates ---------------------------------------------------------------------------
+    def candidates(self, ctx: BuildContext) -> CandidatePlan:
+        """Every Core ML precision under ``auto`` (one package each, judged by the intermediate
+        carrying that package's own weights), else the one asked for. Core ML does not run here:
+        ``device_rank`` orders them by Apple's documentation (``DEVICE_RANK``)."""
+        opts: AppleOptions = ctx.options or AppleOptions()
+        skipped: list[tuple[str, str]] = []
+        if ctx.precision != "auto":
+            if ctx.precision == "int8":
+                deployment_target(opts, "int8")  # refuse a deployment target W8A8 cannot run on, before converting
+            wanted = [ctx.precision]
+        else:
+            wanted = list(AUTO_ORDER)
+            skipped.append(
+                (
+                    _candidate_name("fp32"),
+                    "fp32 compute is never the faster Core ML build: the Neural Engine computes in fp16, so fp32 "
+                    "runs on the CPU/GPU only (ask for it with --precision fp32)",
+                )
             )
-        if report.plain_unmatched:
-            notes.append(
-                f"intermediate: {len(report.plain_unmatched)} uncompressed package constant(s) match no torch tensor "
-                f"and keep their FP32 values ({', '.join(report.plain_unmatched[:3])})"
-            )
-        return BuildResult(
-            files=files,
-            **_coreml_result_fields(ct, opts, program, package, spec, deployment, notes),
-            artifact_signature=artifact_signature,
-            mapping=mapping,
-            precision=precision,
-            intermediate=torch_runner(intermediate_module, ctx.served, inputs, fp16_activations),
-            intermediate_name=(
-                "torch intermediate with the mlpackage's dequantized weights"
-                + (", activations rounded to FP16" if fp16_activations else "")
-            ),
-            static=True,
-            provenance=(
-                *frozen.provenance(),
-                CompressionStep(
-                    kind="convert",
-                    tool=f"{_onnx2torch_version()} -> torch.jit.trace -> coremltools {ct.__version__}",
-                    settings={
-                        "convert_to": "mlprogram",
-                        "compute_precision": "fp32" if ctx.precision == "fp32" else "fp16",
-                        "minimum_deployment_target": deployment,
-                    },
-                ),
-                *(
-                    ()
-                    if compressed is mlmodel
-                    else (
-                        CompressionStep(
-                            kind="palettize" if ctx.precision in _PALETTE_BITS else "quantize",
-                            tool=f"coremltools {ct.__version__}",
-                            settings={"method": precision.method, "weight_threshold": str(opts.weight_threshold)},
-                            metric="worst cosine of a compressed weight to its fp32 weight" if worst else "",
-                            after=worst,
-                        ),
+            if opts.minimum_deployment_target is not None and opts.minimum_deployment_target not in _W8A8_TARGETS:
+                wanted.remove("int8")
+                skipped.append(
+                    (
+                        _candidate_name("int8"),
+                        f"targets.apple.minimum_deployment_target={opts.minimum_deployment_target}: W8A8 needs "
+                        f"Core ML 7 activation quantization ({' or '.join(_W8A8_TARGETS)})",
                     )
-                ),
-            ),
+                )
+        return CandidatePlan(first=tuple(self._candidate(ctx, p) for p in wanted), skipped=tuple(skipped))
+
+    def _candidate(self, ctx: BuildContext, precision: str) -> Candidate:
+        opts: AppleOptions = ctx.options or AppleOptions()
+
+        def build(space: BuildSpace) -> Built:
+            scratch = space.work_dir / "scratch"
+            scratch.mkdir()
+            one = dataclasses.replace(
+                ctx,
+                precision=precision,
+                calib=space.calib,
+                out_dir=space.work_dir,
+                work_dir=scratch,
+                progress=space.progress,
+            )
+            result = build_one(one)
+            return Built(
+                files=result.files,
+                runtime="coreml",
+                precision=result.precision,
+                open=None,  # Core ML does not run here: "latency not measured here"
+                intermediate=result.intermediate,
+                detail=result,
+            )
+
+        return Candidate(
+            name=_candidate_name(precision),
+            precision=precision,
+            runtime="coreml",
+            build=build,
+            settings={"precision": precision, "compute_units": opts.compute_units},
+            family=precision,
+            device_rank=device_rank(precision, opts.compute_units),
         )
+
+    def finish(self, ctx: BuildContext, built: Built, built_dir: Path) -> BuildResult:
+        """The chosen package in ``ctx.out_dir``; its description is the candidate's own."""
+        import shutil
+
+        for path in built.files:
+            dest = ctx.out_dir / path
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(built_dir / path, dest)
+        result: BuildResult = built.detail
+        return result
+
+    def build(self, ctx: BuildContext) -> BuildResult:
+        """Outside the packager: the engine's search on the calibration data alone."""
+        from edgekit.optimize.run import optimise
+
+        return optimise(self, ctx).build
+
+
+# Core ML does not run here, so ``auto`` ships by the expected speed order on the device (lower =
+# faster), from coremltools' optimization guide, "Performance"
+# (https://apple.github.io/coremltools/docs-guides/source/opt-quantization-perf.html): W8A8 gets
+# int8-int8 compute on the Neural Engine of A17 Pro / M4 and later and "may lead to more gains when
+# compared to weight-only quantization"; weight-only compression reduces the data moved per
+# prediction, which helps memory-bound models (fewer bits, less data); fp16 is the uncompressed
+# Neural Engine build. Activation quantization is "a considerable slowdown" on the CPU (and
+# sometimes the GPU), so with compute units that exclude the Neural Engine W8A8 ranks last.
+AUTO_ORDER = ("int8", "palettize4", "palettize6", "int8-weights", "fp16")
+_NO_NEURAL_ENGINE = ("CPU_ONLY", "CPU_AND_GPU")
+
+
+def device_rank(precision: str, compute_units: str) -> int:
+    order = [p for p in AUTO_ORDER if not (p == "int8" and compute_units in _NO_NEURAL_ENGINE)]
+    if precision == "int8" and compute_units in _NO_NEURAL_ENGINE:
+        return len(AUTO_ORDER)
+    return order.index(precision) if precision in order else len(AUTO_ORDER) + 1  # fp32: CPU/GPU only
+
+
+def _candidate_name(precision: str) -> str:
+    return {
+        "int8": "coreml w8a8 (coremltools.optimize.torch)",
+        "int8-weights": "coreml int8 weights",
+        "palettize6": "coreml palettized 6-bit",
+        "palettize4": "coreml palettized 4-bit",
+        "fp16": "coreml fp16",
+        "fp32": "coreml fp32",
+    }[precision]
+
+
+def build_one(ctx: BuildContext) -> BuildResult:
+    """One ``.mlpackage`` of ``ctx.precision`` in ``ctx.out_dir``: one candidate the engine builds."""
+    ct = _sdk("coremltools", "the apple target")
+    torch = _sdk("torch", "the apple target")
+    from edgekit.compress.mlpackage_weights import load_into_torch, load_program, package_weights
+
+    opts: AppleOptions = ctx.options or AppleOptions()
+    if ctx.precision == "int8":
+        return build_w8a8(ctx)
+    deployment = deployment_target(opts, ctx.precision)
+    if ctx.precision in _PALETTE_BITS and opts.palettize_mode == "kmeans":
+        _sdk("sklearn", "k-means palettization")  # coremltools imports it lazily: fail before converting
+    inputs, frozen, module, example = _torch_graph(ctx)
+    with torch.no_grad():
+        traced = torch.jit.trace(module, example, check_trace=False)
+    ctx.progress(f"[apple] coremltools {ct.__version__}: mlprogram, {ctx.precision}")
+    mlmodel = _mlprogram(ct, traced, inputs, ctx.served, deployment, fp32=ctx.precision == "fp32")
+    compressed, precision = _compress(ct, mlmodel, ctx.precision, opts)
+    package = ctx.out_dir / PACKAGE
+    compressed.save(str(package))
+
+    spec, program = load_program(package)
+    artifact_signature, mapping = _interface(spec, ctx.served, inputs)
+    weights = package_weights(program)
+    summary = check_compression(weights, ctx.precision, opts)
+    reference = weights
+    if compressed is not mlmodel:  # the same program before compression ties each weight to its torch tensor
+        mlmodel.save(str(ctx.work_dir / "uncompressed.mlpackage"))
+        reference = package_weights(load_program(ctx.work_dir / "uncompressed.mlpackage")[1])
+    intermediate_module = copy.deepcopy(module)
+    report = load_into_torch(intermediate_module, weights, reference)
+    fp16_activations = ctx.precision != "fp32"
+    files = {p.relative_to(ctx.out_dir).as_posix(): "artifact" for p in sorted(package.rglob("*")) if p.is_file()}
+    worst = report.min_compressed_cosine
+    notes = [
+        *(f"frozen: {step}" for step in frozen.steps),
+        summary,
+        f"intermediate: {len(report.compressed_loaded)} compressed and {len(report.plain_loaded)} plain weights "
+        "read back from the saved package" + (f" (worst cosine to the fp32 weight {worst:.4f})" if worst else ""),
+        "Core ML latency: not measured here",
+    ]
+    if report.by_value:
+        notes.append(
+            f"intermediate: {len(report.by_value)} weight(s) found by value, {len(report.rescaled)} with a scale "
+            f"coremltools fused in divided out ({', '.join(report.rescaled[:3])})"
+        )
+    if report.plain_unmatched:
+        notes.append(
+            f"intermediate: {len(report.plain_unmatched)} uncompressed package constant(s) match no torch tensor "
+            f"and keep their FP32 values ({', '.join(report.plain_unmatched[:3])})"
+        )
+    return BuildResult(
+        files=files,
+        **_coreml_result_fields(ct, opts, program, package, spec, deployment, notes),
+        artifact_signature=artifact_signature,
+        mapping=mapping,
+        precision=precision,
+        intermediate=torch_runner(intermediate_module, ctx.served, inputs, fp16_activations),
+        intermediate_name=(
+            "torch intermediate with the mlpackage's dequantized weights"
+            + (", activations rounded to FP16" if fp16_activations else "")
+        ),
+        static=True,
+        provenance=(
+            *frozen.provenance(),
+            CompressionStep(
+                kind="convert",
+                tool=f"{_onnx2torch_version()} -> torch.jit.trace -> coremltools {ct.__version__}",
+                settings={
+                    "convert_to": "mlprogram",
+                    "compute_precision": "fp32" if ctx.precision == "fp32" else "fp16",
+                    "minimum_deployment_target": deployment,
+                },
+            ),
+            *(
+                ()
+                if compressed is mlmodel
+                else (
+                    CompressionStep(
+                        kind="palettize" if ctx.precision in _PALETTE_BITS else "quantize",
+                        tool=f"coremltools {ct.__version__}",
+                        settings={"method": precision.method, "weight_threshold": str(opts.weight_threshold)},
+                        metric="worst cosine of a compressed weight to its fp32 weight" if worst else "",
+                        after=worst,
+                    ),
+                )
+            ),
+        ),
+    )
 
 
 _W8A8_TARGETS = ("iOS17", "iOS18", "macOS14", "macOS15")
@@ -584,11 +714,14 @@ def _sdk(module: str, what: str) -> Any:
 
 
 __all__ = [
+    "AUTO_ORDER",
     "AppleOptions",
     "AppleTarget",
+    "build_one",
     "build_w8a8",
     "check_compression",
     "deployment_target",
+    "device_rank",
     "op_placement",
     "torch_runner",
 ]

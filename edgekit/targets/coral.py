@@ -1,25 +1,31 @@
 """``coral`` target: full-integer INT8 ``.tflite`` for LiteRT, compiled for the Edge TPU when
 ``edgetpu_compiler`` is on PATH.
 
-Before onnx2tf the graph is frozen (static input shapes, constants folded and simplified by
-onnxslim, TF-valid node names: ``edgekit.compress.freeze``), so dynamic-shape graphs such as
-YOLOv8 convert; the steps are recorded in the notes.
+The target describes candidates; the optimisation engine (``edgekit.optimize``) builds, measures
+and chooses. The slow part is done once per search and shared: the graph is frozen (static input
+shapes, constants folded and simplified by onnxslim, TF-valid node names:
+``edgekit.compress.freeze``, so dynamic-shape graphs such as YOLOv8 convert), onnx2tf makes the
+SavedModel and the float TFLite, and TFLite's calibrator records the activation ranges once per
+calibration method (``edgekit.compress.tflite_quant``). Candidates:
 
-``activations="int16"`` (``--option coral.activations=int16``) builds LiteRT's 16x8 mode instead:
-int16 activations and inputs/outputs, int8 weights. The Edge TPU runs int8 only, so a 16x8 model is
-never compiled for it (``edgetpu=true`` is refused) and runs on LiteRT's CPU kernels; the manifest
-notes and op placement say so.
+- full-integer INT8 (int8 activations, what the Edge TPU runs), per-channel weights (LiteRT's
+  default) and per-tensor weights, MinMax ranges; percentile ranges as the refinement of a layout
+  that missed the budget; mixed precision keeps the most sensitive ops in float (the MLIR
+  quantizer's ``denylisted_nodes``), ranked by their measured error (``optimize.tflite_sensitivity``);
+- 16x8 (int16 activations, int8 weights) under ``auto`` or with ``activations=int16``, only where
+  the Edge TPU is not the target: the Edge TPU runs int8 only (the skip is recorded).
 
-Inputs and outputs are int8; their scale and zero point go into the manifest (artifact
-signature) and the agent quantizes / dequantizes for clients that send floats, and transposes
-NCHW <-> NHWC (``TensorMapping.transpose``). Shapes are static (``ctx.static_shapes``).
+Timing: without the compiler the bundle holds ``model.tflite`` for the CPU (XNNPACK) and every
+candidate is timed here on host LiteRT, as the cpu target's are. With the compiler each int8
+candidate is compiled (``model_edgetpu.tflite``, runs only with the Edge TPU delegate,
+``Compatibility.accelerator = "edgetpu"``; the compiler's log becomes ``op_placement``), its latency
+is "not measured here", accuracy is measured on the uncompiled int8 model (same int8 arithmetic)
+and ``device_rank`` orders candidates by Coral's documentation: fewer ops falling back to the CPU
+is faster.
 
-Edge TPU: with the compiler, the bundle holds ``model_edgetpu.tflite`` (runs only with the Edge TPU
-delegate, ``Compatibility.accelerator = "edgetpu"``) and the compiler's log as a ``report`` file,
-parsed into ``op_placement``; the host validates the uncompiled INT8 model it was compiled from
-(same int8 arithmetic) as the intermediate. Without the compiler the bundle holds
-``model.tflite`` for the CPU (XNNPACK) and says so in the notes; op placement then lists the
-interpreter's own ops, all on the CPU.
+Inputs and outputs are int8 (int16 for 16x8); their scale and zero point go into the manifest
+(artifact signature) and the agent quantizes / dequantizes for clients that send floats, and
+transposes NCHW <-> NHWC (``TensorMapping.transpose``). Shapes are static (``ctx.static_shapes``).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import re
 import shutil
 import subprocess
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -45,12 +51,14 @@ from edgekit.bundle.manifest import (
     TensorMapping,
     TensorSpec,
 )
+from edgekit.compress.tflite_quant import CALIBRATIONS, QuantVariant
 from edgekit.errors import ConfigError, EdgekitError, MissingSDKError
+from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, Refinement
 from edgekit.targets.base import BuildContext, BuildResult
 from edgekit.targets.op_support import UnsupportedNode, raise_unsupported
 
 if TYPE_CHECKING:
-    from edgekit.compress.onnx2tflite import TensorLink, TfliteModel
+    from edgekit.compress.onnx2tflite import FloatConversion, TensorLink, TfliteModel
 
 ARTIFACT = "model.tflite"
 COMPILED = "model_edgetpu.tflite"
@@ -62,34 +70,121 @@ _LOG_ROW = re.compile(r"^(?P<op>[A-Z][A-Z0-9_]*)\s+(?P<count>\d+)\s+(?P<status>\
 
 @dataclass(frozen=True)
 class CoralOptions:
-    """Settings of the ``coral`` target (``targets.coral.*``)."""
+    """Settings of the ``coral`` target (``targets.coral.*``). ``auto`` = let the search choose."""
 
     # Compile for the Edge TPU: "auto" when edgetpu_compiler is on PATH, True requires it, False never.
     edgetpu: bool | Literal["auto"] = "auto"
     calibration_samples: int = 300  # at most this many calibration samples feed the representative dataset
     edgetpu_compiler: str = EDGETPU_COMPILER  # command name or path
-    # int8: full-integer INT8 (Edge TPU or CPU); int16: 16x8 (int16 activations, int8 weights), CPU only
-    activations: Literal["int8", "int16"] = "int8"
+    # int8: full-integer INT8 (Edge TPU or CPU); int16: 16x8 (int16 activations, int8 weights), CPU only;
+    # auto: int8, and under --precision auto also 16x8 where the Edge TPU is not the target
+    activations: Literal["auto", "int8", "int16"] = "auto"
+    calibration: Literal["auto", "minmax", "percentile"] = "auto"  # auto: minmax, percentile where it misses
+    per_channel: Literal["auto", "on", "off"] = "auto"  # weight scales per output channel (LiteRT's default)
+    percentile: float = 99.99  # for calibration=percentile: activation ranges cover this share of values
 
     def __post_init__(self) -> None:
         if self.edgetpu not in (True, False, "auto"):
             raise ConfigError(f"targets.coral.edgetpu: {self.edgetpu!r} is not one of true, false, auto")
-        if self.activations not in ("int8", "int16"):
-            raise ConfigError(f"targets.coral.activations: {self.activations!r} is not one of int8, int16")
+        for key, choices in (
+            ("activations", ("auto", "int8", "int16")),
+            ("calibration", ("auto", *CALIBRATIONS)),
+            ("per_channel", ("auto", "on", "off")),
+        ):
+            if getattr(self, key) not in choices:
+                raise ConfigError(f"targets.coral.{key}: {getattr(self, key)!r} is not one of {', '.join(choices)}")
         if self.activations == "int16" and self.edgetpu is True:
             raise ConfigError(
                 "targets.coral.activations=int16: the Edge TPU runs int8 activations only, so a 16x8 model "
                 "cannot be compiled for it; set targets.coral.edgetpu to auto or false (LiteRT CPU), or "
                 "targets.coral.activations=int8"
             )
+        if self.activations == "int16" and (self.calibration == "percentile" or self.per_channel == "off"):
+            raise ConfigError(
+                "targets.coral.activations=int16: 16x8 is built with the converter's own min/max calibration and "
+                "per-channel weights; drop targets.coral.calibration=percentile / per_channel=off, or use int8"
+            )
         if self.calibration_samples < 1:
             raise ConfigError(f"targets.coral.calibration_samples: must be >= 1, got {self.calibration_samples}")
+        if not 50.0 < self.percentile <= 100.0:
+            raise ConfigError(f"targets.coral.percentile: must be in (50, 100], got {self.percentile}")
+
+
+@dataclass(frozen=True)
+class _CoralBuild:
+    """What ``finish`` needs of one candidate (``Built.detail``)."""
+
+    converted: TfliteModel
+    variant: QuantVariant | None  # None: 16x8
+    samples: int
+    compiled: tuple[str, str] | None  # (edgetpu_compiler version, its log) where compiled
+
+
+class _Shared:
+    """The float conversion every candidate of one search shares (onnx2tf runs once: the slow part)
+    and the calibrated model per calibration method. A failure is kept and raised again for every
+    candidate (the same reason each time, without converting again)."""
+
+    def __init__(self, ctx: BuildContext, opts: CoralOptions) -> None:
+        self.ctx, self.opts = ctx, opts
+        self._conversion: FloatConversion | None = None
+        self._failed: Exception | None = None
+        self._calibrated: dict[tuple[str, float], bytes] = {}
+        self._order: list[str] | None = None
+
+    def conversion(self, space: BuildSpace) -> FloatConversion:
+        from edgekit.compress import onnx2tflite
+
+        if self._failed is not None:
+            raise self._failed
+        if self._conversion is None:
+            ctx = self.ctx
+            static = {s.name: tuple(ctx.static_shapes[s.name]) for s in ctx.served.inputs}
+            folder = ctx.work_dir / "float"
+            folder.mkdir(parents=True, exist_ok=True)
+            space.progress("[coral] freeze (onnxslim) -> onnx2tf -> SavedModel -> float TFLite (once per search)")
+            try:
+                self._conversion = onnx2tflite.to_float(
+                    ctx.model_path,
+                    folder,
+                    static,
+                    [o.name for o in ctx.served.outputs],
+                    space.calib,
+                    self.opts.calibration_samples,
+                )
+            except Exception as exc:
+                self._failed = exc
+                raise
+        return self._conversion
+
+    def calibrated(self, conversion: FloatConversion, calibration: str, percentile: float) -> bytes:
+        from edgekit.compress.tflite_quant import calibrate, with_percentile_ranges
+
+        key = (calibration, percentile if calibration == "percentile" else 0.0)
+        if ("minmax", 0.0) not in self._calibrated:
+            self._calibrated[("minmax", 0.0)] = calibrate(conversion)
+        if key not in self._calibrated:
+            self._calibrated[key] = with_percentile_ranges(self._calibrated[("minmax", 0.0)], conversion, percentile)
+        return self._calibrated[key]
+
+    def cpu_ops_from(self, nodes: tuple[str, ...]) -> int:
+        """How many ops run on the CPU once ``nodes`` stay float: the first of them and every op
+        after it (coral.ai/docs/edgetpu/models-intro: the compiler maps one subgraph to the Edge
+        TPU, up to the first unsupported op; that op and everything after it runs on the CPU)."""
+        from edgekit.compress.tflite_quant import op_outputs
+
+        if self._order is None:
+            if self._conversion is None:
+                return len(nodes)
+            self._order = [out for _, out, _ in op_outputs(self._conversion.float32)]
+        first = min((self._order.index(n) for n in nodes if n in self._order), default=len(self._order))
+        return len(self._order) - first
 
 
 class CoralTarget:
     name: ClassVar[str] = "coral"
     runtime: ClassVar[str] = "litert"
-    precisions: ClassVar[tuple[str, ...]] = ("int8",)
+    precisions: ClassVar[tuple[str, ...]] = ("int8", "auto")
     Options: ClassVar[type] = CoralOptions
     static_shapes: ClassVar[bool] = True
 
@@ -109,29 +204,64 @@ class CoralTarget:
         if bad:
             raise_unsupported(self.name, "onnx2tf", model_path, bad)
 
-    def build(self, ctx: BuildContext) -> BuildResult:
-        from edgekit.compress import onnx2tflite
-
+    # -- candidates ---------------------------------------------------------------------------
+    def candidates(self, ctx: BuildContext) -> CandidatePlan:
+        """Full-integer INT8 layouts (per-channel / per-tensor weights), MinMax calibration with
+        percentile ranges as the refinement of a layout that missed the budget, ops kept in float
+        for mixed precision, and 16x8 where the Edge TPU is not the target. With the compiler every
+        int8 candidate is compiled for the Edge TPU, its latency is not measured here and
+        ``device_rank`` orders them by how many ops fall back to the CPU (Coral's documentation)."""
         opts: CoralOptions = ctx.options or CoralOptions()
-        if ctx.precision != "int8":
-            raise ConfigError(f"--precision: the coral target builds int8 only, not {ctx.precision!r}")
         compiler = self._compiler(opts)
-        missing = [s.name for s in ctx.served.inputs if s.name not in ctx.static_shapes]
-        if missing:
-            raise ConfigError(f"--input-shape: the coral target needs a static shape for input {missing[0]!r}")
-        static = {s.name: tuple(ctx.static_shapes[s.name]) for s in ctx.served.inputs}
-        kind = "16x8 (int16 activations)" if opts.activations == "int16" else "full-integer"
-        ctx.progress(f"[coral] freeze (onnxslim) -> onnx2tf -> SavedModel -> {kind} TFLite")
-        conversion = onnx2tflite.to_float(
-            ctx.model_path,
-            ctx.work_dir,
-            static,
-            [o.name for o in ctx.served.outputs],
-            ctx.calib,
-            opts.calibration_samples,
-        )
-        quantized = onnx2tflite.quantize(conversion, opts.activations)
-        return package_tflite(ctx, quantized, opts, compiler, conversion.samples)
+        self._check_shapes(ctx)
+        auto = ctx.precision == "auto"
+        shared = _Shared(ctx, opts)
+        first: list[Candidate] = []
+        refinements: list[Refinement] = []
+        skipped: list[tuple[str, str]] = []
+        if opts.activations != "int16":
+            per_channel = {"auto": (True, False), "on": (True,), "off": (False,)}[opts.per_channel]
+            method = "minmax" if opts.calibration == "auto" else opts.calibration
+            for pc in per_channel:
+                variant = QuantVariant(method, pc, opts.percentile)
+                first.append(_int8_candidate(shared, variant, compiler))
+                if opts.calibration == "auto":
+                    better = QuantVariant("percentile", pc, opts.percentile)
+                    refinements.append(Refinement(_int8_candidate(shared, better, compiler), of=variant.label))
+        pinned = [
+            f"{k}={v}" for k, v in (("calibration", "percentile"), ("per_channel", "off")) if getattr(opts, k) == v
+        ]
+        if opts.activations == "int16" or (auto and opts.activations == "auto"):
+            if pinned and opts.activations == "auto":
+                skipped.append(
+                    (SIXTEEN_BY_EIGHT, f"16x8 uses min/max ranges and per-channel weights; targets.coral.{pinned[0]}")
+                )
+            elif compiler is not None and opts.activations == "auto":
+                skipped.append(
+                    (
+                        SIXTEEN_BY_EIGHT,
+                        "the Edge TPU runs int8 activations only (coral.ai/docs/edgetpu/models-intro); "
+                        "16x8 would run on the CPU, set targets.coral.edgetpu=false to search it",
+                    )
+                )
+            else:
+                first.append(_int16_candidate(shared))
+        return CandidatePlan(first=tuple(first), refinements=tuple(refinements), skipped=tuple(skipped))
+
+    def finish(self, ctx: BuildContext, built: Built, built_dir: Path) -> BuildResult:
+        """The chosen candidate's files in ``ctx.out_dir``, described for the manifest."""
+        detail: _CoralBuild = built.detail
+        for path in built.files:
+            shutil.copyfile(built_dir / path, ctx.out_dir / path)
+        opts: CoralOptions = ctx.options or CoralOptions()
+        return describe_tflite(ctx.served, detail, opts, built.notes)
+
+    def build(self, ctx: BuildContext) -> BuildResult:
+        """Outside the packager: the engine's search on the calibration data alone."""
+        from edgekit.optimize.run import optimise
+
+        self._compiler(ctx.options or CoralOptions())  # refuse edgetpu=true without the compiler first
+        return optimise(self, ctx).build
 
     def _compiler(self, opts: CoralOptions) -> str | None:
         found = shutil.which(opts.edgetpu_compiler)
@@ -143,46 +273,174 @@ class CoralTarget:
             )
         return found if opts.edgetpu is not False else None
 
+    @staticmethod
+    def _check_shapes(ctx: BuildContext) -> None:
+        missing = [s.name for s in ctx.served.inputs if s.name not in ctx.static_shapes]
+        if missing:
+            raise ConfigError(f"--input-shape: the coral target needs a static shape for input {missing[0]!r}")
 
-def package_tflite(
-    ctx: BuildContext, converted: TfliteModel, opts: CoralOptions, compiler: str | None, samples: int
-) -> BuildResult:
-    """Write ``converted`` into ``ctx.out_dir`` (compiled for the Edge TPU when ``compiler`` is given
-    and the activations are int8) and describe it: one candidate's artifact, as the engine builds it."""
-    artifact_sig = _artifact_signature(converted, ctx.served)
-    mapping = tuple(
+
+SIXTEEN_BY_EIGHT = "int16 16x8 minmax per-channel"
+
+
+def _int8_candidate(shared: _Shared, variant: QuantVariant, compiler: str | None) -> Candidate:
+    from edgekit.compress.tflite_quant import quantize_calibrated
+
+    def build(space: BuildSpace) -> Built:
+        conversion = shared.conversion(space)
+        model = quantize_calibrated(shared.calibrated(conversion, variant.calibration, variant.percentile), variant)
+        return _built(space, shared, _converted(conversion, model, "int8"), variant, compiler)
+
+    def rank(space: BuildSpace, built: Built) -> list[tuple[tuple[str, ...], float]]:
+        from edgekit.compress.tflite_quant import representative
+        from edgekit.optimize.tflite_sensitivity import rank_ops
+
+        detail: _CoralBuild = built.detail
+        conversion = shared.conversion(space)
+        return rank_ops(conversion.float32, detail.converted.quantized, list(representative(conversion)))
+
+    settings: dict[str, Any] = {
+        "activations": "int8",
+        "calibration": variant.calibration,
+        "per_channel": variant.per_channel,
+        "denylisted": list(variant.denylisted),
+    }
+    if variant.calibration == "percentile":
+        settings["percentile"] = variant.percentile
+    return Candidate(
+        name=variant.label,
+        precision="int8",
+        runtime="litert",
+        build=build,
+        settings=settings,
+        family=f"int8 {'per-channel' if variant.per_channel else 'per-tensor'}",
+        # Where the Edge TPU runs it (latency not measured here): only fully-int8 ops run on the
+        # TPU, and the first op kept in float and everything after it run on the CPU
+        # (https://coral.ai/docs/edgetpu/models-intro/): fewer CPU ops ranks faster.
+        device_rank=(shared.cpu_ops_from(variant.denylisted) if variant.denylisted else 0) if compiler else None,
+        exclude=lambda nodes: _int8_candidate(shared, replace(variant, denylisted=nodes), compiler),
+        rank_layers=rank,
+    )
+
+
+def _int16_candidate(shared: _Shared) -> Candidate:
+    def build(space: BuildSpace) -> Built:
+        from edgekit.compress import onnx2tflite
+
+        conversion = shared.conversion(space)
+        return _built(space, shared, onnx2tflite.quantize(conversion, "int16"), None, None)
+
+    return Candidate(
+        name=SIXTEEN_BY_EIGHT,
+        precision="int8",
+        runtime="litert",
+        build=build,
+        settings={"activations": "int16", "calibration": "minmax", "per_channel": True},
+        family="int16 16x8",
+    )
+
+
+def _converted(conversion: FloatConversion, model: bytes, activations: str) -> TfliteModel:
+    from edgekit.compress.onnx2tflite import TfliteModel
+
+    return TfliteModel(
+        quantized=model,
+        activations=activations,
+        float32=conversion.float32,
+        inputs=conversion.inputs,
+        outputs=conversion.outputs,
+        float_cosine=conversion.float_cosine,
+        frozen=conversion.frozen,
+    )
+
+
+def _built(
+    space: BuildSpace, shared: _Shared, converted: TfliteModel, variant: QuantVariant | None, compiler: str | None
+) -> Built:
+    conversion = shared.conversion(space)
+    (space.work_dir / ARTIFACT).write_bytes(converted.quantized)
+    artifact_sig = _artifact_signature(converted, space.served)
+    mapping = _mapping(converted)
+    precision = _precision(converted, variant, conversion.samples)
+    excluded = variant.denylisted if variant is not None else ()
+    if compiler is None or converted.activations != "int8":
+        return Built(
+            files={ARTIFACT: "artifact"},
+            runtime="litert",
+            precision=precision,
+            # opened as the litert runtime opens it: timed here on host LiteRT (XNNPACK)
+            open=lambda threads: served_runner(converted.quantized, artifact_sig, mapping, space.served, threads),
+            excluded_nodes=excluded,
+            detail=_CoralBuild(converted, variant, conversion.samples, None),
+        )
+    space.progress(f"[coral] {compiler} (Edge TPU)")
+    compiled = compile_for_edgetpu(compiler, space.work_dir / ARTIFACT, space.work_dir)
+    (space.work_dir / COMPILER_LOG).write_text(compiled[1])
+    return Built(
+        files={COMPILED: "artifact", COMPILER_LOG: "report"},
+        runtime="litert",
+        precision=precision,
+        open=None,  # the Edge TPU is not here: "latency not measured here"
+        intermediate=served_runner(converted.quantized, artifact_sig, mapping, space.served),
+        excluded_nodes=excluded,
+        detail=_CoralBuild(converted, variant, conversion.samples, compiled),
+    )
+
+
+def _mapping(converted: TfliteModel) -> tuple[TensorMapping, ...]:
+    return tuple(
         TensorMapping(link.served, link.artifact, link.transpose) for link in (*converted.inputs, *converted.outputs)
     )
-    if converted.activations == "int16":
-        precision = Precision(
+
+
+def _precision(converted: TfliteModel, variant: QuantVariant | None, samples: int) -> Precision:
+    if variant is None:
+        return Precision(
             "int8",
             "int16",
             f"onnx2tf -> TFLiteConverter 16x8 PTQ (int16 activations, int8 per-channel weights), "
             f"{samples} calibration samples",
         )
-    else:
-        precision = Precision(
-            "int8",
-            "int8",
-            f"onnx2tf -> TFLiteConverter full-integer PTQ, per-channel weights, {samples} calibration samples",
-        )
+    ranges = "min/max" if variant.calibration == "minmax" else f"{variant.percentile:g}th-percentile"
+    weights = "per-channel" if variant.per_channel else "per-tensor"
+    floats = f", {len(variant.denylisted)} op(s) kept in float" if variant.denylisted else ""
+    return Precision(
+        "int8",
+        "int8",
+        f"onnx2tf -> TFLiteConverter full-integer PTQ, {weights} weights, {ranges} activation ranges, "
+        f"{samples} calibration samples{floats}",
+    )
+
+
+def describe_tflite(
+    served: Signature, detail: _CoralBuild, opts: CoralOptions, extra_notes: tuple[str, ...] = ()
+) -> BuildResult:
+    """One candidate's artifact (already in the bundle folder) described for the manifest."""
+    converted = detail.converted
+    artifact_sig = _artifact_signature(converted, served)
+    mapping = _mapping(converted)
     notes = [
         *(f"frozen: {step}" for step in converted.frozen.steps),
         f"onnx2tf float conversion vs ONNX Runtime: cosine {converted.float_cosine:.5f}",
+        *extra_notes,
     ]
+    variant = detail.variant
+    floats = variant.denylisted if variant is not None else ()
+    if floats:
+        notes.append(
+            f"mixed precision: {len(floats)} op(s) kept in float ({', '.join(floats[:4])}"
+            + (", ..." if len(floats) > 4 else "")
+            + "); on the Edge TPU a float op and every op after it run on the CPU (coral.ai/docs/edgetpu/models-intro)"
+        )
     common: dict[str, Any] = {
         "artifact_signature": artifact_sig,
         "mapping": mapping,
-        "precision": precision,
+        "precision": _precision(converted, variant, detail.samples),
         "target_options": asdict(opts),
         "static": True,
-        "provenance": _provenance(converted, samples),
+        "provenance": _provenance(converted, detail.samples, variant),
     }
-    if converted.activations == "int16" and compiler is not None:
-        notes.append("16x8 (int16 activations): the Edge TPU runs int8 only, so it is not compiled for it")
-        compiler = None
-    if compiler is None:
-        (ctx.out_dir / ARTIFACT).write_bytes(converted.quantized)
+    if detail.compiled is None:
         if converted.activations == "int16":
             notes.append(
                 "16x8 (int16 activations, int8 weights): runs on LiteRT's CPU kernels; the Edge TPU runs int8 only"
@@ -194,15 +452,13 @@ def package_tflite(
             files={ARTIFACT: "artifact"},
             compatibility=Compatibility(runtime="litert", runtime_version=_litert_version()),
             runnable_here=True,
-            op_placement=interpreter_placement(converted.quantized, converted.activations),
+            op_placement=interpreter_placement(converted.quantized, converted.activations, floats),
             notes=tuple(notes),
             **common,
         )
-    ctx.progress(f"[coral] {compiler} (Edge TPU)")
-    (ctx.work_dir / ARTIFACT).write_bytes(converted.quantized)
-    version, log_text = compile_for_edgetpu(compiler, ctx.work_dir / ARTIFACT, ctx.out_dir)
-    (ctx.out_dir / COMPILER_LOG).write_text(log_text)
+    version, log_text = detail.compiled
     notes.append(f"compiled for the Edge TPU by edgetpu_compiler {version}; validated on the uncompiled int8 model")
+    notes.append("Edge TPU latency: not measured here")
     return BuildResult(
         files={COMPILED: "artifact", COMPILER_LOG: "report"},
         compatibility=Compatibility(
@@ -214,13 +470,15 @@ def package_tflite(
         runnable_here=False,
         op_placement=edgetpu_placement(log_text, COMPILER_LOG),
         notes=tuple(notes),
-        intermediate=served_runner(converted.quantized, artifact_sig, mapping, ctx.served),
+        intermediate=served_runner(converted.quantized, artifact_sig, mapping, served),
         intermediate_name="uncompiled int8 .tflite on the LiteRT CPU interpreter",
         **common,
     )
 
 
-def _provenance(converted: TfliteModel, samples: int) -> tuple[CompressionStep, ...]:
+def _provenance(
+    converted: TfliteModel, samples: int, variant: QuantVariant | None = None
+) -> tuple[CompressionStep, ...]:
     from importlib.metadata import version
 
     from edgekit.compress.onnx2tflite import import_tensorflow
@@ -239,10 +497,12 @@ def _provenance(converted: TfliteModel, samples: int) -> tuple[CompressionStep, 
             kind="quantize",
             tool=f"tensorflow {tf_version} TFLiteConverter",
             settings={
-                "weights": "int8 per-channel",
+                "weights": "int8 per-channel" if variant is None or variant.per_channel else "int8 per-tensor",
                 "activations": converted.activations,
                 "mode": "16x8" if converted.activations == "int16" else "full-integer",
+                "calibration": "minmax" if variant is None else variant.calibration,
                 "calibration_samples": str(samples),
+                **({"ops_in_float": str(len(variant.denylisted))} if variant and variant.denylisted else {}),
             },
         ),
     )
@@ -285,14 +545,15 @@ def _artifact_signature(converted: TfliteModel, served: Signature) -> Signature:
 
 
 def served_runner(
-    model: bytes, artifact: Signature, mapping: tuple[TensorMapping, ...], served: Signature
+    model: bytes, artifact: Signature, mapping: tuple[TensorMapping, ...], served: Signature, threads: int = 0
 ) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
-    """Served float inputs -> served float outputs on an int8 ``.tflite`` (the host-side intermediate)."""
+    """Served float inputs -> served float outputs on an int8 ``.tflite``, opened as the litert
+    runtime opens it (CPU, XNNPACK, ``threads``; 0: the interpreter's default)."""
     from ai_edge_litert.interpreter import Interpreter
 
     from device_agents.runtimes.base import dequantize, quantize
 
-    runner = Interpreter(model_content=model).get_signature_runner()
+    runner = Interpreter(model_content=model, num_threads=threads or None).get_signature_runner()
     specs = {s.name: s for s in (*artifact.inputs, *artifact.outputs)}
     links = {m.served: m for m in mapping}
 
@@ -315,13 +576,21 @@ def served_runner(
     return run
 
 
-def interpreter_placement(model: bytes, activations: str = "int8") -> OpPlacement:
-    """The LiteRT interpreter's own op list (not compiled for the Edge TPU: every op on the CPU)."""
-    from ai_edge_litert.interpreter import Interpreter
+def interpreter_placement(model: bytes, activations: str = "int8", floats: tuple[str, ...] = ()) -> OpPlacement:
+    """The LiteRT interpreter's own op list (not compiled for the Edge TPU: every op on the CPU).
+    ``floats``: op outputs kept in float (mixed precision), named in their entries."""
+    from edgekit.compress.tflite_quant import op_outputs
 
-    interpreter = Interpreter(model_content=model)
-    ops = interpreter._get_ops_details()  # the interpreter's only op listing (private API)
-    entries = tuple(OpPlacementEntry(op=str(o["op_name"]), node=f"op{o['index']}", device="CPU") for o in ops)
+    kept = set(floats)
+    entries = tuple(
+        OpPlacementEntry(
+            op=kind,
+            node=f"op{i} {out}" + (" (kept in float: on the Edge TPU this op and all after it run on the CPU)"
+                                   if out in kept else ""),
+            device="CPU",
+        )
+        for i, (kind, out, _) in enumerate(op_outputs(model))
+    )  # fmt: skip
     why = "16x8: the Edge TPU runs int8 only" if activations == "int16" else "not compiled for the Edge TPU"
     return OpPlacement(
         tool=f"litert interpreter op list ({why})",

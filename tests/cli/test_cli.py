@@ -209,7 +209,7 @@ def test_cli_package_prints_progress_table_and_bundle_path(capsys, workspace, tm
             ["--target", "cpu,apple", "--precision", "int4-weights"],
             2,
             "--precision 'int4-weights' is not available for target 'apple' (it builds fp16, int8, int8-weights, "
-            "palettize6, palettize4, fp32); nearest: 'int8-weights'; to keep int4-weights for the other targets, "
+            "palettize6, palettize4, fp32, auto); nearest: 'int8-weights'; to keep int4-weights for the other targets, "
             "give apple its own: --precision int4-weights,apple=int8-weights",
         ),
         (

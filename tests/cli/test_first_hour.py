@@ -410,7 +410,7 @@ def test_cli_package_from_an_image_folder_with_preprocess(capsys, ws, tmp_path: 
         (
             ["--target", "apple", "--precision", "int4-weights"],
             "edgekit: error: --precision 'int4-weights' is not available for target 'apple' (it builds fp16, int8, "
-            "int8-weights, palettize6, palettize4, fp32); nearest: 'int8-weights'",
+            "int8-weights, palettize6, palettize4, fp32, auto); nearest: 'int8-weights'",
         ),
     ],
 )

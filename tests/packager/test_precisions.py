@@ -13,7 +13,7 @@ from edgekit.targets import get_target
 from edgekit.targets.precisions import choose_precisions, parse_precision_arg, resolve_precisions
 from tests.factories import confident_inputs, tiny_classifier
 
-APPLE_BUILDS = "fp16, int8, int8-weights, palettize6, palettize4, fp32"
+APPLE_BUILDS = "fp16, int8, int8-weights, palettize6, palettize4, fp32, auto"
 
 
 @pytest.mark.parametrize(

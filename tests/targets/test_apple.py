@@ -136,7 +136,7 @@ def test_apple_palettize4_stores_16_entry_luts_and_the_intermediate_computes_wit
     compressed = [w for w in package_weights(program) if w.compressed]
     assert {(w.op_type, w.compression) for w in compressed} == {("constexpr_lut_to_dense", "palettized-4bit")}
     module = onnx_to_torch(freeze_graph(prepared.path, ctx.work_dir / "again.onnx", {"input": (1, 3, 16, 16)}).path)
-    _, uncompressed = load_program(ctx.work_dir / "uncompressed.mlpackage")
+    _, uncompressed = load_program(next(ctx.work_dir.rglob("uncompressed.mlpackage")))
     report = load_into_torch(module, package_weights(program), package_weights(uncompressed))
     assert len(report.compressed_loaded) == 3
     assert report.min_compressed_cosine is not None and report.min_compressed_cosine > 0.9
@@ -360,7 +360,7 @@ def test_apple_intermediate_takes_a_compressed_weight_coremltools_fused_a_scale_
     assert f"1 with a scale coremltools fused in divided out ({fused.name})" in " ".join(result.notes)
     # loaded into torch, the SE conv holds the package's compressed weight with the 0.2 divided out
     module = onnx_to_torch(freeze_graph(prepared.path, tmp_path / "again.onnx", {"input": (1, 3, 16, 16)}).path)
-    _, uncompressed = load_program(ctx.work_dir / "uncompressed.mlpackage")
+    _, uncompressed = load_program(next(ctx.work_dir.rglob("uncompressed.mlpackage")))
     report = load_into_torch(module, package_weights(program), package_weights(uncompressed))
     assert report.by_value == report.rescaled == (fused.name,)
     (se2,) = [p for p in module.parameters() if tuple(p.shape) == (8, 4, 1, 1)]
@@ -387,7 +387,7 @@ def test_apple_w8a8_package_holds_activation_quantization_and_the_intermediate_c
     assert result.precision.label == "w8a8" and "LinearQuantizer" in result.precision.method
     assert result.compatibility.hardware == {"minimum_deployment_target": "iOS17"}  # the lowest W8A8 runs on
     assert result.target_options["minimum_deployment_target"] == "iOS17"
-    assert [step.kind for step in result.provenance] == ["fix_shapes", "simplify", "quantize", "convert"]
+    assert [step.kind for step in result.provenance] == ["fix_shapes", "simplify", "quantize", "convert", "select"]
     # the intermediate is the quantized torch graph, holding the package's FP16 activation scales exactly
     module = inspect.getclosurevars(result.intermediate).nonlocals["module"]  # what torch_runner runs
     package_scales = [q.scale for q in package_activation_quant(program)]
@@ -466,7 +466,7 @@ def test_apple_w8a8_converts_a_dynamic_hw_yolo_style_detector_and_passes_its_gat
     assert manifest.precision.label == "w8a8" and v.kind == "dense" and v.passed and v.cosine > 0.99
     assert "frozen: static input shapes images=1x3x64x64" in v.notes
     kinds = [step.kind for step in manifest.provenance if step.kind != "prepare"]
-    assert kinds == ["fix_shapes", "simplify", "quantize", "convert"]
+    assert kinds == ["fix_shapes", "simplify", "quantize", "convert", "select"]
 
 
 # -- check_model -------------------------------------------------------------------------------------
@@ -553,3 +553,54 @@ def test_coreml_runtime_predicts_like_the_golden_vectors(apple_bundle) -> None:
     finally:
         served.close()
     assert np.mean(got.argmax(1) == golden["out_probs"].argmax(1)) >= 0.75
+
+
+# -- the optimisation engine (--precision auto) -------------------------------------------------------
+
+
+def test_apple_device_rank_follows_coremltools_performance_guide() -> None:
+    from edgekit.targets.apple import device_rank
+
+    ranks = [device_rank(p, "ALL") for p in ("int8", "palettize4", "palettize6", "int8-weights", "fp16", "fp32")]
+    assert ranks == sorted(ranks) and len(set(ranks)) == len(ranks)  # W8A8 first, then fewer weight bits
+    # activation quantization slows the CPU/GPU down: W8A8 last where the Neural Engine is excluded
+    assert device_rank("int8", "CPU_ONLY") > device_rank("fp16", "CPU_ONLY")
+    assert device_rank("int8", "CPU_AND_GPU") > device_rank("palettize4", "CPU_AND_GPU")
+
+
+def test_apple_auto_without_w8a8_deployment_target_skips_it_with_the_reason(prepared, tmp_path: Path) -> None:
+    plan = AppleTarget().candidates(_ctx(prepared, tmp_path, "auto", AppleOptions(minimum_deployment_target="iOS16")))
+    assert [c.precision for c in plan.first] == ["palettize4", "palettize6", "int8-weights", "fp16"]
+    reasons = dict(plan.skipped)
+    assert "W8A8 needs Core ML 7" in reasons["coreml w8a8 (coremltools.optimize.torch)"]
+    assert "Neural Engine computes in fp16" in reasons["coreml fp32"]
+    assert all(c.device_rank is not None for c in plan.first)
+
+
+@pytest.mark.slow
+def test_apple_auto_records_every_candidate_with_latency_not_measured_here(package_tiny, tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result, manifest, _ = package_tiny("apple", "auto", samples=40, options={"apple": {"weight_threshold": 0}})
+    report = manifest.candidates
+    assert report is not None and not report.latency_measured
+    rows = {c.id: c for c in report.candidates}
+    assert {c.settings["precision"] for c in report.candidates if c.status != "skipped"} == {
+        "int8", "palettize4", "palettize6", "int8-weights", "fp16",
+    }  # fmt: skip
+    assert rows["coreml fp32"].status == "skipped"
+    assert all(c.latency_p50_ms is None for c in report.candidates)
+    assert all(c.status == "skipped" or c.size_bytes for c in report.candidates)
+    # the choice: the passing candidate Apple's guide ranks fastest (W8A8 on the Neural Engine)
+    passing = [c for c in report.candidates if c.status in ("passed", "chosen")]
+    assert passing and report.chosen == "coreml w8a8 (coremltools.optimize.torch)"
+    assert manifest.precision.label == "w8a8" and manifest.validation.passed
+    assert any("latency not measured here" in n for n in report.notes)
+    text = result.reports["apple"].read_text()
+    assert "latency not measured here" in text and "coreml palettized 4-bit" in text
+    assert manifest.validation.latency_p50_ms is None
+
+
+def test_apple_explicit_precision_builds_only_that_candidate(prepared, tmp_path: Path) -> None:
+    plan = AppleTarget().candidates(_ctx(prepared, tmp_path, "palettize6"))
+    assert [c.precision for c in plan.first] == ["palettize6"] and not plan.skipped

@@ -11,6 +11,7 @@ TPU: marked ``requires_edgetpu``.
 from __future__ import annotations
 
 import ctypes.util
+import json
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,7 +31,7 @@ from edgekit.compress.freeze import scope_name
 from edgekit.errors import ConfigError, IncompatibleError
 from edgekit.packager import PackageResult
 from edgekit.targets.base import BuildContext
-from edgekit.targets.coral import CoralOptions, CoralTarget, edgetpu_placement
+from edgekit.targets.coral import SIXTEEN_BY_EIGHT, CoralOptions, CoralTarget, edgetpu_placement
 from edgekit.targets.op_support import TargetOpError
 from tests.agent.conftest import RunningAgent, agent_cli, start_agent, write_config
 from tests.factories import sample_inputs, tiny_classifier, tiny_dense, tiny_yolo
@@ -340,29 +341,41 @@ def test_freeze_graph_refuses_a_static_shape_of_the_wrong_rank(yolo: Path, tmp_p
 
 
 @pytest.mark.slow
-def test_coral_packages_a_dynamic_hw_yolo_style_detector_that_passes_its_gate(
+def test_coral_auto_packages_a_dynamic_hw_yolo_style_detector_and_records_its_candidates(
     yolo: Path, keypair: tuple[Path, Path], open_bundle: Callable[[Path], tuple[Path, Manifest]]
 ) -> None:
     # Without freezing, onnx2tf 1.28.8 fails on this graph in a Shape->Slice chain (FIELD_NOTES).
     calib = {"images": sample_inputs(40, size=64, seed=8)}
     with no_network():
         result = edgekit.package(
-            yolo, targets=["coral"], precision="int8", calib=calib, key=keypair[0], out_dir=yolo.parent
+            yolo, targets=["coral"], precision="auto", calib=calib, key=keypair[0], out_dir=yolo.parent
         )
     model_dir, manifest = open_bundle(result.bundles["coral"])
     validation = manifest.validation
     assert validation.kind == "dense" and validation.passed and validation.cosine is not None
     assert validation.cosine > 0.98
+    # every candidate is recorded; without the Edge TPU compiler they all ran (and were timed) on host LiteRT
+    report = manifest.candidates
+    assert report is not None and report.latency_measured
+    rows = {c.id: c for c in report.candidates}
+    assert {"int8 minmax per-channel", "int8 minmax per-tensor", SIXTEEN_BY_EIGHT} <= set(rows)
+    built = [c for c in report.candidates if c.status != "skipped"]
+    assert all(c.status == "error" or c.latency_p50_ms is not None for c in built)
+    assert [c.id for c in report.candidates if c.status == "chosen"] == [report.chosen]
+    assert rows[SIXTEEN_BY_EIGHT].settings["activations"] == "int16"
+    assert result.reports["coral"].is_file() and SIXTEEN_BY_EIGHT in result.reports["coral"].read_text()
     notes = validation.notes
     assert "frozen: static input shapes images=1x3x64x64" in notes  # from the calibration data's H/W
     assert any(n.startswith("frozen: onnxslim constant folding and simplification: ") for n in notes)
+    assert sum(n.startswith("onnx2tf float conversion vs ONNX Runtime") for n in notes) == 1  # converted once
     assert manifest.signature.inputs[0].shape == (1, 3, 64, 64)
     assert manifest.artifact_signature.inputs[0].shape == (1, 64, 64, 3)
     steps = [step for step in manifest.provenance if step.kind != "prepare"]
-    assert [step.kind for step in steps] == ["fix_shapes", "simplify", "rename_nodes", "convert", "quantize"]
+    kinds = ["fix_shapes", "simplify", "rename_nodes", "convert", "quantize", "select"]
+    assert [step.kind for step in steps] == kinds and steps[5].settings["candidate"] == report.chosen
     assert steps[0].settings == {"images": "1x3x64x64"} and steps[1].tool.startswith("onnxslim ")
     assert steps[1].settings["shape_ops_left"] == "0" and steps[1].after is not None and steps[1].after > 0.9999
-    assert steps[3].tool.startswith("onnx2tf ") and steps[4].settings["activations"] == "int8"
+    assert steps[3].tool.startswith("onnx2tf ") and steps[4].settings["activations"] == manifest.precision.activations
     served = load_model(model_dir, manifest, LiteRtOptions(threads=1))
     try:
         x = sample_inputs(1, size=64, seed=31)
@@ -371,6 +384,107 @@ def test_coral_packages_a_dynamic_hw_yolo_style_detector_that_passes_its_gate(
         served.close()
     want = _ort(yolo, {"images": x})[0]
     assert got.shape == want.shape == (1, 7, 84) and _cosines(got, want)[0] > 0.98
+
+
+# -- mixed precision: ops kept in float ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def outlier(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
+    """A model whose first layer's output has one outlier channel (x1000) that the next layer
+    scales back down: plain int8 rounds every other channel of that activation to nothing."""
+    from tests.optimize.models import outlier_mlp
+
+    model = outlier_mlp(tmp_path_factory.mktemp("coral-outlier") / "outlier.onnx")
+    calib = {"x": np.random.default_rng(0).standard_normal((120, 16)).astype(np.float32)}
+    return model, calib
+
+
+@pytest.fixture(scope="module")
+def outlier_float(outlier: tuple[Path, dict[str, np.ndarray]], tmp_path_factory: pytest.TempPathFactory) -> object:
+    from edgekit.compress.onnx2tflite import to_float
+
+    model, calib = outlier
+    return to_float(model, tmp_path_factory.mktemp("coral-outlier-float"), {"x": (1, 16)}, ["y"], calib, 64)
+
+
+def test_coral_percentile_ranges_are_narrower_than_minmax_on_outlier_activations(outlier_float: object) -> None:
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    from edgekit.compress.tflite_quant import calibrate, with_percentile_ranges
+
+    minmax = calibrate(outlier_float)  # type: ignore[arg-type]  # a FloatConversion
+    clipped = with_percentile_ranges(minmax, outlier_float, 99.0)  # type: ignore[arg-type]  # a FloatConversion
+
+    def ranges(model: bytes) -> dict[str, tuple[float, float]]:
+        m = flatbuffer_utils.read_model_from_bytearray(bytearray(model))
+        return {
+            t.name.decode(): (float(t.quantization.min[0]), float(t.quantization.max[0]))
+            for t in m.subgraphs[0].tensors
+            if t.quantization is not None and t.quantization.min is not None and len(t.quantization.min) == 1
+        }
+
+    wide, narrow = ranges(minmax), ranges(clipped)
+    assert wide.keys() == narrow.keys() and wide
+    assert all(wide[n][0] <= narrow[n][0] <= 0 <= narrow[n][1] <= wide[n][1] for n in wide)
+    assert any(narrow[n][1] < 0.9 * wide[n][1] for n in wide)  # some ranges really shrank
+
+
+def test_coral_sensitivity_ranks_the_layer_that_reads_the_outlier_activation_first(outlier_float: object) -> None:
+    from edgekit.compress.tflite_quant import QuantVariant, calibrate, op_outputs, quantize_calibrated, representative
+    from edgekit.optimize.tflite_sensitivity import rank_ops
+
+    conv = outlier_float
+    quantized = quantize_calibrated(calibrate(conv), QuantVariant())  # type: ignore[arg-type]  # a FloatConversion
+    ops = [out for kind, out, _ in op_outputs(quantized) if kind == "FULLY_CONNECTED"]
+    assert len(ops) == 3  # layer_a (+Relu), layer_b (+Relu), layer_c
+    ranked = rank_ops(conv.float32, quantized, list(representative(conv)))  # type: ignore[attr-defined,arg-type]
+    (group, score), *rest = ranked
+    # layer_b (reads the outlier tensor) with layer_a (produces it): keeping only b in float would still
+    # read the int8 tensor whose range the outlier set
+    assert group == (ops[1], ops[0]) and score > 0.5 and all(s < score / 2 for _, s in rest)
+
+
+@pytest.mark.slow
+def test_coral_int8_that_misses_the_gate_is_rescued_by_keeping_ops_in_float(
+    outlier: tuple[Path, dict[str, np.ndarray]],
+    keypair: tuple[Path, Path],
+    open_bundle: Callable[[Path], tuple[Path, Manifest]],
+    tmp_path: Path,
+) -> None:
+    model, calib = outlier
+    with no_network():
+        result = edgekit.package(
+            model, targets=["coral"], precision="int8", calib=calib, key=keypair[0], out_dir=tmp_path,
+            mixed_precision=True,
+        )  # fmt: skip
+    model_dir, manifest = open_bundle(result.bundles["coral"])
+    report = manifest.candidates
+    assert report is not None
+    rows = {c.id: c for c in report.candidates}
+    assert rows["int8 minmax per-channel"].status == "failed"  # plain int8 misses the dense gate
+    assert rows["int8 minmax per-channel"].cosine is not None and rows["int8 minmax per-channel"].cosine < 0.9
+    chosen = rows[report.chosen]
+    assert chosen.excluded_nodes and chosen.cosine is not None and chosen.cosine > 0.99
+    assert manifest.precision.excluded_nodes == chosen.excluded_nodes and manifest.precision.excluded_reason
+    assert manifest.precision.label == "w8a8" and "op(s) kept in float" in manifest.precision.method
+    cosine = manifest.validation.cosine
+    assert manifest.validation.passed and cosine is not None and cosine > 0.99
+    notes = manifest.validation.notes
+    assert any(n.startswith("mixed precision:") and "run on the CPU" in n for n in notes)
+    placement = manifest.op_placement
+    assert placement is not None
+    kept = [e for e in placement.entries if "kept in float" in e.node]
+    assert {e.node.split(" ")[1] for e in kept} == set(chosen.excluded_nodes)
+    assert {e.op for e in placement.entries} >= {"DEQUANTIZE", "QUANTIZE", "FULLY_CONNECTED"}
+    assert "Layers kept in float" in result.reports["coral"].read_text()
+    served = load_model(model_dir, manifest, LiteRtOptions(threads=1))
+    try:
+        x = np.random.default_rng(5).standard_normal((8, 16)).astype(np.float32)
+        got = np.concatenate([served.infer({"x": x[i : i + 1]})["y"] for i in range(len(x))])
+    finally:
+        served.close()
+    assert np.mean(_cosines(got, _ort(model, {"x": x})[0])) > 0.99
 
 
 @pytest.mark.slow
@@ -414,3 +528,124 @@ def test_coral_16x8_keeps_int16_activations_on_the_cpu_and_says_the_edgetpu_cann
 def test_coral_refuses_16x8_for_the_edgetpu() -> None:
     with pytest.raises(ConfigError, match=r"coral\.activations=int16: the Edge TPU runs int8 activations only"):
         CoralOptions(activations="int16", edgetpu=True)
+
+
+# -- the Edge TPU path, with a stand-in for edgetpu_compiler ---------------------------------------------
+
+# edgetpu_compiler is not installable here (x86-64 Debian package from Coral's own repository). This
+# stand-in writes what the real one writes (``<stem>_edgetpu.tflite`` and its operation log, same
+# table layout) and maps ops by Coral's documented rule: int8 ops run on the Edge TPU up to the first
+# op that is not (a float op, e.g. DEQUANTIZE); that op and every op after it stay on the CPU
+# (coral.ai/docs/edgetpu/models-intro). It does not compile anything: the copied model is what the
+# host validates anyway (the uncompiled int8 model), and the bundle is never run on an Edge TPU here.
+FAKE_COMPILER = """\
+import shutil, sys
+from pathlib import Path
+import numpy as np
+from ai_edge_litert.interpreter import Interpreter
+args = sys.argv[1:]
+out = Path(args[args.index("-o") + 1])
+src = Path(args[-1])
+shutil.copyfile(src, out / f"{src.stem}_edgetpu.tflite")
+it = Interpreter(model_path=str(src))
+rows, on_cpu = [], False
+for op in it._get_ops_details():
+    dtype = it._get_tensor_details(op["outputs"][0], 0)["dtype"]
+    on_cpu = on_cpu or op["op_name"] == "DEQUANTIZE" or np.dtype(dtype) == np.float32
+    rows.append((op["op_name"], "More than one subgraph is not supported" if on_cpu else "Mapped to Edge TPU"))
+table = ["Operator                       Count      Status", ""]
+table += [f"{name:<30} 1          {status}" for name, status in rows]
+(out / f"{src.stem}_edgetpu.log").write_text("Edge TPU Compiler version 0.stand-in\\n\\n" + "\\n".join(table) + "\\n")
+print("Edge TPU Compiler version 0.stand-in")
+"""
+
+
+@pytest.mark.slow
+def test_coral_with_the_edgetpu_ranks_by_cpu_fallback_and_does_not_time_here(
+    outlier: tuple[Path, dict[str, np.ndarray]],
+    keypair: tuple[Path, Path],
+    open_bundle: Callable[[Path], tuple[Path, Manifest]],
+    tmp_path: Path,
+) -> None:
+    import sys
+
+    compiler = tmp_path / "edgetpu_compiler"
+    compiler.write_text(f"#!{sys.executable}\n{FAKE_COMPILER}")
+    compiler.chmod(0o755)
+    model, calib = outlier
+    with no_network():
+        result = edgekit.package(
+            model, targets=["coral"], precision="auto", calib=calib, key=keypair[0], out_dir=tmp_path,
+            options={"coral": {"edgetpu": True, "edgetpu_compiler": str(compiler)}},
+        )  # fmt: skip
+    _, manifest = open_bundle(result.bundles["coral"])
+    assert manifest.compatibility.accelerator == "edgetpu"
+    assert {f.path: f.role for f in manifest.files if f.role != "golden"} == {
+        "model_edgetpu.tflite": "artifact", "model_edgetpu.log": "report",
+    }  # fmt: skip
+    report = manifest.candidates
+    assert report is not None and not report.latency_measured
+    rows = {c.id: c for c in report.candidates}
+    assert all(c.latency_p50_ms is None for c in report.candidates)  # the Edge TPU is not here
+    assert rows[SIXTEEN_BY_EIGHT].status == "skipped" and "int8 activations only" in rows[SIXTEEN_BY_EIGHT].reason
+    assert rows["int8 minmax per-channel"].status == "failed"
+    chosen = rows[report.chosen]
+    assert chosen.excluded_nodes and manifest.validation.passed  # rescued by ops kept in float
+    assert any("expected fastest on the device" in n and "latency not measured here" in n for n in report.notes)
+    assert "Edge TPU latency: not measured here" in manifest.validation.notes
+    assert manifest.validation.measured_on.startswith("intermediate (uncompiled int8 .tflite")
+    placement = manifest.op_placement
+    assert placement is not None and placement.tool == "edgetpu_compiler" and placement.log_file == "model_edgetpu.log"
+    # the first layer stays float here (it produces the outlier): it and everything after it run on the CPU
+    assert placement.fallback == len(placement.entries) and placement.accelerated == 0
+    assert {e.device for e in placement.entries if e.op == "DEQUANTIZE"} == {"CPU"}
+    data = json.loads(result.reports["coral"].with_suffix(".json").read_text())
+    ranks = {c["name"]: c["device_rank"] for c in data["candidates"]}
+    assert ranks["int8 minmax per-channel"] == ranks["int8 minmax per-tensor"] == 0  # fully int8
+    # ops of the graph from the first one kept in float on: all four (3 FULLY_CONNECTED, RESHAPE)
+    assert ranks[report.chosen] == 4
+
+
+def _plan_ctx(tmp_path: Path, precision: str, **options: object) -> BuildContext:
+    from edgekit.bundle.manifest import Signature, TensorSpec
+
+    served = Signature(
+        inputs=(TensorSpec("input", "float32", ("n", 3, 16, 16), layout="NCHW"),),
+        outputs=(TensorSpec("probs", "float32", ("n", 10)),),
+    )
+    return BuildContext(
+        model_path=tmp_path / "never-read.onnx", served=served, precision=precision, calib={},
+        static_shapes={"input": (1, 3, 16, 16)}, out_dir=tmp_path, work_dir=tmp_path,
+        options=CoralOptions(**options), progress=lambda _m: None,  # type: ignore[arg-type]  # typed fields
+    )  # fmt: skip
+
+
+def test_coral_candidates_follow_the_options_that_pin_them(tmp_path: Path) -> None:
+    def names(precision: str, **options: object) -> tuple[list[str], list[str], list[str]]:
+        plan = CoralTarget().candidates(_plan_ctx(tmp_path, precision, edgetpu=False, **options))
+        return [c.name for c in plan.first], [r.candidate.name for r in plan.refinements], [n for n, _ in plan.skipped]
+
+    assert names("auto") == (
+        ["int8 minmax per-channel", "int8 minmax per-tensor", SIXTEEN_BY_EIGHT],
+        ["int8 percentile per-channel 99.99", "int8 percentile per-tensor 99.99"],
+        [],
+    )
+    assert names("int8") == (names("auto")[0][:2], names("auto")[1], [])  # 16x8 only under auto or when asked
+    assert names("auto", per_channel="on", calibration="percentile", percentile=99.9) == (
+        ["int8 percentile per-channel 99.9"], [], [SIXTEEN_BY_EIGHT]
+    )  # fmt: skip
+    assert names("int8", activations="int16") == ([SIXTEEN_BY_EIGHT], [], [])
+    assert names("auto", activations="int8")[0] == ["int8 minmax per-channel", "int8 minmax per-tensor"]
+
+
+def test_coral_candidates_for_the_edgetpu_skip_16x8_and_carry_a_device_rank(tmp_path: Path) -> None:
+    compiler = tmp_path / "edgetpu_compiler"
+    compiler.write_text("#!/bin/sh\nexit 1\n")  # never run: candidates are only described here
+    compiler.chmod(0o755)
+    plan = CoralTarget().candidates(_plan_ctx(tmp_path, "auto", edgetpu=True, edgetpu_compiler=str(compiler)))
+    assert [c.name for c in plan.first] == ["int8 minmax per-channel", "int8 minmax per-tensor"]
+    ((name, why),) = plan.skipped
+    assert name == SIXTEEN_BY_EIGHT and "the Edge TPU runs int8 activations only" in why
+    assert [c.device_rank for c in plan.first] == [0, 0]  # fully int8: nothing falls back to the CPU
+    off = CoralTarget().candidates(_plan_ctx(tmp_path, "auto", edgetpu=False))
+    assert all(c.device_rank is None for c in off.first)  # timed here instead
