@@ -271,8 +271,8 @@ def test_intel_accuracy_control_is_bounded_by_the_target_options(tmp_path: Path,
     [control] = [o for o in search.outcomes if o.name.endswith("accuracy-control")]
     assert (control.settings["max_reverted_layers"], control.settings["ranking_samples"]) == (2, 5)
     assert control.status == "failed", control.reason  # it ran (bounded) and missed the impossible gate
-    bounds = restorer_parameters(nncf, NncfRecipe("performance", True, accuracy_control=True, ranking_samples=32), 20)
-    assert (bounds.max_num_iterations, bounds.ranking_subset_size) == (8, 20)  # the defaults; never more than we have
+    bounds = restorer_parameters(nncf, NncfRecipe("performance", True, accuracy_control=True), 20)
+    assert (bounds.max_num_iterations, bounds.ranking_subset_size) == (8, 20)  # the default; never more than we have
 
 
 def test_intel_options_reject_an_accuracy_control_bound_below_one() -> None:
