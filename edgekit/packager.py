@@ -119,11 +119,13 @@ class PackageResult:
     manifests: dict[str, Manifest]  # target -> signed manifest (also for failed targets under allow_failed)
     timings_s: dict[str, float] = dataclasses.field(default_factory=dict)  # "prepare", then one per target
     reports: dict[str, Path] = dataclasses.field(default_factory=dict)  # target -> candidate report.md by its bundle
+    # target -> why it could not be validated at all (its build raised ValidationFailedError); no row, no bundle
+    errors: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
         """Every target met its validation gate (false when ``allow_failed`` wrote a failed bundle)."""
-        return all(r.passed for r in self.rows)
+        return all(r.passed for r in self.rows) and not self.errors
 
     def table(self) -> str:
         return format_table(self.rows)
@@ -150,6 +152,7 @@ class PackageResult:
                 for r in self.rows
             ],
             "timings_s": {k: round(v, 3) for k, v in self.timings_s.items()},
+            **({"errors": dict(self.errors)} if self.errors else {}),
         }
 
 
@@ -344,6 +347,7 @@ def package(
         manifests: dict[str, Manifest] = {}
         rows: list[Row] = []
         failed: list[tuple[str, Comparison, tuple[str, ...]]] = []
+        errors: dict[str, str] = {}  # targets whose build could not be validated: the other targets go on
         reports: dict[str, Path] = {}
         kept_rows: list[dict[str, Any]] = []
         shared_builds: dict[Any, Any] = {}  # the engine's builds, reused across targets of this call
@@ -371,22 +375,18 @@ def package(
                     evaluate=_evaluator(run, _static_signature(prepared.served, static_shapes)),
                 )
                 target_say(f"[{t}] building {precisions[t]}")
-                searched = None
-                if hasattr(chosen[t], "candidates"):  # an engine target: candidates searched side by side
-                    from edgekit.optimize.run import optimise
-
-                    ctx = dataclasses.replace(ctx, source_path=model)
-                    optimised = optimise(chosen[t], ctx, engine, reference_path=model, shared=shared_builds)
-                    result, searched = optimised.build, optimised.search
-                    if keep_dir is not None:
-                        kept_rows += _keep_candidates(
-                            keep_dir, t, chosen[t], ctx, searched, run, prepared.source, name, version, private_key,
-                            static_shapes,
-                        )  # fmt: skip
-                else:
-                    result = chosen[t].build(ctx)
-                if result.static and not chosen[t].static_shapes:
-                    raise EdgekitError(f"target {t} built a static-shape artifact but does not declare static_shapes")
+                try:
+                    built = _build_target(
+                        t, chosen[t], ctx, model, engine, shared_builds, keep_dir, run, prepared.source, name, version,
+                        private_key, static_shapes,
+                    )  # fmt: skip
+                except ValidationFailedError as exc:  # this target cannot be checked here; the others still can
+                    errors[t] = str(exc)
+                    say(f"[{t}] failed: {exc}")
+                    timings[t] = time.perf_counter() - target_started
+                    continue
+                result, searched, ctx = built.result, built.searched, built.ctx
+                kept_rows += built.kept_rows
                 manifest, comparison, row = _validate_and_describe(
                     t,
                     precisions[t],
@@ -422,11 +422,56 @@ def package(
             index = write_index(keep_dir, name, prepared.source.sha256, kept_rows, utc_now())
             say(f"kept {len(kept_rows)} candidate(s) for on-device timing: {index}")
     result_all = PackageResult(
-        bundles=bundles, rows=tuple(rows), manifests=manifests, timings_s=timings, reports=reports
+        bundles=bundles, rows=tuple(rows), manifests=manifests, timings_s=timings, reports=reports, errors=errors
     )
-    if failed and not allow_failed:
-        raise PackageValidationError(_failure_message(failed, precisions, reports), result_all)
+    if errors or (failed and not allow_failed):
+        message = _failure_message(failed, precisions, reports) if failed else ""
+        could_not = "\n".join(f"{t} {precisions[t]}: {why}" for t, why in errors.items())
+        raise PackageValidationError("\n".join(m for m in (could_not, message) if m), result_all)
     return result_all
+
+
+@dataclass(frozen=True)
+class _Built:
+    result: BuildResult
+    searched: Any  # SearchResult for an engine target, else None
+    ctx: BuildContext
+    kept_rows: list[dict[str, Any]]
+
+
+def _build_target(
+    t: str,
+    target: Any,
+    ctx: BuildContext,
+    model: Path,
+    engine: Any,
+    shared_builds: dict[Any, Any],
+    keep_dir: Path | None,
+    run: _Run,
+    source: Any,
+    name: str,
+    version: int,
+    private_key: Any,
+    static_shapes: Mapping[str, tuple[int, ...]],
+) -> _Built:
+    """Build target ``t``: through the optimisation engine when it describes candidates, else directly."""
+    searched = None
+    kept_rows: list[dict[str, Any]] = []
+    if hasattr(target, "candidates"):  # an engine target: candidates searched side by side
+        from edgekit.optimize.run import optimise
+
+        ctx = dataclasses.replace(ctx, source_path=model)
+        optimised = optimise(target, ctx, engine, reference_path=model, shared=shared_builds)
+        result, searched = optimised.build, optimised.search
+        if keep_dir is not None:
+            kept_rows = _keep_candidates(
+                keep_dir, t, target, ctx, searched, run, source, name, version, private_key, static_shapes
+            )
+    else:
+        result = target.build(ctx)
+    if result.static and not target.static_shapes:
+        raise EdgekitError(f"target {t} built a static-shape artifact but does not declare static_shapes")
+    return _Built(result, searched, ctx, kept_rows)
 
 
 # -- arguments -----------------------------------------------------------------------------

@@ -69,6 +69,12 @@ class IntelOptions:
     int4_group_size: int = 128  # -1 = per output channel
     int4_ratio: float = 0.8  # share of the weights in INT4, the rest INT8
     int4_all_layers: bool = False  # also the first and last weight layers (NNCF keeps them INT8 by default)
+    # quantize_with_accuracy_control: the most layers it may revert to float (NNCF's default is every
+    # quantized layer, one full evaluation each: > 9 minutes on a MobileNetV3-small at 224x224 here),
+    # and the samples its layer ranking runs on (NNCF's default, 300: fewer ranked a tiny classifier's
+    # layers badly enough that all of them were reverted).
+    accuracy_control_max_layers: int = 8
+    accuracy_control_ranking_samples: int = 300
 
     def __post_init__(self) -> None:
         _choice("targets.intel.device", self.device, DEVICES)
@@ -78,6 +84,9 @@ class IntelOptions:
             raise ConfigError(f"targets.intel.int4_group_size: must be -1 or >= 1, got {self.int4_group_size}")
         if not 0.0 < self.int4_ratio <= 1.0:
             raise ConfigError(f"targets.intel.int4_ratio: must be in (0, 1], got {self.int4_ratio}")
+        for key in ("accuracy_control_max_layers", "accuracy_control_ranking_samples"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"targets.intel.{key}: must be >= 1, got {getattr(self, key)}")
 
 
 def _import_openvino() -> Any:
@@ -108,6 +117,8 @@ class NncfRecipe:
     fast_bias_correction: bool
     accuracy_control: bool = False
     exclude: tuple[str, ...] = ()  # ONNX node names kept in float (NNCF IgnoredScope)
+    max_reverted_layers: int = IntelOptions.accuracy_control_max_layers  # accuracy control's bounds
+    ranking_samples: int = IntelOptions.accuracy_control_ranking_samples
 
     @property
     def label(self) -> str:
@@ -164,7 +175,14 @@ class IntelTarget:
             kind = opts.model_type
             base = NncfRecipe(opts.nncf_preset, True)
             first.append(nncf_candidate(source, base, dev, ctx.model_path, kind))
-            for recipe in (NncfRecipe("mixed", False), NncfRecipe(opts.nncf_preset, True, accuracy_control=True)):
+            control = NncfRecipe(
+                opts.nncf_preset,
+                True,
+                accuracy_control=True,
+                max_reverted_layers=opts.accuracy_control_max_layers,
+                ranking_samples=opts.accuracy_control_ranking_samples,
+            )
+            for recipe in (NncfRecipe("mixed", False), control):
                 if recipe != base:
                     refinements.append(
                         Refinement(nncf_candidate(source, recipe, dev, ctx.model_path, kind), of=base.label)
@@ -284,7 +302,8 @@ def nncf_candidate(source: Path, recipe: NncfRecipe, device: str, prepared: Path
             common["ignored_scope"] = nncf.IgnoredScope(patterns=patterns, validate=False)
         model = convert_onnx(ov, source)
         if recipe.accuracy_control:
-            quantized = _quantize_with_accuracy_control(ov, nncf, model, samples, common)
+            bounds = restorer_parameters(nncf, recipe, len(samples))
+            quantized = _quantize_with_accuracy_control(ov, nncf, model, samples, common, bounds)
         else:
             quantized = nncf.quantize(model, nncf.Dataset(samples), **common)
         kind = f" model_type={model_type}" if model_type else ""
@@ -314,7 +333,19 @@ def nncf_candidate(source: Path, recipe: NncfRecipe, device: str, prepared: Path
     )
 
 
-def _quantize_with_accuracy_control(ov: Any, nncf: Any, model: Any, samples: list[Any], common: dict[str, Any]) -> Any:
+def restorer_parameters(nncf: Any, recipe: NncfRecipe, samples: int) -> Any:
+    """NNCF's ``AdvancedAccuracyRestorerParameters`` bounded by the recipe: at most
+    ``max_reverted_layers`` layers reverted to float, the ranking on at most ``ranking_samples``."""
+    from nncf.quantization.advanced_parameters import AdvancedAccuracyRestorerParameters
+
+    return AdvancedAccuracyRestorerParameters(
+        max_num_iterations=recipe.max_reverted_layers, ranking_subset_size=min(recipe.ranking_samples, samples)
+    )
+
+
+def _quantize_with_accuracy_control(
+    ov: Any, nncf: Any, model: Any, samples: list[Any], common: dict[str, Any], bounds: Any
+) -> Any:
     """``nncf.quantize_with_accuracy_control`` with agreement to the FP32 IR on the calibration
     samples as the metric (no labels here), allowed to drop 0.01."""
     core = ov.Core()
@@ -336,7 +367,14 @@ def _quantize_with_accuracy_control(ov: Any, nncf: Any, model: Any, samples: lis
 
     dataset = nncf.Dataset(samples)
     return nncf.quantize_with_accuracy_control(
-        model, dataset, dataset, validation_fn=metric, max_drop=0.01, drop_type=nncf.DropType.ABSOLUTE, **common
+        model,
+        dataset,
+        dataset,
+        validation_fn=metric,
+        max_drop=0.01,
+        drop_type=nncf.DropType.ABSOLUTE,
+        advanced_accuracy_restorer_parameters=bounds,
+        **common,
     )
 
 

@@ -465,6 +465,14 @@ def test_cli_console_script_runs(tmp_path: Path) -> None:
     assert (done.returncode, done.stdout) == (0, f"edgekit {__version__}\n")
 
 
+def test_cli_runs_as_python_dash_m_edgekit() -> None:
+    """``python -m edgekit`` is the command too (a venv whose bin/ is not on PATH)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "edgekit", "--version"], capture_output=True, text=True, env={**os.environ}, check=False
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"edgekit {__version__}\n", "")
+
+
 def test_cli_package_keep_candidates_refuses_a_folder_with_files(capsys, workspace, tmp_path: Path) -> None:
     (tmp_path / "kept").mkdir()
     (tmp_path / "kept" / "old.txt").write_text("x")

@@ -623,3 +623,45 @@ def test_package_golden_vectors_for_an_intermediate_skip_samples_it_disagreed_on
     assert golden.count == 4 and golden.min_top1_agreement == 0.8  # 4 batches of the static batch 1
     with np.load(tmp_path / GOLDEN_FILE) as saved:
         np.testing.assert_array_equal(saved["in_x"], x[1:5])  # sample 0 is not among them
+
+
+class UncheckableTarget:
+    """A coral stand-in whose build raises ``ValidationFailedError``, as apple's W8A8 does on a real
+    MobileNetV3 (its activation quantization ops do not line up with the torch intermediate's)."""
+
+    name = "coral"
+    runtime = "litert"
+    precisions = ("fp32",)
+    Options = type("Options", (), {})
+    static_shapes = False
+
+    def check_model(self, model_path: Path) -> None:
+        pass
+
+    def build(self, ctx: object) -> object:
+        raise ValidationFailedError("the package's numerics cannot be checked here: use --precision int8-weights")
+
+
+def test_package_target_that_cannot_be_validated_fails_alone_and_the_others_ship(
+    keypair, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from edgekit import targets
+
+    monkeypatch.setitem(targets.TARGETS, "coral", f"{__name__}:UncheckableTarget")
+    with pytest.raises(PackageValidationError) as exc:
+        package(
+            tiny_model,
+            ["cpu", "coral"],
+            "fp32",
+            eval={"input": sample_inputs(8)},
+            key=keypair[0],
+            name="m",
+            out_dir=tmp_path,
+        )
+    assert str(exc.value) == "coral fp32: the package's numerics cannot be checked here: use --precision int8-weights"
+    assert exc.value.exit_code == 3
+    result = exc.value.result
+    assert [r.target for r in result.rows] == ["cpu"] and result.rows[0].passed
+    assert set(result.bundles) == {"cpu"} and result.bundles["cpu"].exists()
+    assert result.errors == {"coral": str(exc.value).removeprefix("coral fp32: ")} and not result.passed
+    assert result.to_dict()["errors"] == result.errors

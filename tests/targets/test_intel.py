@@ -255,3 +255,26 @@ def test_intel_options_reject_an_unknown_device_with_the_nearest_choice() -> Non
         ConfigError, match=r"targets\.intel\.device: 'GPX' is not one of CPU, GPU, NPU, AUTO; did you mean 'GPU'"
     ):
         IntelOptions(device="GPX")
+
+
+def test_intel_accuracy_control_is_bounded_by_the_target_options(tmp_path: Path, classifier: Path) -> None:
+    """NNCF's accuracy control reverts every quantized layer by default (one evaluation each: > 9 min
+    on a MobileNetV3-small here); the target passes its bounds to NNCF and records them."""
+    import nncf
+
+    from edgekit.optimize.run import EngineSettings, optimise
+    from edgekit.targets.intel import NncfRecipe, restorer_parameters
+
+    options = IntelOptions(accuracy_control_max_layers=2, accuracy_control_ranking_samples=5)
+    ctx = _context(tmp_path, classifier, "int8", options)
+    search = optimise(IntelTarget(), ctx, EngineSettings(tolerance=Tolerance(min_top1_agreement=1.01))).search
+    [control] = [o for o in search.outcomes if o.name.endswith("accuracy-control")]
+    assert (control.settings["max_reverted_layers"], control.settings["ranking_samples"]) == (2, 5)
+    assert control.status == "failed", control.reason  # it ran (bounded) and missed the impossible gate
+    bounds = restorer_parameters(nncf, NncfRecipe("performance", True, accuracy_control=True), 20)
+    assert (bounds.max_num_iterations, bounds.ranking_subset_size) == (8, 20)  # the default; never more than we have
+
+
+def test_intel_options_reject_an_accuracy_control_bound_below_one() -> None:
+    with pytest.raises(ConfigError, match=r"targets\.intel\.accuracy_control_max_layers: must be >= 1, got 0"):
+        IntelOptions(accuracy_control_max_layers=0)
