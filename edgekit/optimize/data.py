@@ -5,7 +5,10 @@ Stratified: for a classifier, samples are taken round-robin over the FP32 model'
 classes, so a small subset still covers every class the data holds; for dense outputs, evenly
 spaced over the set. Selection: the calibration samples left out of the subset when there are
 enough of them, else the subset itself (the final gate runs on the held-out evaluation data
-either way).
+either way). At least a third of the samples are held out for selection when that third is
+``MIN_SELECTION`` or more, even if the calibration subset then holds fewer than asked: on 16
+selection samples one flipped top-1 is 6 points, and a candidate chosen there missed a 98 %
+held-out gate on a MobileNetV3 (release check, 144 samples given, 128 calibrating).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from edgekit.validate.calib import sample_count
 
 DEFAULT_CALIB_SAMPLES = 128
 MIN_SELECTION = 16  # fewer left-over samples than this: select on the calibration subset
+MIN_CALIB = 32  # the calibration subset never shrinks below this to make room for selection
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,9 @@ def arrays_sha256(arrays: Mapping[str, np.ndarray]) -> str:
 def search_data(calib: Mapping[str, np.ndarray], limit: int, fp32_classes: np.ndarray | None = None) -> SearchData:
     """The calibration subset of at most ``limit`` samples and the selection samples."""
     n = sample_count(calib)
+    held = n // 3
+    if held >= MIN_SELECTION and n - held >= MIN_CALIB:
+        limit = min(limit, n - held)
     chosen = stratified_indices(n, limit, fp32_classes)
     subset = {k: v[chosen] for k, v in calib.items()}
     rest = np.setdiff1d(np.arange(n), chosen)

@@ -22,7 +22,7 @@ from edgekit.optimize.engine import SearchResult, search
 from edgekit.optimize.profile import DeviceProfile
 from edgekit.optimize.record import choice_step
 from edgekit.targets.base import BuildContext, BuildResult
-from edgekit.validate.calib import fixed_batch, sample_count
+from edgekit.validate.calib import even_batch, fixed_batch, sample_count
 from edgekit.validate.metrics import output_kind, run_all
 
 
@@ -87,7 +87,7 @@ def optimise(
         scores = run_all(reference, dict(ctx.calib), batch, pad=fixed_batch(ctx.served) is not None)[first]
         classes = np.asarray(scores).reshape(sample_count(ctx.calib), -1).argmax(-1)
     data = search_data(ctx.calib, settings.calib_samples, classes)
-    calib_batch = fixed_batch(served) or min(16, sample_count(data.calib))
+    calib_batch = fixed_batch(served) or even_batch(sample_count(data.calib))
     plan = target.candidates(ctx)
     result = search(
         plan,

@@ -354,7 +354,7 @@ def quantize_for_tensorrt(
     from onnxruntime.quantization.calibrate import create_calibrator, save_tensors_data
 
     from edgekit.compress.ort_quant import ArrayCalibrationReader
-    from edgekit.validate.calib import sample_count
+    from edgekit.validate.calib import even_batch, sample_count
 
     if method not in CALIBRATORS:
         raise ValueError(f"calibration method {method!r} is not one of {', '.join(CALIBRATORS)}")
@@ -368,7 +368,7 @@ def quantize_for_tensorrt(
     calib_options: dict[str, Any] = {"symmetric": True}
     if method == "percentile":
         calib_options["percentile"] = opts.percentile
-    batch = min(16, sample_count(calib))
+    batch = even_batch(sample_count(calib))
     calibrator = create_calibrator(
         Path(model_path),
         None,  # every op: the calibration cache covers the whole FP32 graph

@@ -276,3 +276,10 @@ def fixed_batch(served: Signature) -> int | None:
     """The batch size the model fixes on axis 0 of its first input, or ``None`` if dynamic."""
     d = served.inputs[0].shape[0] if served.inputs[0].shape else 1
     return d if isinstance(d, int) else None
+
+
+def even_batch(n: int, most: int = 16) -> int:
+    """The largest batch of at most ``most`` that splits ``n`` calibration samples into equal
+    calls: ORT's entropy/percentile calibrators stack the per-call outputs and raise
+    ("inhomogeneous shape") on a short last batch (43 samples in calls of 16 did)."""
+    return next(b for b in range(min(most, max(n, 1)), 0, -1) if n % b == 0 or n == 0)

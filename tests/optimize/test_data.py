@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgekit.optimize.data import arrays_sha256, search_data, stratified_indices
+from edgekit.validate.calib import even_batch
 from edgekit.validate.latency import _stats
 
 
@@ -22,11 +23,19 @@ def test_search_data_holds_out_selection_samples_and_hashes_the_subset() -> None
     assert data.calib["x"].shape == (64, 4) and data.selection["x"].shape == (136, 4)
     assert not set(map(tuple, data.calib["x"])) & set(map(tuple, data.selection["x"]))
     assert data.calib_sha256 == arrays_sha256({"x": data.calib["x"]}) and data.calib_total == 200
-    small = search_data({"x": x[:70]}, 64)  # 6 left over: too few, select on the subset
-    assert small.selection["x"].shape == (64, 4) and "too few left over" in small.selection_source
+    # 70 given, 64 asked: a third is held out for selection all the same (6 would be too few)
+    some = search_data({"x": x[:70]}, 64)
+    assert some.calib["x"].shape == (47, 4) and some.selection["x"].shape == (23, 4)
+    small = search_data({"x": x[:40]}, 64)  # a third is 13: too few, select on the subset
+    assert small.selection["x"].shape == (40, 4) and "too few left over" in small.selection_source
     assert arrays_sha256({"x": x[:64]}) != arrays_sha256({"x": x[1:65]})
 
 
 def test_latency_stats_p50_p90_and_interquartile_range() -> None:
     s = _stats([i / 1000 for i in range(1, 102)])  # 1..101 ms
     assert (s.p50_ms, s.p90_ms, s.iqr_ms, s.calls) == (51.0, 91.0, 50.0, 101)
+
+
+def test_even_batch_splits_the_calibration_samples_into_equal_calls() -> None:
+    assert [even_batch(n) for n in (64, 43, 48, 10, 1, 0)] == [16, 1, 16, 10, 1, 1]
+    assert even_batch(40) == 10 and even_batch(100) == 10
