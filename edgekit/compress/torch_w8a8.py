@@ -13,7 +13,10 @@ The finalized graph is also the host-side intermediate, once it carries the *pac
 every int8 weight and its per-channel scale are read back from the saved package and put into the
 reference module they came from (found by name), and every activation ``quantize`` op of the package
 is matched, in program order, to the torch graph's activation quantization (scale within FP16
-rounding, the same zero point); the torch graph then takes the package's FP16 scales. A torch
+rounding, the same zero point); the torch graph then takes the package's FP16 scales. A quantize
+after an ``add``/``sub`` whose scale coremltools normalized by one input's scale (its
+``distributive_quantized_binary_op_scale_normalization`` pass: the same integers in other units)
+is compared, and loaded, in the source's units, and the report lists it. A torch
 requantization the package does not have must repeat the previous one exactly (coremltools drops
 such no-ops, e.g. around a reshape); anything else means the intermediate would not compute what
 the package computes, and raises ``ValidationFailedError``.
@@ -51,6 +54,7 @@ class W8A8Report:
     weights: tuple[str, ...]  # package weights loaded into the intermediate, with their scales
     activations: int  # package activation quantize ops matched to the torch graph
     dropped_noops: tuple[str, ...]  # torch requantizations the package leaves out (exact repeats)
+    rescaled: tuple[str, ...]  # package quantize ops after add/sub whose scale coremltools normalized
     worst_scale_error: float  # largest relative difference, package vs torch activation scale
 
 
@@ -111,10 +115,12 @@ def torch_activation_quant(graph_module: Any) -> list[ActivationQuant]:
 
 
 def package_activation_quant(program: Any) -> list[ActivationQuant]:
-    """The activation ``quantize`` ops of a MIL program, in program order."""
+    """The activation ``quantize`` ops of a MIL program, in program order, each with the scale of the
+    grid it quantizes to in the source's units (see ``_normalization``)."""
     from edgekit.compress.mlpackage_weights import main_operations
 
     found = []
+    effective: dict[int, float] = {}  # id(quantize op) -> its scale in the source's units
     for op in main_operations(program):
         if op.op_type != "quantize":
             continue
@@ -124,8 +130,56 @@ def package_activation_quant(program: Any) -> list[ActivationQuant]:
         if scale.size != 1:
             raise ValidationFailedError(f"package op {op.name}: per-channel activation scales are not supported here")
         dtype = str(op.inputs["output_dtype"].val)
-        found.append(ActivationQuant(str(op.name), float(scale.ravel()[0]), zp + 128 if dtype == "int8" else zp))
+        s = float(scale.ravel()[0]) * _normalization(op, effective)
+        effective[id(op)] = s
+        found.append(ActivationQuant(str(op.name), s, zp + 128 if dtype == "int8" else zp))
     return found
+
+
+def _normalization(quantize: Any, effective: dict[int, float]) -> float:
+    """The factor coremltools divided ``quantize``'s scale by, 1.0 when it did not.
+
+    coremltools' ``distributive_quantized_binary_op_scale_normalization`` pass (coremltools 9,
+    ``optimize_quantization.py``) rewrites ``quantize(dequantize(x, s_x) + dequantize(y, s_y), s_z)``
+    (``add``/``sub``, optionally through a ``relu``) into ``quantize(dequantize(x, s_x/s_y) +
+    dequantize(y, 1.0), s_z/s_y)``: the same integers, computed in units of ``s_y``, so the
+    quantize op holds ``s_z/s_y``. It is recognised by a ``dequantize`` of scale 1.0 whose source
+    quantize has another scale; ``s_y`` is that source's scale, and the other input's rewritten
+    scale must then be its source's scale over ``s_y`` too, or this raises: anything else is not
+    that pass, and the package's numerics are not the torch graph's."""
+    producer = quantize.inputs["input"].op
+    if producer is not None and producer.op_type == "relu":
+        producer = producer.inputs["x"].op
+    if producer is None or producer.op_type not in ("add", "sub"):
+        return 1.0
+    sides = [producer.inputs[k].op for k in ("x", "y")]
+    if any(d is None or d.op_type != "dequantize" for d in sides):
+        return 1.0
+    pairs = []  # (dequantize scale, the scale of the quantize it reads in source units)
+    for d in sides:
+        source = d.inputs["input"].op
+        scale = np.asarray(d.inputs["scale"].val, dtype=np.float64)
+        if source is None or id(source) not in effective or scale.size != 1:
+            return 1.0
+        pairs.append((float(scale.ravel()[0]), effective[id(source)]))
+    for k, (unit_scale, s_y) in enumerate(pairs):
+        if unit_scale != 1.0 or _close(s_y, 1.0):
+            continue
+        other_scale, s_x = pairs[1 - k]
+        if not _close(other_scale * s_y, s_x):
+            raise ValidationFailedError(
+                f"package op {quantize.name}: the {producer.op_type} before it reads dequantize scales "
+                f"{other_scale:.6g} and 1.0, which is not coremltools' scale normalization of inputs quantized at "
+                f"{s_x:.6g} and {s_y:.6g}; the package's W8A8 numerics cannot be checked here: "
+                "use --precision int8-weights"
+            )
+        return s_y
+    return 1.0
+
+
+def _close(a: float, b: float) -> bool:
+    # two FP16 roundings (the scale and the quotient coremltools stores)
+    return abs(a - b) <= max(2 * _SCALE_RTOL * abs(b), _FP16_SUBNORMAL_STEP)
 
 
 def align(torch_q: Sequence[ActivationQuant], package_q: Sequence[ActivationQuant]) -> list[int | None]:
@@ -164,6 +218,8 @@ def load_package_quantization(graph_module: Any, program: Any) -> W8A8Report:
     weights = _load_weights(graph_module, program)
     torch_q = torch_activation_quant(graph_module)
     package_q = package_activation_quant(program)
+    raw = {q.where: q.scale for q in _raw_scales(program)}
+    rescaled = tuple(q.where for q in package_q if not _close(q.scale, raw[q.where]))
     matched = align(torch_q, package_q)
     nodes = {
         n.name: n for n in graph_module.graph.nodes if n.op == "call_function" and n.target is torch.quantize_per_tensor
@@ -183,8 +239,20 @@ def load_package_quantization(graph_module: Any, program: Any) -> W8A8Report:
         weights=weights,
         activations=len(package_q),
         dropped_noops=tuple(tq.where for tq, j in zip(torch_q, matched, strict=True) if j is None),
+        rescaled=rescaled,
         worst_scale_error=worst,
     )
+
+
+def _raw_scales(program: Any) -> list[ActivationQuant]:
+    """Each quantize op's scale as stored (no normalization undone)."""
+    from edgekit.compress.mlpackage_weights import main_operations
+
+    return [
+        ActivationQuant(str(op.name), float(np.asarray(op.inputs["scale"].val, dtype=np.float64).ravel()[0]), 0)
+        for op in main_operations(program)
+        if op.op_type == "quantize"
+    ]
 
 
 def _load_weights(graph_module: Any, program: Any) -> tuple[str, ...]:

@@ -435,8 +435,12 @@ def build_w8a8(ctx: BuildContext) -> BuildResult:
         f"intermediate: the quantized torch graph with the package's {len(report.weights)} int8 weights and scales "
         f"and its {report.activations} activation scales (torch vs package scale: within "
         f"{report.worst_scale_error:.1e} relative)"
+        + (f"; {len(report.dropped_noops)} no-op requantization(s) coremltools removed" if report.dropped_noops else "")
         + (
-            f"; {len(report.dropped_noops)} no-op requantization(s) coremltools removed" if report.dropped_noops else ""
+            f"; {len(report.rescaled)} add/sub output quantization(s) whose scale coremltools normalized by an "
+            "input's scale (distributive_quantized_binary_op_scale_normalization), compared in the source's units"
+            if report.rescaled
+            else ""
         ),
         "Core ML latency: not measured here",
     ]

@@ -414,6 +414,106 @@ def test_activation_quant_alignment_drops_only_exact_repeats() -> None:
         align(torch_q[:1], package_q)
 
 
+def _residual_classifier(path: Path) -> Path:
+    """MobileNetV3's inverted-residual pattern: ``Add(x, Conv(Relu(Conv(x))))`` between convs."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+
+    def init(name: str, shape: tuple[int, ...], scale: float = 0.3) -> onnx.TensorProto:
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+    nodes = [
+        helper.make_node("Conv", ["input", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], name="conv2"),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("Conv", ["r2", "w3", "b3"], ["c3"], pads=[1, 1, 1, 1], name="conv3"),
+        helper.make_node("Add", ["r1", "c3"], ["res"], name="residual"),
+        helper.make_node("Conv", ["res", "w4", "b4"], ["c4"], pads=[1, 1, 1, 1], strides=[2, 2], name="conv4"),
+        helper.make_node("GlobalAveragePool", ["c4"], ["gap"], name="gap"),
+        helper.make_node("Flatten", ["gap"], ["flat"], axis=1, name="flatten"),
+        helper.make_node("Gemm", ["flat", "w5", "b5"], ["logits"], transB=1, name="fc"),
+        helper.make_node("Softmax", ["logits"], ["probs"], axis=1, name="softmax"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "residual_classifier",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 3, 16, 16])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 10])],
+        [
+            init("w1", (8, 3, 3, 3)), init("b1", (8,), 0.1), init("w2", (8, 8, 3, 3)), init("b2", (8,), 0.1),
+            init("w3", (8, 8, 3, 3)), init("b3", (8,), 0.1), init("w4", (16, 8, 3, 3)), init("b4", (16,), 0.1),
+            init("w5", (10, 16), 1.0), init("b5", (10,), 0.1),
+        ],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def test_apple_w8a8_checks_a_residual_add_whose_output_scale_coremltools_normalized(tmp_path: Path) -> None:
+    # coremltools' distributive_quantized_binary_op_scale_normalization stores the residual Add's output
+    # quantize scale divided by one input's scale (PP-OCR's MobileNetV3 cls failed alignment on it): the
+    # check compares it in the source's units and the intermediate computes with the package's numbers
+    from edgekit.compress.mlpackage_weights import load_program, main_operations
+    from edgekit.compress.onnx_prep import prepare_model
+    from edgekit.compress.torch_w8a8 import package_activation_quant, torch_activation_quant
+
+    residual = prepare_model(_residual_classifier(tmp_path / "residual.onnx"), tmp_path / "prepared")
+    ctx = _ctx(residual, tmp_path, "int8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = AppleTarget().build(ctx)
+    _, program = load_program(ctx.out_dir / "model.mlpackage")
+    adds = [op for op in main_operations(program) if op.op_type == "add"]
+    unit = [op.inputs[k].op for op in adds for k in ("x", "y") if op.inputs[k].op.op_type == "dequantize"]
+    assert any(float(d.inputs["scale"].val) == 1.0 for d in unit)  # the pass ran: one input in units of 1.0
+    raw = {str(op.name): float(op.inputs["scale"].val) for op in main_operations(program) if op.op_type == "quantize"}
+    package_q = package_activation_quant(program)
+    rescaled = [q for q in package_q if abs(q.scale - raw[q.where]) > 1e-3 * q.scale]
+    assert len(rescaled) == 1  # the Add's output, stored as s_z / s_y
+    assert any("normalized by an input's scale" in n for n in result.notes)
+    module = inspect.getclosurevars(result.intermediate).nonlocals["module"]
+    torch_scales = [q.scale for q in torch_activation_quant(module)]
+    assert np.isclose(torch_scales, rescaled[0].scale, rtol=1e-6).any()  # the sum quantized on the package's grid
+    x = confident_inputs(residual.path, 16, seed=3)
+    ref = ort_cpu_runner(residual.path)({"input": x})["probs"]
+    assert np.mean(_served_outputs(result.intermediate, x).argmax(1) == ref.argmax(1)) >= 0.9
+
+
+def _quantized_add(s_x: float, s_y: float, s_z: float) -> object:
+    """A MIL program ``quantize(dequantize(qa, s_x) + dequantize(qb, s_y), s_z)``, qa at 0.1, qb at 0.05."""
+    import coremltools as ct
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+
+    @mb.program(input_specs=[mb.TensorSpec((1, 4), dtype=types.fp32)], opset_version=ct.target.iOS17)
+    def program(x):  # type: ignore[no-untyped-def]
+        qa = mb.quantize(input=x, scale=np.float32(0.1), output_dtype="int8", name="qa")
+        qb = mb.quantize(input=x, scale=np.float32(0.05), output_dtype="int8", name="qb")
+        z = mb.add(x=mb.dequantize(input=qa, scale=np.float32(s_x)), y=mb.dequantize(input=qb, scale=np.float32(s_y)))
+        return mb.dequantize(
+            input=mb.quantize(input=z, scale=np.float32(s_z), output_dtype="int8", name="qz"), scale=0.3
+        )
+
+    return program
+
+
+def test_package_activation_quant_undoes_only_coremltools_scale_normalization() -> None:
+    from edgekit.compress.torch_w8a8 import package_activation_quant
+
+    def scales(program: object) -> list[float]:
+        return [round(q.scale, 6) for q in package_activation_quant(program)]
+
+    assert scales(_quantized_add(0.1, 0.05, 0.3)) == [0.1, 0.05, 0.3]  # not normalized: as stored
+    assert scales(_quantized_add(0.1 / 0.05, 1.0, 0.3 / 0.05)) == [0.1, 0.05, 0.3]  # in units of s_y, undone
+    with pytest.raises(ValidationFailedError, match=r"package op qz: the add before it reads dequantize scales 3 and"):
+        package_activation_quant(_quantized_add(3.0, 1.0, 0.3 / 0.05))  # 3 * 0.05 is not qa's 0.1: not that pass
+
+
 def test_apple_refuses_w8a8_below_ios17(prepared, tmp_path: Path) -> None:
     ctx = _ctx(prepared, tmp_path, "int8", AppleOptions(minimum_deployment_target="iOS16"))
     with pytest.raises(
