@@ -23,11 +23,12 @@ def test_search_data_holds_out_selection_samples_and_hashes_the_subset() -> None
     assert data.calib["x"].shape == (64, 4) and data.selection["x"].shape == (136, 4)
     assert not set(map(tuple, data.calib["x"])) & set(map(tuple, data.selection["x"]))
     assert data.calib_sha256 == arrays_sha256({"x": data.calib["x"]}) and data.calib_total == 200
-    # 70 given, 64 asked: a third is held out for selection all the same (6 would be too few)
-    some = search_data({"x": x[:70]}, 64)
-    assert some.calib["x"].shape == (47, 4) and some.selection["x"].shape == (23, 4)
-    small = search_data({"x": x[:40]}, 64)  # a third is 13: too few, select on the subset
-    assert small.selection["x"].shape == (40, 4) and "too few left over" in small.selection_source
+    big = search_data({"x": np.zeros((1000, 2), np.float32)}, 64)  # 936 left over: 512 of them
+    assert big.selection["x"].shape == (512, 2) and big.selection_source.startswith("512 calibration samples")
+    # 70 given, 64 asked: 6 left over are too few to select on: every sample given is
+    small = search_data({"x": x[:70]}, 64)
+    assert small.calib["x"].shape == (64, 4) and small.selection["x"].shape == (70, 4)
+    assert "too few left over" in small.selection_source
     assert arrays_sha256({"x": x[:64]}) != arrays_sha256({"x": x[1:65]})
 
 

@@ -70,7 +70,7 @@ def test_report_summary_lines_from_the_manifest_candidate_report(tmp_path: Path)
     assert report.chosen == "int8 a" and report.latency_measured
     assert [c.speedup_vs_fp32 for c in report.candidates][:3] == [1.0, 2.0, 2.0]
     assert summary_lines(report) == [
-        "candidates (objective latency, 24 selection samples): 1 chosen, 1 failed, 1 passed, 1 skipped",
+        "candidates (objective latency, 40 selection samples): 1 chosen, 1 failed, 1 passed, 1 skipped",
         "  passed   ort fp32: top-1 agree 100.0%, p50 1.000 ms (1.00x ORT fp32), 1000 B",
         "  chosen   int8 a: top-1 agree 100.0%, p50 0.500 ms (2.00x ORT fp32), 250 B",
         "  failed   int8 b: top-1 agree 50.0%, p50 0.400 ms (2.00x ORT fp32), 250 B, top-1 agreement 0.5",
@@ -95,4 +95,7 @@ def test_report_choice_is_a_provenance_step_with_settings_objective_budget_and_w
         "budget": "min_top1_agreement=0.98, max_top1_drop=0.01, max_relative_error=0.2",
         "candidates": "3", "skipped": "1", "excluded_nodes": "conv3",
     }  # fmt: skip
-    assert step.notes == "fastest within the budget (on 24 calibration samples not used for calibration)"
+    assert step.notes == (
+        "fastest within the budget (on all 40 calibration samples, the 16 calibrating included "
+        "(too few left over to hold out: 24 < 64))"
+    )
