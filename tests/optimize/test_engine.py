@@ -180,3 +180,20 @@ def test_engine_int4_weights_measures_float_and_int8_compute_accuracy_levels(key
     assert level4.settings["accuracy_level"] == "4" and level4.status != "error"
     assert rows["ort MatMulNBits int4 block 32"].status != "error"
     assert m.candidates.chosen in rows and m.precision.weights == "int4"
+
+
+def test_engine_never_ships_int8_whose_one_scale_crushed_the_small_channels(keypair, tmp_path: Path) -> None:
+    from tests.optimize.models import mixed_scale_head
+
+    model = mixed_scale_head(tmp_path / "head.onnx")
+    x = np.random.default_rng(2).standard_normal((80, 4, 8, 8)).astype(np.float32)
+    with pytest.raises(PackageValidationError) as info:
+        package(model, ["cpu"], "int8", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "plain",
+                options={"cpu": ORT_ONLY})  # fmt: skip
+    report = _report(info.value.result)
+    plain = next(c for c in report["candidates"] if c["name"] == "ort-static qdq u8s8 per-channel minmax")
+    assert plain["status"] == "failed" and "channel" in plain["reason"] and "crushed" in plain["reason"]
+    assert plain["cosine"] > 0.96  # the global gate alone would have shipped it
+    result = package(model, ["cpu"], "auto", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "auto")
+    m = result.manifests["cpu"]
+    assert m.validation.passed and m.validation.channel_cosine is not None and m.validation.channel_cosine >= 0.9
