@@ -191,9 +191,11 @@ def test_engine_never_ships_int8_whose_one_scale_crushed_the_small_channels(keyp
         package(model, ["cpu"], "int8", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "plain",
                 options={"cpu": ORT_ONLY})  # fmt: skip
     report = _report(info.value.result)
-    plain = next(c for c in report["candidates"] if c["name"] == "ort-static qdq u8s8 per-channel minmax")
-    assert plain["status"] == "failed" and "channel" in plain["reason"] and "crushed" in plain["reason"]
-    assert plain["cosine"] > 0.96  # the global gate alone would have shipped it
+    # every static INT8 candidate missed on the channel gate (the most accurate is "chosen" to report it)
+    static = [c for c in report["candidates"] if c["name"].startswith("ort-static") and c["status"] != "skipped"]
+    assert static and all(c["cosine"] > 0.96 for c in static)  # the global gate alone would have shipped them
+    assert all("crushed the small ones" in c["reason"] for c in static if c["status"] == "failed")
+    assert "channel 2 cosine 0.00 (< 0.9)" in str(info.value)
     result = package(model, ["cpu"], "auto", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "auto")
     m = result.manifests["cpu"]
     assert m.validation.passed and m.validation.channel_cosine is not None and m.validation.channel_cosine >= 0.9
