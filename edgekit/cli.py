@@ -181,7 +181,7 @@ def _register_package(sub: Any) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="override a validation gate: classifiers min_top1_agreement (0.98), max_top1_drop (0.01); dense "
-        "outputs min_cosine (0.96), max_relative_error (0.2); 'none' turns one off",
+        "outputs min_cosine (0.96), max_relative_error (0.2), min_channel_cosine (0.9); 'none' turns one off",
     )
     p.add_argument(
         "--max-drop",
@@ -406,7 +406,15 @@ def describe_manifest(m: Any, signed_by: str) -> list[str]:
         ]
     measures = [
         f"{k.replace('_', ' ')} {getattr(v, k):.4g}"
-        for k in ("top1_agreement", "top1_accuracy", "fp32_top1_accuracy", "cosine", "relative_error", "max_abs_error")
+        for k in (
+            "top1_agreement",
+            "top1_accuracy",
+            "fp32_top1_accuracy",
+            "cosine",
+            "channel_cosine",
+            "relative_error",
+            "max_abs_error",
+        )
         if getattr(v, k) is not None
     ]
     spread = (

@@ -27,6 +27,7 @@ TOLERANCE_KINDS = {
     "max_top1_drop": "classifier",
     "min_cosine": "dense",
     "max_relative_error": "dense",
+    "min_channel_cosine": "dense",
 }
 
 

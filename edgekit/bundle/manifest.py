@@ -216,6 +216,10 @@ class Tolerance:
     max_top1_drop: float | None = 0.01  # with labels, absolute (1 point)
     min_cosine: float | None = 0.96  # dense outputs
     max_relative_error: float | None = 0.2  # dense outputs: mean |a-b| / mean |b|
+    # v2 (optional): dense outputs of rank >= 3, the worst channel's cosine over all samples and
+    # positions; catches small-scale channels (scores in 0-1 next to boxes in pixels) that one
+    # quantization scale crushed while the global cosine stays high. None turns it off.
+    min_channel_cosine: float | None = 0.9
 
 
 @dataclass(frozen=True)
@@ -234,6 +238,8 @@ class Validation:
     max_abs_error: float | None = None
     mean_abs_error: float | None = None
     size_bytes: int = 0
+    # v2 (optional): the worst channel's cosine of the dense outputs of rank >= 3 (see Tolerance)
+    channel_cosine: float | None = None
     size_ratio: float | None = None
     latency_p50_ms: float | None = None
     fp32_latency_p50_ms: float | None = None

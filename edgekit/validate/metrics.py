@@ -3,7 +3,10 @@
 Classifiers (first output is one 1-D score vector per sample, i.e. rank 2) are judged by top-1
 agreement with FP32 and, with labels, by the drop in top-1 accuracy. Dense outputs (maps, boxes,
 embeddings) are judged by the mean per-sample cosine similarity and the relative error
-``mean|a - b| / mean|b|``. Every measure is recorded; only the ones for the kind gate.
+``mean|a - b| / mean|b|``, and, for outputs of rank >= 3, by the worst channel's cosine (one
+value scale per channel: a YOLO head concatenating boxes in pixels with scores in 0-1 under one
+int8 scale keeps a global cosine near 1 while every score is 0). Every measure is recorded; only
+the ones for the kind gate.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ MEASURES = (
     "top1_accuracy",
     "fp32_top1_accuracy",
     "cosine",
+    "channel_cosine",
     "relative_error",
     "max_abs_error",
     "mean_abs_error",
@@ -46,6 +50,7 @@ class Comparison:
     top1_accuracy: float | None = None
     fp32_top1_accuracy: float | None = None
     cosine: float | None = None
+    channel_cosine: float | None = None
     relative_error: float | None = None
     max_abs_error: float | None = None
     mean_abs_error: float | None = None
@@ -62,7 +67,10 @@ class Comparison:
             if self.top1_accuracy is not None and self.fp32_top1_accuracy is not None:
                 text += f", accuracy {self.top1_accuracy:.3f} (fp32 {self.fp32_top1_accuracy:.3f})"
             return text
-        return f"cosine {self.cosine:.4f}, relative error {self.relative_error:.4f}"
+        text = f"cosine {self.cosine:.4f}, relative error {self.relative_error:.4f}"
+        if self.channel_cosine is not None:
+            text += f", worst channel cosine {self.channel_cosine:.4f}"
+        return text
 
 
 def output_kind(served: Signature) -> Kind:
@@ -102,6 +110,7 @@ def compare(
     ref0, cand0 = reference[names[0]], candidate[names[0]]
     samples = int(ref0.shape[0])
     cosines, abs_err, ref_abs, max_abs = [], [], [], 0.0
+    worst: tuple[float, str, int] | None = None  # (cosine, output, channel)
     for n in names:
         r = reference[n].astype(np.float64).reshape(samples, -1)
         c = candidate[n].astype(np.float64).reshape(samples, -1)
@@ -112,6 +121,9 @@ def compare(
         abs_err.append(diff.mean())
         ref_abs.append(np.abs(r).mean())
         max_abs = max(max_abs, float(diff.max(initial=0.0)))
+        found = worst_channel(reference[n], candidate[n])
+        if found is not None and (worst is None or found[0] < worst[0]):
+            worst = (found[0], n, found[1])
     cosine = min(cosines)
     mean_abs = float(np.mean(abs_err))
     relative = float(np.mean(abs_err) / max(float(np.mean(ref_abs)), 1e-12))
@@ -120,6 +132,7 @@ def compare(
         "relative_error": relative,
         "max_abs_error": max_abs,
         "mean_abs_error": mean_abs,
+        "channel_cosine": None if worst is None else worst[0],
     }
     failures: list[str] = []
     t = tolerance
@@ -143,7 +156,48 @@ def compare(
             failures.append(_short("mean cosine to fp32", cosine, t.min_cosine, ">="))
         if t.max_relative_error is not None and relative > t.max_relative_error:
             failures.append(_short("relative error to fp32", relative, t.max_relative_error, "<="))
+        if t.min_channel_cosine is not None and worst is not None and worst[0] < t.min_channel_cosine:
+            failures.append(
+                f"output {worst[1]!r} channel {worst[2]} cosine {worst[0]:.2f} (< {t.min_channel_cosine:.4g}): the "
+                "output mixes value scales (e.g. boxes in pixels with scores in 0-1) and one quantization scale "
+                "crushed the small ones; keep the head in float (--precision auto / --mixed-precision) or normalize "
+                "before the concat"
+            )
     return Comparison(kind=kind, samples=samples, tolerance=tolerance, failures=tuple(failures), **values)
+
+
+def channel_axis(shape: tuple[int, ...]) -> int | None:
+    """The channel axis of a dense output: axis 1 for rank >= 3, except rank 3 whose last axis is
+    smaller than axis 1 (YOLOv5-style ``[1, anchors, 85]``): the last. None below rank 3."""
+    if len(shape) < 3:
+        return None
+    if len(shape) == 3 and shape[2] < shape[1]:
+        return 2
+    return 1
+
+
+def channel_cosines(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray | None:
+    """Per channel (``channel_axis``), the cosine over all samples and positions; NaN for a
+    channel whose reference is numerically dead (RMS 0 or below 1e-9 x the largest channel's).
+    None when the output has no channel axis."""
+    axis = channel_axis(tuple(reference.shape))
+    if axis is None or reference.shape != candidate.shape:
+        return None
+    r = np.moveaxis(reference.astype(np.float64), axis, -1).reshape(-1, reference.shape[axis])
+    c = np.moveaxis(candidate.astype(np.float64), axis, -1).reshape(-1, reference.shape[axis])
+    rms = np.sqrt(np.mean(r * r, axis=0))
+    dead = (rms == 0) | (rms < 1e-9 * float(rms.max(initial=0.0)))
+    cos = _cosine_rows(r.T, c.T)
+    return np.where(dead, np.nan, cos)
+
+
+def worst_channel(reference: np.ndarray, candidate: np.ndarray) -> tuple[float, int] | None:
+    """(cosine, channel index) of the worst live channel, or None (no channel axis, all dead)."""
+    cos = channel_cosines(reference, candidate)
+    if cos is None or bool(np.all(np.isnan(cos))):
+        return None
+    k = int(np.nanargmin(cos))
+    return float(cos[k]), k
 
 
 def _cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -138,3 +138,34 @@ def confident(model: Path, inputs: np.ndarray, n: int, margin: float = 0.15) -> 
     if len(keep) < n:
         raise ValueError(f"only {len(keep)} of {len(inputs)} samples lead by {margin}")
     return keep[:n]
+
+
+def mixed_scale_head(path: Path, seed: int = 0) -> Path:
+    """x [N,4,8,8] -> a box branch (Conv, values in the hundreds) and a score branch (Conv ->
+    Sigmoid, 0-1) -> Concat on channels -> Reshape -> y [N, 5, 64], like a YOLOv8 head before
+    Ultralytics normalizes the boxes: one per-tensor INT8 scale for ``y`` rounds every score to 0
+    while the global cosine stays near 1."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    boxes = (rng.standard_normal((2, 4, 3, 3)) * 300.0).astype(np.float32)
+    scores = (rng.standard_normal((3, 4, 3, 3)) * 0.5).astype(np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "wb"], ["b"], name="box_conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["x", "ws"], ["s0"], name="score_conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Sigmoid", ["s0"], ["s"], name="score_sigmoid"),
+        helper.make_node("Concat", ["b", "s"], ["bs"], name="head_concat", axis=1),
+        helper.make_node("Reshape", ["bs", "shape"], ["y"], name="as_anchors"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mixed_scale_head",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 5, 64])],
+        [
+            numpy_helper.from_array(boxes, "wb"),
+            numpy_helper.from_array(scores, "ws"),
+            numpy_helper.from_array(np.array([-1, 5, 64], dtype=np.int64), "shape"),
+        ],
+    )
+    return _save(graph, path, 13)

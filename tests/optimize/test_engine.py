@@ -180,3 +180,22 @@ def test_engine_int4_weights_measures_float_and_int8_compute_accuracy_levels(key
     assert level4.settings["accuracy_level"] == "4" and level4.status != "error"
     assert rows["ort MatMulNBits int4 block 32"].status != "error"
     assert m.candidates.chosen in rows and m.precision.weights == "int4"
+
+
+def test_engine_never_ships_int8_whose_one_scale_crushed_the_small_channels(keypair, tmp_path: Path) -> None:
+    from tests.optimize.models import mixed_scale_head
+
+    model = mixed_scale_head(tmp_path / "head.onnx")
+    x = np.random.default_rng(2).standard_normal((80, 4, 8, 8)).astype(np.float32)
+    with pytest.raises(PackageValidationError) as info:
+        package(model, ["cpu"], "int8", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "plain",
+                options={"cpu": ORT_ONLY})  # fmt: skip
+    report = _report(info.value.result)
+    # every static INT8 candidate missed on the channel gate (the most accurate is "chosen" to report it)
+    static = [c for c in report["candidates"] if c["name"].startswith("ort-static") and c["status"] != "skipped"]
+    assert static and all(c["cosine"] > 0.96 for c in static)  # the global gate alone would have shipped them
+    assert all("crushed the small ones" in c["reason"] for c in static if c["status"] == "failed")
+    assert "channel 2 cosine 0.00 (< 0.9)" in str(info.value)
+    result = package(model, ["cpu"], "auto", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "auto")
+    m = result.manifests["cpu"]
+    assert m.validation.passed and m.validation.channel_cosine is not None and m.validation.channel_cosine >= 0.9

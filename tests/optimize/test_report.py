@@ -92,7 +92,7 @@ def test_report_choice_is_a_provenance_step_with_settings_objective_budget_and_w
     assert step.settings == {
         "recipe": "int8 a", "per_channel": "True", "candidate": "int8 a", "runtime": "onnxruntime",
         "precision": "int8", "objective": "latency",
-        "budget": "min_top1_agreement=0.98, max_top1_drop=0.01, max_relative_error=0.2",
+        "budget": "min_top1_agreement=0.98, max_top1_drop=0.01, max_relative_error=0.2, min_channel_cosine=0.9",
         "candidates": "3", "skipped": "1", "excluded_nodes": "conv3",
     }  # fmt: skip
     assert step.notes == (

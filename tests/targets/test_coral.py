@@ -354,6 +354,8 @@ def test_coral_auto_packages_a_dynamic_hw_yolo_style_detector_and_records_its_ca
     validation = manifest.validation
     assert validation.kind == "dense" and validation.passed and validation.cosine is not None
     assert validation.cosine > 0.98
+    # boxes in pixels next to class scores in 0-1: whatever ships kept every score channel alive
+    assert validation.channel_cosine is not None and validation.channel_cosine >= 0.9
     # every candidate is recorded; without the Edge TPU compiler they all ran (and were timed) on host LiteRT
     report = manifest.candidates
     assert report is not None and report.latency_measured
