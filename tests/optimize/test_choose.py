@@ -68,3 +68,10 @@ def test_choose_untimed_same_rank_and_near_size_goes_to_the_more_accurate() -> N
     assert pick is margin and "won by the more accurate" in why
     much_smaller = _o("small", None, 500, 0.984, device_rank=0)  # not within 2 %: the smaller still wins
     assert choose([much_smaller, margin], "latency", auto=True, baseline=None)[0] is much_smaller
+
+
+def test_choose_within_the_speed_tie_sizes_within_the_size_tie_go_to_the_faster() -> None:
+    fp32 = _o("fp32", 1.0, 1000, precision="fp32", baseline=True)
+    per_channel, per_tensor = _o("per-channel", 0.226, 688), _o("per-tensor", 0.230, 680)  # 1.2 % smaller
+    pick, why = choose([fp32, per_tensor, per_channel], "latency", auto=True, baseline=fp32)
+    assert pick is per_channel and "won by the faster" in why
