@@ -274,6 +274,18 @@ class FloatConversion:
     def samples(self) -> int:
         return sum(len(next(iter(b.values()))) for b in self.batches)
 
+    def model(self, quantized: bytes, activations: str) -> TfliteModel:
+        """A quantized flatbuffer made from this conversion, with what it was made from."""
+        return TfliteModel(
+            quantized=quantized,
+            activations=activations,
+            float32=self.float32,
+            inputs=self.inputs,
+            outputs=self.outputs,
+            float_cosine=self.float_cosine,
+            frozen=self.frozen,
+        )
+
 
 def to_float(
     model_path: Path,
@@ -319,16 +331,7 @@ def quantize(conversion: FloatConversion, activations: str = "int8") -> TfliteMo
                 for link in conversion.inputs
             }
 
-    quantized = tflite_from_saved_model(conversion.saved_model, representative, activations)
-    return TfliteModel(
-        quantized=quantized,
-        activations=activations,
-        float32=conversion.float32,
-        inputs=conversion.inputs,
-        outputs=conversion.outputs,
-        float_cosine=conversion.float_cosine,
-        frozen=conversion.frozen,
-    )
+    return conversion.model(tflite_from_saved_model(conversion.saved_model, representative, activations), activations)
 
 
 def convert(

@@ -289,7 +289,7 @@ def _int8_candidate(shared: _Shared, variant: QuantVariant, compiler: str | None
     def build(space: BuildSpace) -> Built:
         conversion = shared.conversion(space)
         model = quantize_calibrated(shared.calibrated(conversion, variant.calibration, variant.percentile), variant)
-        return _built(space, shared, _converted(conversion, model, "int8"), variant, compiler)
+        return _built(space, shared, conversion.model(model, "int8"), variant, compiler)
 
     def rank(space: BuildSpace, built: Built) -> list[tuple[tuple[str, ...], float]]:
         from edgekit.compress.tflite_quant import representative
@@ -337,20 +337,6 @@ def _int16_candidate(shared: _Shared) -> Candidate:
         build=build,
         settings={"activations": "int16", "calibration": "minmax", "per_channel": True},
         family="int16 16x8",
-    )
-
-
-def _converted(conversion: FloatConversion, model: bytes, activations: str) -> TfliteModel:
-    from edgekit.compress.onnx2tflite import TfliteModel
-
-    return TfliteModel(
-        quantized=model,
-        activations=activations,
-        float32=conversion.float32,
-        inputs=conversion.inputs,
-        outputs=conversion.outputs,
-        float_cosine=conversion.float_cosine,
-        frozen=conversion.frozen,
     )
 
 
