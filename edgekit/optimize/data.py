@@ -14,13 +14,12 @@ cost PP-OCR's classifier a point of agreement instead.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from edgekit.validate.calib import sample_count
+from edgekit.validate.calib import arrays_sha256, sample_count
 
 DEFAULT_CALIB_SAMPLES = 128
 MIN_SELECTION = 64  # fewer left-over samples than this: select on every calibration sample
@@ -52,16 +51,6 @@ def stratified_indices(n: int, limit: int, classes: np.ndarray | None) -> np.nda
                 picked.append(int(g[depth]))
         depth += 1
     return np.sort(np.asarray(picked, dtype=np.int64))
-
-
-def arrays_sha256(arrays: Mapping[str, np.ndarray]) -> str:
-    """sha256 over input names, dtypes, shapes and bytes, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(arrays):
-        a = np.ascontiguousarray(arrays[name])
-        h.update(f"{name}:{a.dtype.str}:{list(a.shape)};".encode())
-        h.update(a.tobytes())
-    return h.hexdigest()
 
 
 def search_data(calib: Mapping[str, np.ndarray], limit: int, fp32_classes: np.ndarray | None = None) -> SearchData:

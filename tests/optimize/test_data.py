@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgekit.optimize.data import arrays_sha256, search_data, stratified_indices
-from edgekit.validate.calib import even_batch
+from edgekit.optimize.data import search_data, stratified_indices
+from edgekit.validate.calib import arrays_sha256, even_batch
 from edgekit.validate.latency import _stats
 
 
