@@ -8,6 +8,7 @@ for a fast look; numbers from a quick run are noisier.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -18,7 +19,7 @@ if __package__ in (None, ""):  # `python bench/__main__.py`: make the repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import machine, report
-from bench.registry import BENCHMARKS, NOT_HERE, BenchContext, Measurement, select
+from bench.registry import BENCHMARKS, MODELS_ENV, NOT_HERE, BenchContext, Measurement, model_entries, select
 from edgekit.errors import EdgekitError
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -31,6 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for latest.json and latest.png")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     parser.add_argument(
+        "--models",
+        metavar="MODEL.onnx:CALIB.npz:EVAL.npz,...",
+        default=os.environ.get(MODELS_ENV, ""),
+        help=f"also run the engine benchmark on these models (engine.<file stem>; default ${MODELS_ENV}); "
+        "an EVAL.npz may hold a 'labels' array",
+    )
+    parser.add_argument(
         "--plot-only",
         action="store_true",
         help="measure nothing: redraw OUT/latest.png from OUT/latest.json (after a change to the plot)",
@@ -38,14 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.plot_only:
         return _replot(args.out)
-    if args.list:
-        for e in BENCHMARKS:
-            print(f"{e.name:18s} {e.description}")
-        return 0
     try:
-        entries = select(args.only)
+        extra = model_entries(args.models)
+        entries = select(args.only, extra)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.list:
+        for e in (*BENCHMARKS, *extra):
+            print(f"{e.name:18s} {e.description}")
+        return 0
     info = machine.describe()
     print(f"machine: {machine.one_line(info)}", flush=True)
     started = datetime.now(timezone.utc).replace(microsecond=0).isoformat()

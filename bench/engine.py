@@ -7,8 +7,15 @@ default gate for the output kind (classifier: top-1 agreement >= 98 %, dense: co
 relative error <= 0.2), and p50 latency at batch 1 is measured with all sides interleaved in one
 loop (runtime default threads, as the engine measured). The headline row is the faster edgekit
 artifact against the fastest peer that meets the same gate (B / A latency: < 1 = edgekit faster).
-Models: the digits example, and two pretrained models the tests did not build (PP-OCR's
-text-direction classifier and PP-OCRv4's text detector, shipped in the rapidocr-onnxruntime wheel).
+Models: the digits example, two pretrained models the tests did not build (PP-OCR's
+text-direction classifier and PP-OCRv4's text detector, shipped in the rapidocr-onnxruntime wheel),
+and the user's own (``python -m bench --only engine --models MODEL.onnx:CALIB.npz:EVAL.npz,...``
+or ``$EDGEKIT_BENCH_MODELS``; an ``EVAL.npz`` may hold a ``labels`` array; a missing file is a
+"not measured here" row, not an error).
+
+edgekit's artifacts are timed as the peers are: the artifact's device runtime called directly
+(the agent's ``runner``), without the served-signature adapter the peers do not have either
+(about 0.01 ms per call here); accuracy is read through the served model, as the agent serves it.
 """
 
 from __future__ import annotations
@@ -37,12 +44,14 @@ class _Side:
     note: str = ""
     passed: bool | None = None
     accuracy: str = ""
+    timed: Callable[[dict[str, np.ndarray]], object] | None = None  # what is timed, when not ``run``
 
 
-def run(ctx: BenchContext, *, name: str, model: str) -> list[Measurement]:
+def run(ctx: BenchContext, *, name: str, model: str, paths: tuple[str, str, str] | None = None) -> list[Measurement]:
     try:
-        path, calib, held_out, labels = load_model_data(model)
+        path, calib, held_out, labels = load_model_data(model, paths)
     except EdgekitError as exc:
+        ctx.progress(f"skipped: {exc}")
         return [Measurement(name, "edgekit auto vs best peer", "p50 latency, batch 1", "ms", "peer", "edgekit",
                             note=f"{NOT_HERE}: {exc}")]  # fmt: skip
     work = ctx.workdir / "engine" / model
@@ -55,8 +64,13 @@ def run(ctx: BenchContext, *, name: str, model: str) -> list[Measurement]:
     return rows
 
 
-def load_model_data(model: str) -> tuple[Path, dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray | None]:
-    """(ONNX path, calibration arrays, held-out arrays, held-out labels or None)."""
+def load_model_data(
+    model: str, paths: tuple[str, str, str] | None = None
+) -> tuple[Path, dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray | None]:
+    """(ONNX path, calibration arrays, held-out arrays, held-out labels or None). ``model="file"``:
+    ``paths`` = (MODEL.onnx, CALIB.npz, EVAL.npz); raises ``EdgekitError`` naming a missing one."""
+    if model == "file":
+        return _files(paths)
     if model == "digits":
         from examples.digits import INPUT_NAME, load
 
@@ -77,6 +91,24 @@ def load_model_data(model: str) -> tuple[Path, dict[str, np.ndarray], dict[str, 
             raise EdgekitError(f"{det} is not in the installed rapidocr-onnxruntime wheel")
         return det, {"x": text_pages(64, seed=0)}, {"x": text_pages(24, seed=1)}, None
     raise EdgekitError(f"unknown bench model {model!r}")
+
+
+def _files(
+    paths: tuple[str, str, str] | None,
+) -> tuple[Path, dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray | None]:
+    from edgekit.validate.calib import LABELS_KEY, load_arrays
+
+    if paths is None or len(paths) != 3:
+        raise EdgekitError(f"a model file entry needs (MODEL.onnx, CALIB.npz, EVAL.npz), got {paths!r}")
+    model, calib_path, eval_path = (Path(p) for p in paths)
+    for what, p in (("model", model), ("calibration data", calib_path), ("evaluation data", eval_path)):
+        if not p.is_file():
+            raise EdgekitError(f"{what} {p} does not exist")
+    calib = load_arrays(calib_path)
+    calib.pop(LABELS_KEY, None)  # the calibration samples' labels: not a model input, not needed
+    held = load_arrays(eval_path, "evaluation data")
+    labels = held.pop(LABELS_KEY, None)
+    return model, calib, held, labels
 
 
 def text_pages(n: int, seed: int = 0) -> np.ndarray:
@@ -190,7 +222,10 @@ def _edgekit(
         m = result.manifests[target]
         label = f"edgekit {target} auto ({m.candidates.chosen if m.candidates else m.precision.method})"
         served = stack.enter_context(served_bundle(bundle, ctx.pub, work / f"x-{target}"))
-        sides[f"edgekit {target}"] = _Side(label, served.infer, m.validation.size_bytes)
+        # the runtime directly where the artifact takes the served tensors as they are (cpu, intel)
+        direct = not m.mapping and m.artifact_signature == m.signature
+        timed = served.runner.run if direct else None
+        sides[f"edgekit {target}"] = _Side(label, served.infer, m.validation.size_bytes, timed=timed)
     return rows
 
 
@@ -218,7 +253,7 @@ def _compare(ctx: BenchContext, name: str, sides: dict[str, _Side], held: dict[s
     one = {k: v[:1] for k, v in held.items()}
     ctx.progress(f"{name}: p50 latency, batch 1, {', '.join(runnable)} interleaved")
     stats = stats_side_by_side(
-        {k: call_with(s.run, one) for k, s in runnable.items() if s.run is not None},
+        {k: call_with(s.timed or s.run, one) for k, s in runnable.items() if s.run is not None},
         repeats=ctx.repeats, budget_s=ctx.budget_s * 2, warmup=3, discard=1,
     )  # fmt: skip
     rows = []

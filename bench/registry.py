@@ -143,12 +143,39 @@ BENCHMARKS: tuple[Entry, ...] = (
 )
 
 
-def select(patterns: str | None) -> tuple[Entry, ...]:
-    """Entries whose name equals or starts with one of the comma-separated ``patterns``."""
+MODELS_ENV = "EDGEKIT_BENCH_MODELS"
+
+
+def model_entries(spec: str | None) -> tuple[Entry, ...]:
+    """``engine.<stem>`` entries for the user's own models: ``spec`` is comma-separated
+    ``MODEL.onnx:CALIB.npz:EVAL.npz`` (an ``EVAL.npz`` may hold a ``labels`` array). Paths are
+    not opened here: a missing one is the entry's skip line when it runs."""
+    entries: list[Entry] = []
+    for item in (s.strip() for s in (spec or "").split(",")):
+        if not item:
+            continue
+        parts = item.split(":")
+        if len(parts) != 3 or not all(parts):
+            raise ValueError(
+                f"--models {item!r}: expected MODEL.onnx:CALIB.npz:EVAL.npz (three paths separated by ':')"
+            )
+        name = f"engine.{Path(parts[0]).stem}"
+        if any(e.name == name for e in (*BENCHMARKS, *entries)):
+            raise ValueError(f"--models {item!r}: benchmark {name} is already listed; rename the model file")
+        entries.append(
+            Entry(name, "bench.engine:run", _ENGINE.format(parts[0]), {"model": "file", "paths": tuple(parts)})
+        )
+    return tuple(entries)
+
+
+def select(patterns: str | None, extra: tuple[Entry, ...] = ()) -> tuple[Entry, ...]:
+    """Entries (``BENCHMARKS`` then ``extra``) whose name equals or starts with one of the
+    comma-separated ``patterns``; every entry when ``patterns`` is empty."""
+    every = (*BENCHMARKS, *extra)
     if not patterns:
-        return BENCHMARKS
+        return every
     wanted = [p.strip() for p in patterns.split(",") if p.strip()]
-    chosen = tuple(e for e in BENCHMARKS if any(e.name == p or e.name.startswith(p.rstrip(".") + ".") for p in wanted))
+    chosen = tuple(e for e in every if any(e.name == p or e.name.startswith(p.rstrip(".") + ".") for p in wanted))
     if not chosen:
-        raise ValueError(f"--only {patterns!r} matches no benchmark (have: {', '.join(e.name for e in BENCHMARKS)})")
+        raise ValueError(f"--only {patterns!r} matches no benchmark (have: {', '.join(e.name for e in every)})")
     return chosen

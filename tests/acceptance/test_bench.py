@@ -109,3 +109,21 @@ def test_bench_plot_has_one_panel_per_kind_with_values_and_speedup_around_one() 
         assert len(latency.collections) + len(latency.lines) > 0 and fleet.texts
     finally:
         plt.close(fig)
+
+
+def test_bench_models_option_adds_engine_entries_and_a_missing_file_is_a_skip_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.__main__ import main
+
+    (entry,) = registry.model_entries(f"{tmp_path}/det.onnx:{tmp_path}/c.npz:{tmp_path}/e.npz")
+    assert entry.name == "engine.det" and entry.params["paths"][0] == f"{tmp_path}/det.onnx"
+    assert [e.name for e in registry.select("engine.det", (entry,))] == ["engine.det"]
+    with pytest.raises(ValueError, match=r"expected MODEL\.onnx:CALIB\.npz:EVAL\.npz"):
+        registry.model_entries("a.onnx:b.npz")
+    models = f"{tmp_path}/det.onnx:{tmp_path}/c.npz:{tmp_path}/e.npz"
+    assert main(["--quick", "--only", "engine.det", "--models", models, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"  skipped: model {tmp_path}/det.onnx does not exist\n" in out
+    (row,) = json.loads((tmp_path / "latest.json").read_text())["measurements"]
+    assert row["note"] == f"{registry.NOT_HERE}: model {tmp_path}/det.onnx does not exist"

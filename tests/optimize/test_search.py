@@ -178,9 +178,36 @@ def test_search_ratios_of_quick_round_candidates_are_to_the_quick_round_referenc
     result = _search(tmp_path, plan, "int8")
     by_name = {o.name: o for o in result.outcomes}
     slow, chosen = by_name["int8 slow"], result.chosen
-    assert chosen.name == "int8 ok" and chosen.timed_in == "final"
+    assert chosen.name == "int8 ok" and chosen.timed_in == result.baseline.timed_in  # one round
     assert slow.timed_in == "quick" and slow.reference_p50_ms is not None  # failed: not in the final round
     assert slow.speed_vs_reference == slow.reference_p50_ms / slow.latency.p50_ms
+
+
+def _slow_exact(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    for _ in range(3):
+        HEAVY @ HEAVY
+    return _exact(feed)
+
+
+def test_search_times_the_finalists_again_alone_with_the_baseline_and_chooses_among_them(tmp_path: Path) -> None:
+    # two int8 layouts of the same speed (and the fp32 baseline, as fast) cannot be told apart in
+    # the final round: they are timed again alone; a clearly slower passing one is not a finalist
+    plan = CandidatePlan(
+        first=(
+            _candidate("fp32", "fp32", _exact, baseline=True),
+            _candidate("int8 a", "int8", _exact),
+            _candidate("int8 b", "int8", _exact),
+            _candidate("int8 slow", "int8", _slow_exact),
+        ),
+    )
+    result = _search(tmp_path, plan, "auto")
+    by_name = {o.name: o for o in result.outcomes}
+    assert {n for n, o in by_name.items() if o.timed_in == "finalists"} == {"fp32", "int8 a", "int8 b"}
+    assert by_name["int8 slow"].status == "passed" and by_name["int8 slow"].timed_in == "final"
+    assert result.chosen.name in {"fp32", "int8 a", "int8 b"} and result.chosen.timed_in == "finalists"
+    assert result.reference_latency is not None
+    assert result.chosen.reference_p50_ms == result.baseline.reference_p50_ms == result.reference_latency.p50_ms
+    assert any(n.startswith("finalists timed again") and "int8 slow" not in n for n in result.notes)
 
 
 def _untimed(name: str, precision: str, fn, rank: int, baseline: bool = False) -> Candidate:
