@@ -404,19 +404,9 @@ def describe_manifest(m: Any, signed_by: str) -> list[str]:
             f"  {t.served} -> {t.artifact}" + (f" transpose {list(t.transpose)}" if t.transpose else "")
             for t in m.mapping
         ]
-    measures = [
-        f"{k.replace('_', ' ')} {getattr(v, k):.4g}"
-        for k in (
-            "top1_agreement",
-            "top1_accuracy",
-            "fp32_top1_accuracy",
-            "cosine",
-            "channel_cosine",
-            "relative_error",
-            "max_abs_error",
-        )
-        if getattr(v, k) is not None
-    ]
+    from edgekit.validate.metrics import MEASURES  # the one list of what validation measured
+
+    measures = [f"{k.replace('_', ' ')} {getattr(v, k):.4g}" for k in MEASURES if getattr(v, k) is not None]
     spread = (
         f", p90 {v.latency_p90_ms:.3f} ms, IQR {v.latency_iqr_ms:.3f} ms"
         if v.latency_p90_ms is not None and v.latency_iqr_ms is not None

@@ -519,16 +519,19 @@ def _load_data(
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray | None]:
     """Checked calibration and evaluation arrays, and the evaluation labels (``labels``, else a
     ``labels`` array inside the evaluation data). ``eval_data is calib``: the same data does both
-    (fp32/fp16 without calibration), nothing is held out."""
+    (fp32/fp16 without calibration), nothing is held out.
+
+    Calibration and evaluation files are read the same way (``load_data`` + ``pop_labels``): a
+    ``labels`` array (``edgekit calib make --labels-from-folders``) is the samples' classes in
+    either. In the calibration data it labels the samples held out for validation when no
+    ``--eval`` is given, and is not needed (said so) when ``--eval`` is."""
     check_against = _with_static_inputs(served, input_shapes) if input_shapes else served
     set_by = shape_flags(served, input_shapes)
     same = eval_data is calib
     calib_raw = load_data(calib, served, "evaluation data" if same else "calibration data", preprocess)
     inline = pop_labels(calib_raw, served)
-    if inline is not None and not same:
-        raise CalibrationDataError(
-            "calibration data holds a 'labels' array; labels belong with the evaluation data (--eval)"
-        )
+    if inline is not None and eval_data is not None and not same:
+        say("calibration data: its 'labels' array is not used (the evaluation data, --eval, is what is gated)")
     calib_arrays = check_arrays(calib_raw, check_against, "calibration data", set_by)
     if same:
         eval_arrays = calib_arrays
@@ -539,7 +542,7 @@ def _load_data(
         eval_arrays = check_arrays(eval_raw, check_against, "evaluation data", set_by)
         eval_labels = _labels(labels, inline, sample_count(eval_arrays))
     else:
-        all_labels = None if labels is None else load_labels(labels, sample_count(calib_arrays))
+        all_labels = _labels(labels, inline, sample_count(calib_arrays), "calibration data")
         calib_arrays, eval_arrays, eval_labels = split_holdout(calib_arrays, all_labels)
         say(
             f"no evaluation data given: holding out {sample_count(eval_arrays)} of "
@@ -554,11 +557,9 @@ def _load_data(
     return calib_arrays, eval_arrays, eval_labels
 
 
-def _labels(given: Any, inline: np.ndarray | None, count: int) -> np.ndarray | None:
+def _labels(given: Any, inline: np.ndarray | None, count: int, what: str = "evaluation data") -> np.ndarray | None:
     if given is not None and inline is not None:
-        raise CalibrationDataError(
-            "evaluation data holds a 'labels' array and --labels was given too; keep one of them"
-        )
+        raise CalibrationDataError(f"{what} holds a 'labels' array and --labels was given too; keep one of them")
     source = given if given is not None else inline
     return None if source is None else load_labels(source, count)
 

@@ -308,6 +308,19 @@ def test_cli_inspect_shows_identity_precision_validation_and_op_placement(capsys
     assert any(x.startswith("  CPUExecutionProvider: QLinearConv x") for x in lines)
 
 
+def test_cli_inspect_validation_line_lists_every_measure_the_manifest_holds(capsys, workspace) -> None:
+    # one list (validate.metrics.MEASURES): mean abs error was recorded but never printed
+    from edgekit.bundle.archive import read_unverified_manifest
+    from edgekit.validate.metrics import MEASURES
+
+    v = read_unverified_manifest(workspace["bundle"])[0].validation
+    assert v.mean_abs_error is not None
+    code, out, _ = _cli(capsys, "inspect", workspace["bundle"])
+    line = next(x for x in out.splitlines() if x.startswith("validation passed ("))
+    want = ", ".join(f"{k.replace('_', ' ')} {getattr(v, k):.4g}" for k in MEASURES if getattr(v, k) is not None)
+    assert code == 0 and line.endswith("): " + want) and "mean abs error" in want
+
+
 def test_cli_inspect_prints_every_candidate_the_choice_why_and_the_choice_as_provenance(capsys, workspace) -> None:
     from edgekit.bundle.archive import read_unverified_manifest
 

@@ -346,6 +346,33 @@ def test_cli_calib_make_writes_a_reproducible_npz_with_its_hash(capsys, ws, tmp_
         assert data["input"].shape == (12, 3, 16, 16)
 
 
+def test_cli_package_takes_the_npz_calib_make_wrote_with_labels_from_folders(capsys, ws, tmp_path: Path) -> None:
+    # calib make --labels-from-folders writes a 'labels' array; package --calib reads it back as
+    # the classes of the samples it holds out (no --eval), and leaves it aside with --eval
+    images = _image_folder(tmp_path / "images", ws["model"], n=20)
+    pre = "size=16x16,mean=0.5/0.5/0.5,std=0.25/0.25/0.25"
+    code, _, err = _cli(capsys, "calib", "make", images, "--model", ws["model"], "--preprocess", pre,
+                        "--labels-from-folders", "-o", tmp_path / "data.npz")  # fmt: skip
+    assert (code, err) == (0, "")
+    code, _, err = _package(capsys, ws, tmp_path / "a", "--calib", tmp_path / "data.npz", "--precision", "fp32", "-q")
+    assert (code, err) == (0, "")
+    from edgekit.bundle.archive import read_unverified_manifest
+
+    m, _ = read_unverified_manifest(tmp_path / "a" / "m-cpu-v1.ekb")
+    assert m.validation.samples == 4 and m.validation.fp32_top1_accuracy is not None  # 4 of 20 held out, labelled
+    code, _, err = _package(capsys, ws, tmp_path / "b", "--calib", tmp_path / "data.npz", "--eval", tmp_path /
+                            "data.npz", "--precision", "fp32")  # fmt: skip
+    assert code == 0
+    assert "calibration data: its 'labels' array is not used (the evaluation data, --eval, is what is gated)" in err
+    np.save(tmp_path / "l.npy", np.zeros(20, np.int64))
+    code, _, err = _package(capsys, ws, tmp_path / "c", "--calib", tmp_path / "data.npz", "--labels",
+                            tmp_path / "l.npy", "--precision", "fp32", "-q")  # fmt: skip
+    assert (code, err) == (
+        2,
+        "edgekit: error: calibration data holds a 'labels' array and --labels was given too; keep one of them\n",
+    )
+
+
 def test_cli_package_from_an_image_folder_with_preprocess(capsys, ws, tmp_path: Path) -> None:
     images = _image_folder(tmp_path / "images", ws["model"])
     code, out, err = _package(
