@@ -657,6 +657,8 @@ def _validate_and_describe(
         run.say(f"[{target}] validating on {sample_count(run.eval)} held-out samples ({measured_on})")
         outputs = run_all(fn, run.eval, batch, pad=pad)
         comparison = compare(run.reference, outputs, run.kind, run.tolerance, run.labels)
+        if result.static:  # the frozen artifact's outputs have one shape: serve that one
+            served = _concrete_outputs(served, outputs)
         if searched is not None:
             # the engine timed the chosen candidate side by side with the FP32 source in one loop
             if searched.chosen.latency is not None and searched.reference_latency is not None:
@@ -880,6 +882,24 @@ def _static_signature(served: Signature, shapes: Mapping[str, tuple[int, ...]]) 
         for o in served.outputs
     )
     return Signature(inputs=tuple(inputs), outputs=outputs)
+
+
+def _concrete_outputs(served: Signature, outputs: Mapping[str, np.ndarray]) -> Signature:
+    """A frozen (static-shape) signature whose outputs keep no symbolic dim the artifact fixed:
+    each is what it produced (``outputs``: the validation run's, samples on axis 0), axis 0 the
+    inputs' fixed batch (a YOLOv8 head's ``anchors`` and box-channel dims are no input's)."""
+    batch = fixed_batch(served)
+    specs = []
+    for o in served.outputs:
+        got = outputs.get(o.name)
+        if got is not None and got.ndim == len(o.shape):
+            shape = tuple(
+                d if isinstance(d, int) else (batch if axis == 0 else int(got.shape[axis]))
+                for axis, d in enumerate(o.shape)
+            )
+            o = dataclasses.replace(o, shape=tuple(d if d is not None else o.shape[0] for d in shape))
+        specs.append(o)
+    return dataclasses.replace(served, outputs=tuple(specs))
 
 
 def _placeholder_golden() -> FileEntry:

@@ -548,6 +548,19 @@ def test_package_several_targets_share_one_preparation_and_report_unmeasured(key
     assert result.manifests["cpu"].signature.inputs[0].shape == ("batch", 3, 16, 16)
 
 
+def test_package_frozen_bundle_serves_the_concrete_output_shapes_the_artifact_produces(keypair, tmp_path) -> None:
+    # a YOLOv8-style head [batch, 4 + classes, anchors]: "anchors" is no input's dim, yet frozen at
+    # 64x64 the artifact always gives 84 anchors; the served signature (and v2 metadata) says so
+    from tests.factories import tiny_yolo
+
+    model = tiny_yolo(tmp_path / "yolo.onnx")
+    result = package(model, "jetson", "fp32", calib={"images": sample_inputs(10, size=64)}, key=keypair[0],
+                     out_dir=tmp_path / "o")  # fmt: skip
+    m = result.manifests["jetson"]
+    assert m.signature.inputs[0].shape == (1, 3, 64, 64)
+    assert m.signature.outputs[0].shape == (1, 7, 84) and m.signature.outputs[0].v2_shape == [1, 7, 84]
+
+
 def test_package_size_ratio_counts_the_source_models_external_data(keypair, tmp_path: Path) -> None:
     # A model saved with external data is a small .onnx plus a data file; the fp32 baseline is both.
     import onnx
