@@ -96,9 +96,14 @@ def with_percentile_ranges(calibrated: bytes, conversion: FloatConversion, perce
 
 
 def quantize_calibrated(calibrated: bytes, variant: QuantVariant) -> bytes:
-    """int8 weights and activations, int8 inputs/outputs; ``variant.denylisted`` ops stay float."""
+    """int8 weights and activations, int8 inputs/outputs; ``variant.denylisted`` ops stay float.
+    Where a denylisted op writes a model output (a head's tail kept in float), the outputs are
+    float32: an int8 output would put the one scale back on the tensor the float tail kept apart
+    (a YOLO output of pixel boxes and 0-1 scores)."""
     tf = import_tensorflow()
     from tensorflow.lite.python import convert
+
+    float_out = bool(set(variant.denylisted) & set(output_names(calibrated)))
 
     printed = io.StringIO()  # the MLIR quantizer prints its settings
     try:
@@ -107,7 +112,7 @@ def quantize_calibrated(calibrated: bytes, variant: QuantVariant) -> bytes:
                 calibrated,
                 disable_per_channel=not variant.per_channel,
                 input_data_type=tf.int8,
-                output_data_type=tf.int8,
+                output_data_type=tf.float32 if float_out else tf.int8,
                 denylisted_nodes=list(variant.denylisted) or None,
             )
     except Exception as exc:  # the wrapper raises ConverterError / RuntimeError alike
@@ -140,7 +145,22 @@ def float_tensor_values(conversion: FloatConversion, samples: int) -> dict[str, 
 
 def tensor_values(model: bytes, feeds: Sequence[Mapping[str, np.ndarray]], samples: int) -> dict[str, np.ndarray]:
     """Every tensor ``model`` computes (dequantized where it is quantized), over the feeds given
-    in the float artifact layout (quantized here for an int8-input model), flattened."""
+    in the float artifact layout (quantized here for an int8-input model), flattened and strided
+    to at most about ``PERCENTILE_VALUES`` values per tensor."""
+    parts: dict[str, list[np.ndarray]] = {}
+    per_run = max(1, PERCENTILE_VALUES // max(1, min(samples, len(feeds))))
+    for run in iter_tensor_values(model, feeds, samples):
+        for name, x in run.items():
+            flat = x.ravel()
+            parts.setdefault(name, []).append(flat[:: max(1, len(flat) // per_run)].astype(np.float32))
+    return {name: np.concatenate(chunks) for name, chunks in parts.items()}
+
+
+def iter_tensor_values(
+    model: bytes, feeds: Sequence[Mapping[str, np.ndarray]], samples: int
+) -> Iterator[dict[str, np.ndarray]]:
+    """Per feed (up to ``samples`` samples), every tensor ``model`` computes, dequantized to
+    float32 where it is quantized, in its own shape (one feed's tensors are alive at a time)."""
     from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
     it = Interpreter(
@@ -150,26 +170,30 @@ def tensor_values(model: bytes, feeds: Sequence[Mapping[str, np.ndarray]], sampl
     )
     runner = it.get_signature_runner()
     inputs = runner.get_input_details()
-    parts: dict[str, list[np.ndarray]] = {}
-    per_run = max(1, PERCENTILE_VALUES // max(1, min(samples, len(feeds))))
+    details = [t for t in it.get_tensor_details() if np.issubdtype(t["dtype"], np.number) and len(t["shape"])]
     seen = 0
     for feed in feeds:
         if seen >= samples:
             break
         runner(**{k: _to_input(v, inputs[k]) for k, v in feed.items()})
         seen += len(next(iter(feed.values())))
-        for t in it.get_tensor_details():
-            if not np.issubdtype(t["dtype"], np.number) or not len(t["shape"]):
-                continue
+        values: dict[str, np.ndarray] = {}
+        for t in details:
             try:
                 v = it.get_tensor(t["index"])
             except ValueError:  # a tensor without data (unused)
                 continue
             scale, zero = t["quantization"]
-            x = (v.astype(np.float64) - zero) * scale if scale else v.astype(np.float64)
-            flat = x.ravel()
-            parts.setdefault(str(t["name"]), []).append(flat[:: max(1, len(flat) // per_run)].astype(np.float32))
-    return {name: np.concatenate(chunks) for name, chunks in parts.items()}
+            values[str(t["name"])] = (v.astype(np.float32) - zero) * scale if scale else v.astype(np.float32)
+        yield values
+
+
+def output_names(model: bytes) -> tuple[str, ...]:
+    """The model's output tensor names (its signature's)."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    runner = Interpreter(model_content=model).get_signature_runner()
+    return tuple(str(d["name"]) for d in runner.get_output_details().values())
 
 
 def _to_input(x: np.ndarray, detail: Mapping[str, Any]) -> np.ndarray:

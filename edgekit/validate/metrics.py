@@ -183,12 +183,78 @@ def channel_cosines(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray 
     axis = channel_axis(tuple(reference.shape))
     if axis is None or reference.shape != candidate.shape:
         return None
-    r = np.moveaxis(reference.astype(np.float64), axis, -1).reshape(-1, reference.shape[axis])
-    c = np.moveaxis(candidate.astype(np.float64), axis, -1).reshape(-1, reference.shape[axis])
-    rms = np.sqrt(np.mean(r * r, axis=0))
-    dead = (rms == 0) | (rms < 1e-9 * float(rms.max(initial=0.0)))
-    cos = _cosine_rows(r.T, c.T)
-    return np.where(dead, np.nan, cos)
+    stats = ChannelStats()
+    stats.add(reference, candidate, axis)
+    return stats.cosines()
+
+
+class ChannelStats:
+    """Per-channel sums of one tensor's reference and candidate values, accumulated batch by
+    batch (nothing is kept but four vectors): the gate's per-channel cosine and dead-channel rule
+    (``channel_cosines``) and the global relative error, for callers that stream many tensors
+    (the sensitivity rankers). ``axis=None``: the whole tensor is one channel."""
+
+    def __init__(self) -> None:
+        self.rr: np.ndarray | None = None  # sum of reference^2 per channel
+        self.cc: np.ndarray | None = None
+        self.rc: np.ndarray | None = None
+        self.dd: np.ndarray | None = None  # sum of (candidate - reference)^2 per channel
+        self.count = 0  # values per channel
+        self.per_channel = False
+
+    def add(self, reference: np.ndarray, candidate: np.ndarray, axis: int | None) -> None:
+        """Add one batch; a later batch must have the same channel count."""
+        r = np.asarray(reference, dtype=np.float64)
+        c = np.asarray(candidate, dtype=np.float64)
+        if r.shape != c.shape:
+            raise ValueError(f"candidate shape {list(c.shape)} != reference shape {list(r.shape)}")
+        channels = r.shape[axis] if axis is not None else 1
+        r = np.moveaxis(r, axis, -1).reshape(-1, channels) if axis is not None else r.reshape(-1, 1)
+        c = np.moveaxis(c, axis, -1).reshape(-1, channels) if axis is not None else c.reshape(-1, 1)
+        sums = (np.einsum("ij,ij->j", r, r), np.einsum("ij,ij->j", c, c), np.einsum("ij,ij->j", r, c))
+        d = c - r
+        dd = np.einsum("ij,ij->j", d, d)
+        if self.rr is None or self.cc is None or self.rc is None or self.dd is None:
+            self.rr, self.cc, self.rc, self.dd = (*sums, dd)
+        else:
+            if len(self.rr) != channels:
+                raise ValueError(f"a batch with {channels} channels after batches with {len(self.rr)}")
+            self.rr, self.cc, self.rc, self.dd = self.rr + sums[0], self.cc + sums[1], self.rc + sums[2], self.dd + dd
+        self.count += r.shape[0]
+        self.per_channel = axis is not None
+
+    def cosines(self) -> np.ndarray | None:
+        """Per channel, the cosine over everything added; NaN for a dead channel (as ``channel_cosines``)."""
+        if self.rr is None or self.cc is None or self.rc is None or not self.count:
+            return None
+        rms = np.sqrt(self.rr / self.count)
+        dead = (rms == 0) | (rms < 1e-9 * float(rms.max(initial=0.0)))
+        na, nb = np.sqrt(self.rr), np.sqrt(self.cc)
+        both_zero = (na == 0) & (nb == 0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            cos = self.rc / (na * nb)
+        cos = np.where(both_zero, 1.0, np.nan_to_num(cos, nan=0.0))
+        return np.where(dead, np.nan, cos)
+
+    def relative_error(self) -> float:
+        """||candidate - reference|| / ||reference|| over everything added (0 when nothing was)."""
+        if self.rr is None or self.dd is None:
+            return 0.0
+        return float(np.sqrt(self.dd.sum()) / max(float(np.sqrt(self.rr.sum())), 1e-12))
+
+    def channel_error(self) -> float | None:
+        """The worst live channel's distance between its unit-normalized reference and candidate,
+        ``sqrt(2 - 2 cos)``: on a relative error's scale (0.1 ~ 10 % off, 1.41 for a channel crushed
+        to 0, 2 for one flipped). None without a channel axis or a live channel."""
+        cos = self.cosines() if self.per_channel else None
+        if cos is None or bool(np.all(np.isnan(cos))):
+            return None
+        return float(np.sqrt(max(0.0, 2.0 - 2.0 * float(np.nanmin(cos)))))
+
+    def error(self) -> float:
+        """What the sensitivity rankers score: the relative error, or the worst channel's error
+        where that is larger (a crushed small channel hides in the global error)."""
+        return max(self.relative_error(), self.channel_error() or 0.0)
 
 
 def worst_channel(reference: np.ndarray, candidate: np.ndarray) -> tuple[float, int] | None:

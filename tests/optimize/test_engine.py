@@ -199,3 +199,25 @@ def test_engine_never_ships_int8_whose_one_scale_crushed_the_small_channels(keyp
     result = package(model, ["cpu"], "auto", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "auto")
     m = result.manifests["cpu"]
     assert m.validation.passed and m.validation.channel_cosine is not None and m.validation.channel_cosine >= 0.9
+
+
+def test_engine_mixed_precision_keeps_the_concat_that_crushed_the_scores_in_float_with_its_tail(
+    keypair, tmp_path: Path
+) -> None:
+    from tests.optimize.models import mixed_scale_head
+
+    model = mixed_scale_head(tmp_path / "head.onnx")
+    x = np.random.default_rng(2).standard_normal((80, 4, 8, 8)).astype(np.float32)
+    result = package(model, ["cpu"], "int8", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
+                     options={"cpu": ORT_ONLY}, mixed_precision=True)  # fmt: skip
+    m = result.manifests["cpu"]
+    report = _report(result)
+    plain = next(c for c in report["candidates"] if c["name"] == "ort-static qdq u8s8 per-channel minmax")
+    assert plain["status"] == "failed" and "crushed the small ones" in plain["reason"]
+    chosen = next(c for c in report["candidates"] if c["status"] == "chosen")
+    # the Concat and the Reshape after it (ORT would requantize the joined tensor there); both convs stay int8
+    assert chosen["excluded_nodes"] == ["head_concat", "as_anchors"]
+    ranked = "layer sensitivity (most sensitive first): head_concat+as_anchors"
+    assert any(n.startswith(ranked) for n in report["notes"])
+    assert m.validation.passed and m.precision.weights == "int8"
+    assert m.validation.channel_cosine is not None and m.validation.channel_cosine > 0.99

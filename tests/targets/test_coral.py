@@ -26,13 +26,15 @@ import edgekit
 from device_agents.runtimes import load_model
 from device_agents.runtimes.litert import LiteRtRunner
 from device_agents.runtimes.options import LiteRtOptions, RuntimesConfig
-from edgekit.bundle.manifest import Compatibility, Manifest
+from edgekit.bundle.manifest import Compatibility, Manifest, Signature, TensorSpec
 from edgekit.compress.freeze import scope_name
+from edgekit.compress.onnx2tflite import signature_details
 from edgekit.errors import ConfigError, IncompatibleError
 from edgekit.packager import PackageResult
 from edgekit.targets.base import BuildContext
 from edgekit.targets.coral import SIXTEEN_BY_EIGHT, CoralOptions, CoralTarget, edgetpu_placement
 from edgekit.targets.op_support import TargetOpError
+from edgekit.validate.metrics import worst_channel
 from tests.agent.conftest import RunningAgent, agent_cli, start_agent, write_config
 from tests.factories import sample_inputs, tiny_classifier, tiny_dense, tiny_yolo
 from tests.targets.conftest import no_network
@@ -487,6 +489,103 @@ def test_coral_int8_that_misses_the_gate_is_rescued_by_keeping_ops_in_float(
     finally:
         served.close()
     assert np.mean(_cosines(got, _ort(model, {"x": x})[0])) > 0.99
+
+
+@pytest.fixture(scope="module")
+def mixed_head(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray], object]:
+    """A YOLOv8-style head (tests.optimize.models.mixed_scale_head): boxes in the hundreds and 0-1
+    scores joined by one Concat, then a Reshape to the output; and its float conversion."""
+    from edgekit.compress.onnx2tflite import to_float
+    from tests.optimize.models import mixed_scale_head
+
+    folder = tmp_path_factory.mktemp("coral-head")
+    model = mixed_scale_head(folder / "head.onnx")
+    calib = {"x": np.random.default_rng(2).standard_normal((80, 4, 8, 8)).astype(np.float32)}
+    conversion = to_float(model, folder, {"x": (1, 4, 8, 8)}, ["y"], calib, 64)
+    return model, calib, conversion
+
+
+def test_coral_sensitivity_ranks_the_concat_whose_one_scale_crushed_the_scores_first_with_its_tail(
+    mixed_head: tuple[Path, dict[str, np.ndarray], object],
+) -> None:
+    from edgekit.compress.tflite_quant import (
+        QuantVariant,
+        calibrate,
+        op_outputs,
+        output_names,
+        quantize_calibrated,
+        representative,
+    )
+    from edgekit.optimize.tflite_sensitivity import rank_ops
+
+    model, _, conv = mixed_head
+    calibrated = calibrate(conv)  # type: ignore[arg-type]  # a FloatConversion
+    plain = quantize_calibrated(calibrated, QuantVariant())
+    ops = op_outputs(plain)
+    concat = next(out for kind, out, _ in ops if kind == "CONCATENATION")
+    (output,) = output_names(plain)
+    ranked = rank_ops(conv.float32, plain, list(representative(conv)))  # type: ignore[attr-defined,arg-type]
+    (group, score), *rest = ranked
+    # the Concat with the ops after it up to the output (the head's tail), far above every conv:
+    # the global error alone ranked it below the box conv (the pixel channels dominate the norm)
+    assert group[0] == concat and output in group and score > 1.0 and all(s < 0.3 for _, s in rest)
+    assert not {kind for kind, out, _ in ops if out in group} & {"CONV_2D", "LOGISTIC"}
+    x = np.random.default_rng(7).standard_normal((16, 4, 8, 8)).astype(np.float32)
+    want = _ort(model, {"x": x})[0]
+
+    def served(quantized: bytes) -> np.ndarray:
+        from edgekit.targets.coral import _artifact_signature, _mapping, served_runner
+
+        tm = conv.model(quantized, "int8")  # type: ignore[attr-defined]  # a FloatConversion
+        signature = Signature(
+            inputs=(TensorSpec("x", "float32", (1, 4, 8, 8), layout="NCHW"),),
+            outputs=(TensorSpec("y", "float32", (1, 5, 64)),),
+        )
+        run = served_runner(quantized, _artifact_signature(tm, signature), _mapping(tm), signature)
+        return np.concatenate([run({"x": x[i : i + 1]})["y"] for i in range(len(x))])
+
+    plain_worst = worst_channel(want, served(plain))
+    assert plain_worst is not None and plain_worst[0] < 0.9  # plain int8: a score channel crushed
+    kept = quantize_calibrated(calibrated, QuantVariant(denylisted=group))
+    _, out_details = signature_details(kept)
+    assert next(iter(out_details.values()))["dtype"] == np.float32  # the float tail writes a float output
+    kept_worst = worst_channel(want, served(kept))
+    assert kept_worst is not None and kept_worst[0] > 0.99
+
+
+@pytest.mark.slow
+def test_coral_auto_rescues_int8_that_crushed_the_scores_by_keeping_the_head_concat_tail_in_float(
+    mixed_head: tuple[Path, dict[str, np.ndarray], object],
+    keypair: tuple[Path, Path],
+    open_bundle: Callable[[Path], tuple[Path, Manifest]],
+    tmp_path: Path,
+) -> None:
+    model, calib, _ = mixed_head
+    with no_network():
+        result = edgekit.package(
+            model, targets=["coral"], precision="auto", calib=calib, key=keypair[0], out_dir=tmp_path,
+            options={"coral": {"activations": "int8"}},
+        )  # fmt: skip
+    model_dir, manifest = open_bundle(result.bundles["coral"])
+    report = manifest.candidates
+    assert report is not None
+    rows = {c.id: c for c in report.candidates}
+    plain = rows["int8 minmax per-channel"]
+    assert plain.status == "failed" and plain.cosine is not None and plain.cosine > 0.96  # global gate passes
+    assert "crushed the small ones" in plain.reason  # the channel gate does not
+    chosen = rows[report.chosen]
+    assert chosen.excluded_nodes and any("concat" in n.lower() for n in chosen.excluded_nodes)
+    assert manifest.validation.passed and manifest.validation.channel_cosine is not None
+    assert manifest.validation.channel_cosine > 0.99
+    assert manifest.artifact_signature is not None and manifest.artifact_signature.outputs[0].quant is None
+    served = load_model(model_dir, manifest, LiteRtOptions(threads=1))
+    try:
+        x = np.random.default_rng(9).standard_normal((8, 4, 8, 8)).astype(np.float32)
+        got = np.concatenate([served.infer({"x": x[i : i + 1]})["y"] for i in range(len(x))])
+    finally:
+        served.close()
+    worst = worst_channel(_ort(model, {"x": x})[0], got)
+    assert worst is not None and worst[0] > 0.99
 
 
 @pytest.mark.slow
