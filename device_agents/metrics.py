@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -58,6 +59,8 @@ _LATENCY_BUCKETS_S = (
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STAGES = ("decode", "queue", "infer", "encode")
 REJECT_REASONS = ("queue_full", "deadline", "decode_busy", "connections", "draining", "hung")
+# Exact server-side overheads kept per model (the last ones), for percentiles finer than buckets.
+OVERHEAD_SAMPLES = 4096
 
 
 class _QueueDepth(Collector):
@@ -99,6 +102,8 @@ class RequestSeries(Collector):
         self._requests: dict[str, _Series] = {}
         self._batches: dict[str, _Series] = {}
         self._codes: dict[tuple[str, str], int] = {}
+        self._overhead: dict[str, _Series] = {}
+        self._overhead_samples: dict[str, deque[float]] = {}
 
     def observe_stages(self, model: str, stages: Iterable[tuple[str, float]]) -> None:
         bounds = _LATENCY_BUCKETS_S
@@ -110,7 +115,7 @@ class RequestSeries(Collector):
                 series.counts[bisect_left(bounds, seconds)] += 1
                 series.total += seconds
 
-    def observe_request(self, model: str, code: int, seconds: float) -> None:
+    def observe_request(self, model: str, code: int, seconds: float, overhead_s: float | None = None) -> None:
         key = (model, str(code))
         with self._lock:
             series = self._requests.get(model)
@@ -119,6 +124,19 @@ class RequestSeries(Collector):
             series.counts[bisect_left(_LATENCY_BUCKETS_S, seconds)] += 1
             series.total += seconds
             self._codes[key] = self._codes.get(key, 0) + 1
+            if overhead_s is not None:
+                series = self._overhead.get(model)
+                if series is None:
+                    series = self._overhead[model] = _Series(len(_LATENCY_BUCKETS_S))
+                    self._overhead_samples[model] = deque(maxlen=OVERHEAD_SAMPLES)
+                series.counts[bisect_left(_LATENCY_BUCKETS_S, overhead_s)] += 1
+                series.total += overhead_s
+                self._overhead_samples[model].append(overhead_s)
+
+    def overhead_samples(self) -> dict[str, list[float]]:
+        """Per model, the last ``OVERHEAD_SAMPLES`` server-side overheads (seconds), oldest first."""
+        with self._lock:
+            return {m: list(d) for m, d in self._overhead_samples.items()}
 
     def observe_batch(self, model: str, rows: int) -> None:
         with self._lock:
@@ -134,6 +152,7 @@ class RequestSeries(Collector):
             requests = [(k, list(v.counts), v.total) for k, v in self._requests.items()]
             batches = [(k, list(v.counts), v.total) for k, v in self._batches.items()]
             codes = list(self._codes.items())
+            overhead = [((k,), list(v.counts), v.total) for k, v in self._overhead.items()]
         counter = CounterMetricFamily(
             "edgekit_requests", "Inference requests by model and HTTP status code", labels=["model", "code"]
         )
@@ -152,6 +171,14 @@ class RequestSeries(Collector):
             "Time per serving stage (decode, queue, infer, encode), per model",
             ["model", "stage"],
             stages,
+            _LATENCY_BUCKETS_S,
+        )
+        yield _histogram(
+            "edgekit_server_overhead_seconds",
+            "Server-side time of a 200 inference request (request line received -> response written) "
+            "minus its runtime call, per model",
+            ["model"],
+            overhead,
             _LATENCY_BUCKETS_S,
         )
         batch_series = [((m,), c, t) for m, c, t in batches]
@@ -235,8 +262,9 @@ class AgentMetrics:
         """Export queue depth and in-flight counts from ``source`` (model, waiting, in flight)."""
         self.registry.register(_QueueDepth(source))
 
-    def observe_request(self, model: str, code: int, seconds: float) -> None:
-        self.series.observe_request(model, code, seconds)
+    def observe_request(self, model: str, code: int, seconds: float, overhead_s: float | None = None) -> None:
+        """One answered request; ``overhead_s``: its server-side time minus the runtime call (200s)."""
+        self.series.observe_request(model, code, seconds, overhead_s)
 
     def observe_stages(self, model: str, stages: Iterable[tuple[str, float]]) -> None:
         """One request's (stage, seconds) pairs, recorded together."""
@@ -244,6 +272,9 @@ class AgentMetrics:
 
     def observe_batch(self, model: str, rows: int) -> None:
         self.series.observe_batch(model, rows)
+
+    def overhead_samples(self) -> dict[str, list[float]]:
+        return self.series.overhead_samples()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,7 +23,7 @@ from device_agents.errors import UnavailableError
 from device_agents.lifecycle import InstallResult, Lifecycle
 from device_agents.pipeline import Decoded
 from device_agents.runtimes import ServedModel
-from device_agents.stats import serving_stats
+from device_agents.stats import exact_percentiles, serving_stats
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -92,7 +92,13 @@ class AgentService:
         return self.endpoints.get(name).infer(version, decode, encode, timeout_s)
 
     def stats(self) -> dict[str, Any]:
-        return serving_stats(self.metrics.registry)
+        """``serving_stats``, plus per model ``server_overhead_exact``: exact percentiles of the
+        last ``metrics.OVERHEAD_SAMPLES`` server-side overheads (the histogram's are bucketed)."""
+        out = serving_stats(self.metrics.registry)
+        for model, samples in self.metrics.overhead_samples().items():
+            if samples and model in out:
+                out[model]["server_overhead_exact"] = exact_percentiles(samples)
+        return out
 
     def metrics_text(self) -> bytes:
         return self.metrics.exposition()

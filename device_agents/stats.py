@@ -20,6 +20,7 @@ _HISTOGRAMS = {
     "edgekit_stage_seconds": "stage",
     "edgekit_request_duration_seconds": "request",
     "edgekit_batch_size": "batch",
+    "edgekit_server_overhead_seconds": "overhead",
 }
 
 
@@ -119,6 +120,9 @@ def summarize(snap: Snapshot, interval_s: float | None = None) -> dict[str, Any]
             h = snap.histograms.get((kind, model, stage))
             if h is not None and h.count > 0:
                 row[stage or "request"] = {f"p{round(q * 100)}_ms": _ms(h.quantile(q)) for q in (0.5, 0.95, 0.99)}
+        overhead = snap.histograms.get(("overhead", model, ""))
+        if overhead is not None and overhead.count > 0:
+            row["server_overhead"] = {f"p{round(q * 100)}_ms": _ms(overhead.quantile(q)) for q in (0.5, 0.95, 0.99)}
         batch = snap.histograms.get(("batch", model, ""))
         if batch is not None and batch.count > 0:
             row["batches"] = int(batch.count)
@@ -128,6 +132,17 @@ def summarize(snap: Snapshot, interval_s: float | None = None) -> dict[str, Any]
         row["inflight"] = int(snap.gauges.get(("edgekit_inflight", model), 0))
         out[model] = row
     return out
+
+
+def exact_percentiles(samples: list[float]) -> dict[str, float | int]:
+    """p50/p90/p99 in ms of raw samples in seconds (nearest rank), and how many there were."""
+    ordered = sorted(samples)
+    n = len(ordered)
+
+    def rank(q: float) -> float:
+        return round(ordered[min(n - 1, max(0, math.ceil(q * n) - 1))] * 1000, 4)
+
+    return {"p50_ms": rank(0.5), "p90_ms": rank(0.9), "p99_ms": rank(0.99), "samples": n}
 
 
 def table(stats: dict[str, Any]) -> str:

@@ -37,6 +37,16 @@ R = TypeVar("R")
 DECODE_WAIT_S = 1.0
 
 
+class RequestTiming:
+    """Filled in by the pipeline for the front-end: what a request's runtime call took (the
+    front-end subtracts it from received -> written to get the server-side overhead)."""
+
+    __slots__ = ("runtime_s",)
+
+    def __init__(self) -> None:
+        self.runtime_s = 0.0
+
+
 @dataclass(frozen=True)
 class Decoded(Generic[R]):
     """What a front-end's decode returns: its own request object and the input tensors."""
@@ -47,6 +57,7 @@ class Decoded(Generic[R]):
     # Answers the request from another thread (the hung-call watchdog's) with an error, when the
     # caller's thread is stuck in a runtime call; given, an idle model runs the request inline.
     answer: Callable[[EdgekitError], None] | None = None
+    timing: RequestTiming | None = None  # given, the pipeline records the runtime call's time in it
 
 
 class Pipeline:
@@ -140,6 +151,8 @@ class Pipeline:
                 raise AnsweredError(f"model {self.name}: the hung-call watchdog answered this request")
             if job.outputs is None:  # no error raised: the batcher set them
                 raise RuntimeFailure(f"model {self.name} returned no outputs")
+            if decoded.timing is not None:
+                decoded.timing.runtime_s = job.runtime_s
             t2 = time.perf_counter()
             out = encode(decoded.request, job.outputs, job.served_version)
             stages.append(("encode", time.perf_counter() - t2))

@@ -125,6 +125,7 @@ class Job:
     enqueued: float = field(default_factory=time.monotonic)
     started: float = 0.0
     finished: float = 0.0
+    runtime_s: float = 0.0  # the runtime call alone (``ServedModel.infer_timed``), of the batch it ran in
     batch_rows: int = 0
     served_version: int = 0
     outputs: dict[str, np.ndarray] | None = None
@@ -529,13 +530,15 @@ class Batcher:
                     with self._lock:
                         self._calls[me] = call
                 stall_point("infer_stall")
-                outputs = held.model.infer(feed, checked=True)
+                outputs, runtime_s = held.model.infer_timed(feed, checked=True)
                 version = held.version
             if call.hung:
                 return  # its jobs were answered by the watchdog
             self.cost.record(rows, time.monotonic() - start)
             self.on_batch(rows)
             self._split(batch, outputs, rows, version)
+            for job in batch:
+                job.runtime_s = runtime_s
         except EdgekitError as exc:
             if call is not None and call.hung:
                 return

@@ -156,6 +156,13 @@ class ServedModel:
 
     def infer(self, inputs: Mapping[str, np.ndarray], *, checked: bool = False) -> dict[str, np.ndarray]:
         """Run with served tensors; ``checked=True``: ``inputs`` came from ``check_inputs`` already."""
+        return self.infer_timed(inputs, checked=checked)[0]
+
+    def infer_timed(
+        self, inputs: Mapping[str, np.ndarray], *, checked: bool = False
+    ) -> tuple[dict[str, np.ndarray], float]:
+        """``infer``, and the seconds the runtime call itself took (``runner.run``: what the
+        server-side overhead of a request is measured without)."""
         if not checked:
             inputs = self.check_inputs(inputs)
         direct = self._direct_in
@@ -175,7 +182,8 @@ class ServedModel:
         else:
             raw = self.runner.run(feed)
         t1 = time.monotonic()
-        self.latency.record(t1, (t1 - t0) * 1000)
+        run_s = t1 - t0
+        self.latency.record(t1, run_s * 1000)
         result = {}
         direct_out = self._direct_out
         if direct_out is not None:
@@ -185,14 +193,14 @@ class ServedModel:
                     raise RuntimeError(f"runtime returned no {art_name!r} (outputs: {', '.join(raw)})")
                 want = self._out_dtypes[spec_name]
                 result[spec_name] = np.ascontiguousarray(got if got.dtype == want else got.astype(want))
-            return result
+            return result, run_s
         for spec in self.outputs:
             m = self._out_map.get(spec.name)
             art_name = m.artifact if m else spec.name
             if art_name not in raw:
                 raise RuntimeError(f"runtime returned no {art_name!r} (outputs: {', '.join(raw)})")
             result[spec.name] = _to_served(raw[art_name], m, self._artifact_specs.get(art_name), spec)
-        return result
+        return result, run_s
 
     def close(self) -> None:
         self.runner.close()

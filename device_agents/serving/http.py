@@ -39,7 +39,7 @@ from device_agents import __version__
 from device_agents.config import ServerConfig
 from device_agents.errors import AnsweredError, RequestTooLargeError, ServingError
 from device_agents.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from device_agents.pipeline import Decoded
+from device_agents.pipeline import Decoded, RequestTiming
 from device_agents.runtimes import ServedModel
 from device_agents.service import AgentService
 from device_agents.serving.bodies import ByteBudget, Reservation, inflate
@@ -192,6 +192,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (TimeoutError, OSError):
             self.close_connection = True  # idle past server.idle_timeout_s, or evicted for a new one
             return
+        self._received = time.perf_counter()  # the request line is in: the request was received
         if conn is not None:
             conn.busy = True
         if len(self.raw_requestline) > _MAX_LINE:
@@ -320,6 +321,7 @@ class _Handler(BaseHTTPRequestHandler):
             f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
         )
         self.wfile.write(head.encode("latin-1") + body)
+        self._written = time.perf_counter()
         self._status, self._sent = code, len(body)
 
     def _send_json(self, code: int, doc: Any, headers: tuple[tuple[str, str], ...] = ()) -> None:
@@ -447,9 +449,11 @@ class _Handler(BaseHTTPRequestHandler):
         )
 
     def _infer(self, parts: list[str]) -> None:
-        start = time.perf_counter()
+        start = self._received
         service = self.server.service
         self._label = ""
+        timing = RequestTiming()
+        overhead_s: float | None = None
         reservation = self._reservation()
         try:
             # The body first: a refused request whose body stays unread would be parsed as the next
@@ -458,7 +462,7 @@ class _Handler(BaseHTTPRequestHandler):
             name, version, rest = _model_route(parts)
             if rest != ["infer"]:
                 raise ModelNotFoundError(f"no route POST {self.path}")
-            decode, encode = self._codec(raw, name, reservation)
+            decode, encode = self._codec(raw, name, reservation, timing)
             try:
                 out, json_len = service.infer(name, version, decode, encode)
             finally:
@@ -468,6 +472,7 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._send(200, out, _BINARY, (("Inference-Header-Content-Length", str(json_len)),))
             code = 200
+            overhead_s = self._written - start - timing.runtime_s
         except AnsweredError:
             self.close_connection = True  # the watchdog wrote the answer (and counted it)
             return
@@ -476,7 +481,7 @@ class _Handler(BaseHTTPRequestHandler):
             code = exc.http_status
         finally:
             reservation.close()
-        service.metrics.observe_request(self._label, code, time.perf_counter() - start)
+        service.metrics.observe_request(self._label, code, time.perf_counter() - start, overhead_s)
 
     def _answer_hung(self, name: str, exc: EdgekitError) -> None:
         """Answer this request from the watchdog's thread: this handler's thread is stuck in a
@@ -490,7 +495,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._log_access()
 
     def _codec(
-        self, raw: bytes, name: str, reservation: Reservation
+        self, raw: bytes, name: str, reservation: Reservation, timing: RequestTiming
     ) -> tuple[
         Callable[[ServedModel], Decoded[InferRequest]],
         Callable[[InferRequest, dict[str, np.ndarray], int], tuple[bytes, int | None]],
@@ -509,7 +514,9 @@ class _Handler(BaseHTTPRequestHandler):
             request = decode_request(
                 body, header_length, model.inputs, model.outputs, max_bytes=limit, cache=self.server.header_cache
             )
-            return Decoded(request, request.inputs, request.timeout_s, lambda exc: self._answer_hung(name, exc))
+            return Decoded(
+                request, request.inputs, request.timeout_s, lambda exc: self._answer_hung(name, exc), timing
+            )
 
         def encode(request: InferRequest, results: dict[str, np.ndarray], version: int) -> tuple[bytes, int | None]:
             return encode_response(name, version, request, results, served[0].outputs, self.server.header_cache)

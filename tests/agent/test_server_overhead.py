@@ -1,0 +1,87 @@
+"""The server-side overhead the agent measures itself (request line received -> response written,
+minus the runtime call), over a real HTTP server on loopback driven by tritonclient.
+
+The runtime call is made slow on purpose (the real runner behind a fixed sleep): a measurement
+that did not subtract the runtime call would report at least that sleep.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
+
+from device_agents.config import load_config
+from device_agents.service import AgentService
+from device_agents.serving.http import AgentServer
+from tests.agent.conftest import Bundles, write_config
+
+SLOW_RUN_S = 0.2
+
+
+class SlowRunner:
+    """The real runner, each call held for ``SLOW_RUN_S`` first."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        time.sleep(SLOW_RUN_S)
+        return dict(self.inner.run(inputs))
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self.inner.describe())
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.fixture()
+def served(tmp_path: Path, keypair: tuple[Path, Path], bundles: Bundles) -> Iterator[tuple[AgentService, str]]:
+    service = AgentService(load_config(write_config(tmp_path / "agent", keypair[1])))
+    service.start()
+    service.install(bundles.v1)
+    model = service.lifecycle.registry.get("tiny")
+    model.runner = SlowRunner(model.runner)
+    server = AgentServer("127.0.0.1", 0, service)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield service, server.url.removeprefix("http://")
+    server.shutdown()
+    server.server_close()
+    service.stop()
+
+
+def _request(client: triton.InferenceServerClient, x: np.ndarray) -> float:
+    inp = triton.InferInput("input", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    t0 = time.perf_counter()
+    client.infer("tiny", [inp], outputs=[triton.InferRequestedOutput("probs")])
+    return time.perf_counter() - t0
+
+
+def test_server_overhead_is_each_request_s_server_time_without_its_runtime_call(
+    served: tuple[AgentService, str],
+) -> None:
+    service, address = served
+    client = triton.InferenceServerClient(address)
+    round_trips = [_request(client, np.ones((1, 3, 16, 16), np.float32)) for _ in range(3)]
+    with pytest.raises(InferenceServerException):  # a 400 (wrong shape) is not an answered inference
+        _request(client, np.ones((1, 3, 8, 8), np.float32))
+    client.close()
+    samples = service.metrics.overhead_samples()["tiny"]
+    assert len(samples) == 3
+    for overhead, round_trip in zip(samples, round_trips, strict=True):
+        # received -> written is inside the client's round trip, and the runtime call took SLOW_RUN_S
+        assert 0 < overhead < round_trip - SLOW_RUN_S
+    exact = service.stats()["tiny"]["server_overhead_exact"]
+    assert exact["samples"] == 3 and exact["p50_ms"] == round(sorted(samples)[1] * 1000, 4)
+    text = service.metrics_text().decode()
+    assert 'edgekit_server_overhead_seconds_count{model="tiny"} 3.0' in text
