@@ -17,6 +17,7 @@ import numpy as np
 from device_agents.config import AgentConfig
 from device_agents.metrics import AgentMetrics
 from device_agents.pipeline import Decoded, Pipeline
+from device_agents.pipeline.slots import Slots
 from device_agents.registry import Registry
 from device_agents.runtimes import ServedModel
 
@@ -80,7 +81,7 @@ class Endpoints:
         self.config = config
         self.registry = registry
         self.metrics = metrics
-        self.decode_slots = threading.BoundedSemaphore(config.server.max_concurrent_decodes)
+        self.decode_slots = Slots(config.server.max_concurrent_decodes)
         self._endpoints: dict[str, Endpoint] = {}
         self._lock = threading.Lock()
         metrics.watch_queues(self._depths)

@@ -14,7 +14,6 @@ nowhere else (a request's stages together, once); a stage refuses a request by r
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from device_agents.config import AgentConfig
 from device_agents.errors import AnsweredError, RuntimeFailure, UnavailableError
 from device_agents.metrics import AgentMetrics
 from device_agents.pipeline.batching import Batcher, Job
+from device_agents.pipeline.slots import Slots
 from device_agents.registry import Registry
 from device_agents.runtimes import ServedModel
 from edgekit.bundle.errors import EdgekitError
@@ -69,7 +69,7 @@ class Pipeline:
         registry: Registry,
         config: AgentConfig,
         metrics: AgentMetrics,
-        decode_slots: threading.Semaphore,
+        decode_slots: Slots,
     ) -> None:
         self.name = name
         self.registry = registry

@@ -33,7 +33,8 @@ class ByteBudget:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.used = 0
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # entered as _lock: a Condition's own `with` is Python
         self._waiters = 0  # reserve() calls waiting for room: release notifies only when there are some
 
     def reserve(self, n: int, retry_after_s: int = 1) -> None:
@@ -42,7 +43,7 @@ class ByteBudget:
                 f"the request needs {n} bytes of buffer, over server.max_buffered_mb ({self.capacity} bytes)"
             )
         deadline = time.monotonic() + BUDGET_WAIT_S
-        with self._cond:
+        with self._lock:
             while self.used + n > self.capacity:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -59,7 +60,7 @@ class ByteBudget:
             self.used += n
 
     def release(self, n: int) -> None:
-        with self._cond:
+        with self._lock:
             self.used -= n
             if self._waiters:
                 self._cond.notify_all()
