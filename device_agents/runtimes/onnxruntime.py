@@ -42,6 +42,9 @@ class OnnxRuntimeRunner:
             so.intra_op_num_threads = options.threads
         if options.inter_op_threads:
             so.inter_op_num_threads = options.inter_op_threads
+        if not options.spinning:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            so.add_session_config_entry("session.inter_op.allow_spinning", "0")
         available = ort.get_available_providers()
         wanted = [p for p in options.providers if p in available] or ["CPUExecutionProvider"]
         self.session = ort.InferenceSession(str(model_dir / onnx_files[0].path), so, providers=wanted)

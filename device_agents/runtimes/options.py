@@ -27,6 +27,10 @@ class OnnxRuntimeOptions:
     threads: int = 0  # intra-op threads; 0 = ONNX Runtime's default (one per core)
     inter_op_threads: int = 0  # 0 = ONNX Runtime's default
     providers: tuple[str, ...] = ()  # execution providers in preference order; () = CPUExecutionProvider
+    # session.intra_op.allow_spinning: idle intra-op threads spin for work (ORT's default) or sleep.
+    # Spinning trades CPU for wake-up latency; on a device whose cores the server's own threads
+    # (and other processes) share, the spinning threads take the cores those need.
+    spinning: bool = True
 
     def __post_init__(self) -> None:
         _check_non_negative(threads=self.threads, inter_op_threads=self.inter_op_threads)

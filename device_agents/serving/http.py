@@ -514,9 +514,7 @@ class _Handler(BaseHTTPRequestHandler):
             request = decode_request(
                 body, header_length, model.inputs, model.outputs, max_bytes=limit, cache=self.server.header_cache
             )
-            return Decoded(
-                request, request.inputs, request.timeout_s, lambda exc: self._answer_hung(name, exc), timing
-            )
+            return Decoded(request, request.inputs, request.timeout_s, lambda exc: self._answer_hung(name, exc), timing)
 
         def encode(request: InferRequest, results: dict[str, np.ndarray], version: int) -> tuple[bytes, int | None]:
             return encode_response(name, version, request, results, served[0].outputs, self.server.header_cache)

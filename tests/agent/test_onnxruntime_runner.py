@@ -26,7 +26,8 @@ def runner(tmp_path: Path, tiny_model: Path, bundles: Bundles) -> OnnxRuntimeRun
 
 
 def _expected(tiny_model: Path, x: np.ndarray) -> np.ndarray:
-    return np.asarray(ort.InferenceSession(str(tiny_model), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0])
+    session = ort.InferenceSession(str(tiny_model), providers=["CPUExecutionProvider"])
+    return np.asarray(session.run(None, {"input": x})[0])
 
 
 def test_onnxruntime_runner_runs_without_the_python_session_wrapper(
@@ -57,3 +58,17 @@ def test_onnxruntime_runner_falls_back_through_the_session_on_an_ep_failure(
 def test_onnxruntime_runner_still_refuses_a_missing_input(runner: OnnxRuntimeRunner) -> None:
     with pytest.raises(Exception, match="input"):
         runner.run({})
+
+
+def test_onnxruntime_runner_turns_thread_spinning_off_when_configured(
+    tmp_path: Path, tiny_model: Path, bundles: Bundles
+) -> None:
+    manifest = read_manifest(bundles.v1)
+    (artifact,) = [f for f in manifest.artifact_files() if f.path.endswith(".onnx")]
+    shutil.copy(tiny_model, tmp_path / artifact.path)
+    quiet = OnnxRuntimeRunner(tmp_path, manifest, OnnxRuntimeOptions(threads=2, spinning=False))
+    default = OnnxRuntimeRunner(tmp_path, manifest, OnnxRuntimeOptions(threads=2))
+    entry = "session.intra_op.allow_spinning"
+    assert quiet.session.get_session_options().get_session_config_entry(entry) == "0"
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # ORT's default (spinning) left alone
+        default.session.get_session_options().get_session_config_entry(entry)
