@@ -47,9 +47,12 @@ class RequestTiming:
         self.runtime_s = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Decoded(Generic[R]):
-    """What a front-end's decode returns: its own request object and the input tensors."""
+    """What a front-end's decode returns: its own request object and the input tensors.
+
+    Not frozen: it is built once per request and read only by the pipeline, and a frozen
+    dataclass's ``__init__`` (``object.__setattr__`` per field) costs ~2 us more."""
 
     request: R
     inputs: dict[str, np.ndarray]

@@ -62,7 +62,7 @@ import numpy as np
 
 from device_agents.config import BatchingConfig
 from device_agents.errors import DeadlineExceededError, OverloadedError, RuntimeFailure, UnavailableError
-from device_agents.faults import stall_point
+from device_agents.faults import stall_armed, stall_point
 from device_agents.registry import Lease
 from device_agents.runtimes import ServedModel
 from edgekit.bundle.errors import EdgekitError, InferenceInputError
@@ -249,6 +249,7 @@ class Batcher:
         self._abandoned: set[int] = set()
         self._stopping = False
         self.cost = CallCost()
+        self._stall = stall_armed("infer_stall")  # the fault point, armed when this model's batcher is built
         self._formed = 0  # batches formed (for _EXPLORE_EVERY)
         self._threads: list[threading.Thread] = []
         for _ in range(workers):
@@ -531,7 +532,8 @@ class Batcher:
                     call = _Call(start, held.model, batch)
                     with self._lock:
                         self._calls[me] = call
-                stall_point("infer_stall")
+                if self._stall:
+                    stall_point("infer_stall")
                 outputs, runtime_s = held.model.infer_timed(feed, checked=True)
                 version = held.version
             if call.hung:

@@ -503,3 +503,26 @@ def test_a_batched_model_runs_inline_while_batching_does_not_pay(lifecycle: Life
         pipeline.batcher.arrive(-1)
     finally:
         pipeline.stop(5)
+
+
+def test_the_infer_stall_point_is_looked_up_when_the_batcher_is_built_not_per_call(
+    lifecycle: Lifecycle, gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from device_agents.pipeline import batching
+
+    gate.opened.set()
+    stalls: list[str] = []
+    monkeypatch.setattr(batching, "stall_point", stalls.append)
+    monkeypatch.delenv("EDGEKIT_FAULT", raising=False)
+    plain = _batcher(lifecycle)
+    monkeypatch.setenv("EDGEKIT_FAULT", "infer_stall")  # armed after `plain` was built: not seen by it
+    armed = _batcher(lifecycle)
+    try:
+        for batcher in (plain, armed):
+            job = _job(1)
+            batcher.submit(job)
+            assert batcher.wait(job).outputs is not None
+        assert stalls == ["infer_stall"]  # the armed batcher's call only
+    finally:
+        plain.stop(5)
+        armed.stop(5)
