@@ -103,7 +103,7 @@ class RequestSeries(Collector):
         self._batches: dict[str, _Series] = {}
         self._codes: dict[tuple[str, str], int] = {}
         self._overhead: dict[str, _Series] = {}
-        self._overhead_samples: dict[str, deque[float]] = {}
+        self._overhead_samples: dict[str, deque[tuple[float, float]]] = {}
 
     def observe_stages(self, model: str, stages: Iterable[tuple[str, float]]) -> None:
         bounds = _LATENCY_BUCKETS_S
@@ -115,7 +115,14 @@ class RequestSeries(Collector):
                 series.counts[bisect_left(bounds, seconds)] += 1
                 series.total += seconds
 
-    def observe_request(self, model: str, code: int, seconds: float, overhead_s: float | None = None) -> None:
+    def observe_request(
+        self,
+        model: str,
+        code: int,
+        seconds: float,
+        overhead_s: float | None = None,
+        write_cpu_overhead_s: float | None = None,
+    ) -> None:
         key = (model, str(code))
         with self._lock:
             series = self._requests.get(model)
@@ -131,10 +138,13 @@ class RequestSeries(Collector):
                     self._overhead_samples[model] = deque(maxlen=OVERHEAD_SAMPLES)
                 series.counts[bisect_left(_LATENCY_BUCKETS_S, overhead_s)] += 1
                 series.total += overhead_s
-                self._overhead_samples[model].append(overhead_s)
+                self._overhead_samples[model].append(
+                    (overhead_s, overhead_s if write_cpu_overhead_s is None else write_cpu_overhead_s)
+                )
 
-    def overhead_samples(self) -> dict[str, list[float]]:
-        """Per model, the last ``OVERHEAD_SAMPLES`` server-side overheads (seconds), oldest first."""
+    def overhead_samples(self) -> dict[str, list[tuple[float, float]]]:
+        """Per model, the last ``OVERHEAD_SAMPLES`` server-side overheads (seconds), oldest first:
+        (as measured, with the response's write counted by its own CPU time)."""
         with self._lock:
             return {m: list(d) for m, d in self._overhead_samples.items()}
 
@@ -262,9 +272,17 @@ class AgentMetrics:
         """Export queue depth and in-flight counts from ``source`` (model, waiting, in flight)."""
         self.registry.register(_QueueDepth(source))
 
-    def observe_request(self, model: str, code: int, seconds: float, overhead_s: float | None = None) -> None:
-        """One answered request; ``overhead_s``: its server-side time minus the runtime call (200s)."""
-        self.series.observe_request(model, code, seconds, overhead_s)
+    def observe_request(
+        self,
+        model: str,
+        code: int,
+        seconds: float,
+        overhead_s: float | None = None,
+        write_cpu_overhead_s: float | None = None,
+    ) -> None:
+        """One answered request; ``overhead_s``: its server-side time minus the runtime call (200s);
+        ``write_cpu_overhead_s``: the same with the response's write counted by its CPU time."""
+        self.series.observe_request(model, code, seconds, overhead_s, write_cpu_overhead_s)
 
     def observe_stages(self, model: str, stages: Iterable[tuple[str, float]]) -> None:
         """One request's (stage, seconds) pairs, recorded together."""
@@ -273,7 +291,7 @@ class AgentMetrics:
     def observe_batch(self, model: str, rows: int) -> None:
         self.series.observe_batch(model, rows)
 
-    def overhead_samples(self) -> dict[str, list[float]]:
+    def overhead_samples(self) -> dict[str, list[tuple[float, float]]]:
         return self.series.overhead_samples()
 
     def exposition(self) -> bytes:

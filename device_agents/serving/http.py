@@ -320,7 +320,12 @@ class _Handler(BaseHTTPRequestHandler):
             f"HTTP/1.1 {code} {_REASONS.get(code, '')}\r\nServer: {self.server_version}\r\nDate: {_http_date()}\r\n"
             f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
         )
-        self.wfile.write(head.encode("latin-1") + body)
+        data = head.encode("latin-1") + body
+        self._write_start, cpu = time.perf_counter(), time.thread_time()
+        self.wfile.write(data)
+        # the write's own CPU time too: a write that wakes the client can be preempted by it (on a
+        # busy 2-core machine, the client is woken onto this core), and that wait is the client's
+        self._write_cpu_s = time.thread_time() - cpu
         self._written = time.perf_counter()
         self._status, self._sent = code, len(body)
 
@@ -453,7 +458,7 @@ class _Handler(BaseHTTPRequestHandler):
         service = self.server.service
         self._label = ""
         timing = RequestTiming()
-        overhead_s: float | None = None
+        overhead_s = write_cpu_overhead_s = None
         reservation = self._reservation()
         try:
             # The body first: a refused request whose body stays unread would be parsed as the next
@@ -473,6 +478,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, out, _BINARY, (("Inference-Header-Content-Length", str(json_len)),))
             code = 200
             overhead_s = self._written - start - timing.runtime_s
+            write_cpu_overhead_s = self._write_start + self._write_cpu_s - start - timing.runtime_s
         except AnsweredError:
             self.close_connection = True  # the watchdog wrote the answer (and counted it)
             return
@@ -481,7 +487,9 @@ class _Handler(BaseHTTPRequestHandler):
             code = exc.http_status
         finally:
             reservation.close()
-        service.metrics.observe_request(self._label, code, time.perf_counter() - start, overhead_s)
+        service.metrics.observe_request(
+            self._label, code, time.perf_counter() - start, overhead_s, write_cpu_overhead_s
+        )
 
     def _answer_hung(self, name: str, exc: EdgekitError) -> None:
         """Answer this request from the watchdog's thread: this handler's thread is stuck in a

@@ -78,10 +78,13 @@ def test_server_overhead_is_each_request_s_server_time_without_its_runtime_call(
     client.close()
     samples = service.metrics.overhead_samples()["tiny"]
     assert len(samples) == 3
-    for overhead, round_trip in zip(samples, round_trips, strict=True):
+    for (overhead, write_cpu), round_trip in zip(samples, round_trips, strict=True):
         # received -> written is inside the client's round trip, and the runtime call took SLOW_RUN_S
         assert 0 < overhead < round_trip - SLOW_RUN_S
-    exact = service.stats()["tiny"]["server_overhead_exact"]
-    assert exact["samples"] == 3 and exact["p50_ms"] == round(sorted(samples)[1] * 1000, 4)
+        assert 0 < write_cpu < round_trip - SLOW_RUN_S
+    stats = service.stats()["tiny"]
+    exact = stats["server_overhead_exact"]
+    assert exact["samples"] == 3 and exact["p50_ms"] == round(sorted(s[0] for s in samples)[1] * 1000, 4)
+    assert stats["server_overhead_exact_write_cpu"]["samples"] == 3
     text = service.metrics_text().decode()
     assert 'edgekit_server_overhead_seconds_count{model="tiny"} 3.0' in text
