@@ -4,8 +4,9 @@
   by one agent, as ``mlp`` (``max_batch_size = 32``, one batch at a time: ``workers = 1``, as
   the weights are read once per call) and ``mlp_unbatched`` (server default); throughput at
   concurrency 1/4/16/64, the two interleaved round by round; the server-side p99 (queue + infer,
-  from the stage histograms) against ``max_wait_ms`` + 2x the batch's run time. Then the digits
-  conv net example, batched vs unbatched at concurrency 16.
+  from the stage histograms) against ``max_wait_ms`` + 2x the batch's run time; then c=16 again in
+  an agent with ``[runtimes.onnxruntime] spinning = false`` (both models). Then the digits conv
+  net example, batched vs unbatched at concurrency 16.
 - ``overhead``: p50 round trip of a 1 KB tensor to the agent vs to a do-nothing v2 server (the
   client-side floor), and the runtime call alone (``session.run``), side by side; their difference
   (agent - floor - runtime call) is printed beside the server-side overhead the issue defines,
@@ -155,7 +156,6 @@ def _throughput_side_by_side(
 
 
 def run_batching(ctx: BenchContext, *, name: str) -> list[Measurement]:
-    from device_agents.stats import summarize
     from examples.agent_process import RunningAgent
 
     work = ctx.workdir / "serving-batching"
@@ -174,40 +174,49 @@ def run_batching(ctx: BenchContext, *, name: str) -> list[Measurement]:
         "[server]\nqueue_size = 256\n"
     )
     rows: list[Measurement] = []
-    with RunningAgent(work / "agent", [ctx.pub], extra_config=extra) as agent:
-        for b in (batched_bundle, plain_bundle):
-            agent.install(b)
-        x = calib["x"][:1].copy()
-        loads = {n: Load(agent.host_port, n, {"x": x}, "y") for n in ("mlp_unbatched", "mlp")}
-        for c in CONCURRENCY:
-            before = _scrape(agent.url) if c == 16 else None
-            ctx.progress(f"{name}: concurrency {c}, {rounds} rounds of {seconds:g} s each, interleaved")
-            got = _throughput_side_by_side(loads, c, seconds, rounds)
-            (a_rps, a_lat, a_err), (b_rps, b_lat, b_err) = got["mlp_unbatched"], got["mlp"]
-            note = (
-                f"client p50/p99 ms: unbatched {_pct(a_lat, 50):.2f}/{_pct(a_lat, 99):.2f}, "
-                f"batched {_pct(b_lat, 50):.2f}/{_pct(b_lat, 99):.2f}; errors {a_err}/{b_err}"
-            )
-            rows.append(
-                Measurement(name, f"mlp batched vs unbatched, c={c}", "throughput", "req/s", "unbatched",
-                            f"max_batch_size {MAX_BATCH}", a_rps, b_rps, note)
-            )  # fmt: skip
-            if before is not None:
-                snap = _scrape(agent.url).minus(before)
-                stats = summarize(snap)["mlp"]
-                queue_p99, infer_p99 = stats["queue"]["p99_ms"], stats["infer"]["p99_ms"]
-                infer_h = snap.histograms[("stage", "mlp", "infer")]
-                batch_ms = (infer_h.mean or 0.0) * 1000
-                bound = MAX_WAIT_MS + 2 * batch_ms
+    # The agent as configured by default (ONNX Runtime's threads spin), then at c=16 again with
+    # [runtimes.onnxruntime] spinning = false: both models of one agent get the same settings.
+    for spinning, levels in ((True, CONCURRENCY), (False, (16,))):
+        config = extra if spinning else extra + "[runtimes.onnxruntime]\nspinning = false\n"
+        tag = "" if spinning else ", spinning = false"
+        with RunningAgent(work / f"agent-{spinning}", [ctx.pub], extra_config=config) as agent:
+            for b in (batched_bundle, plain_bundle):
+                agent.install(b)
+            x = calib["x"][:1].copy()
+            loads = {n: Load(agent.host_port, n, {"x": x}, "y") for n in ("mlp_unbatched", "mlp")}
+            for c in levels:
+                before = _scrape(agent.url) if c == 16 else None
+                ctx.progress(f"{name}: concurrency {c}{tag}, {rounds} rounds of {seconds:g} s each, interleaved")
+                got = _throughput_side_by_side(loads, c, seconds, rounds)
+                (a_rps, a_lat, a_err), (b_rps, b_lat, b_err) = got["mlp_unbatched"], got["mlp"]
+                note = (
+                    f"client p50/p99 ms: unbatched {_pct(a_lat, 50):.2f}/{_pct(a_lat, 99):.2f}, "
+                    f"batched {_pct(b_lat, 50):.2f}/{_pct(b_lat, 99):.2f}; errors {a_err}/{b_err}"
+                )
                 rows.append(
-                    Measurement(name, "server-side p99 (queue + infer), c=16", "latency", "ms",
-                                f"max_wait_ms + 2 x batch run ({batch_ms:.2f} ms)", "p99 queue + p99 infer",
-                                bound, queue_p99 + infer_p99,
-                                f"queue p99 {queue_p99:.2f} ms, infer p99 {infer_p99:.2f} ms, "
-                                f"mean batch {stats.get('batch_mean', 0):.1f}; from edgekit_stage_seconds buckets")
+                    Measurement(name, f"mlp batched vs unbatched, c={c}{tag}", "throughput", "req/s", "unbatched",
+                                f"max_batch_size {MAX_BATCH}", a_rps, b_rps, note)
                 )  # fmt: skip
+                if before is not None:
+                    rows.append(_server_p99(name, _scrape(agent.url).minus(before), tag))
     rows += _conv_batching(ctx, name, work, seconds, rounds)
     return rows
+
+
+def _server_p99(name: str, snap: Any, tag: str) -> Measurement:
+    """Server-side p99 of the batched MLP (queue + infer, from the stage histograms) against its bound."""
+    from device_agents.stats import summarize
+
+    stats = summarize(snap)["mlp"]
+    queue_p99, infer_p99 = stats["queue"]["p99_ms"], stats["infer"]["p99_ms"]
+    infer_h = snap.histograms[("stage", "mlp", "infer")]
+    batch_ms = (infer_h.mean or 0.0) * 1000
+    return Measurement(name, f"server-side p99 (queue + infer), c=16{tag}", "latency", "ms",
+                       f"max_wait_ms + 2 x batch run ({batch_ms:.2f} ms)", "p99 queue + p99 infer",
+                       MAX_WAIT_MS + 2 * batch_ms, queue_p99 + infer_p99,
+                       f"queue p99 {queue_p99:.2f} ms, infer p99 {infer_p99:.2f} ms (p50 "
+                       f"{stats['infer']['p50_ms']:.2f}), mean batch {stats.get('batch_mean', 0):.1f}; "
+                       "from edgekit_stage_seconds buckets")  # fmt: skip
 
 
 def _conv_batching(ctx: BenchContext, name: str, work: Path, seconds: float, rounds: int) -> list[Measurement]:
