@@ -211,3 +211,12 @@ def test_header_cache_keeps_at_most_max_entries() -> None:
     for i in range(3):
         cache.keep_response(("k", i), b"h")
     assert cache.response(("k", 0)) is None and cache.response(("k", 2)) == b"h"
+
+
+def test_encode_writes_big_endian_results_as_little_endian_binary() -> None:
+    results = {"y": np.array([[0.25, -1.5]], ">f4"), "z": np.array([7], ">i8")}
+    doc = {"inputs": [], "parameters": {"binary_data_output": True}}
+    req = decode_request(json.dumps(doc).encode(), None, (), OUTPUTS)
+    body, hlen = encode_response("m", 1, req, results, OUTPUTS)
+    assert hlen is not None
+    assert body[hlen:] == np.array([[0.25, -1.5]], "<f4").tobytes() + np.array([7], "<i8").tobytes()
