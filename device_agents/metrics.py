@@ -59,7 +59,8 @@ _LATENCY_BUCKETS_S = (
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STAGES = ("decode", "queue", "infer", "encode")
 REJECT_REASONS = ("queue_full", "deadline", "decode_busy", "connections", "draining", "hung")
-# Exact server-side overheads kept per model (the last ones), for percentiles finer than buckets.
+# Exact server-side overheads and queue + infer times kept per model (the last ones), for
+# percentiles finer than buckets.
 OVERHEAD_SAMPLES = 4096
 
 
@@ -104,9 +105,12 @@ class RequestSeries(Collector):
         self._codes: dict[tuple[str, str], int] = {}
         self._overhead: dict[str, _Series] = {}
         self._overhead_samples: dict[str, deque[tuple[float, float]]] = {}
+        self._queue_infer_samples: dict[str, deque[float]] = {}
 
     def observe_stages(self, model: str, stages: Iterable[tuple[str, float]]) -> None:
         bounds = _LATENCY_BUCKETS_S
+        queue_infer = 0.0
+        ran = False
         with self._lock:
             for stage, seconds in stages:
                 series = self._stages.get((model, stage))
@@ -114,6 +118,19 @@ class RequestSeries(Collector):
                     series = self._stages[(model, stage)] = _Series(len(bounds))
                 series.counts[bisect_left(bounds, seconds)] += 1
                 series.total += seconds
+                if stage == "queue" or stage == "infer":
+                    queue_infer += seconds
+                    ran = ran or stage == "infer"
+            if ran:  # the request's own queue + infer time (the p99 of a sum is not the sum of p99s)
+                window = self._queue_infer_samples.get(model)
+                if window is None:
+                    window = self._queue_infer_samples[model] = deque(maxlen=OVERHEAD_SAMPLES)
+                window.append(queue_infer)
+
+    def queue_infer_samples(self) -> dict[str, list[float]]:
+        """Per model, the last ``OVERHEAD_SAMPLES`` requests' queue + infer seconds, oldest first."""
+        with self._lock:
+            return {m: list(d) for m, d in self._queue_infer_samples.items()}
 
     def observe_request(
         self,
@@ -293,6 +310,9 @@ class AgentMetrics:
 
     def overhead_samples(self) -> dict[str, list[tuple[float, float]]]:
         return self.series.overhead_samples()
+
+    def queue_infer_samples(self) -> dict[str, list[float]]:
+        return self.series.queue_infer_samples()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -95,12 +95,16 @@ class AgentService:
         """``serving_stats``, plus per model ``server_overhead_exact``: exact percentiles of the
         last ``metrics.OVERHEAD_SAMPLES`` server-side overheads (the histogram's are bucketed), and
         ``server_overhead_exact_write_cpu``: the same with each response's write counted by its CPU
-        time (without the wait when the woken client preempts the writing thread)."""
+        time (without the wait when the woken client preempts the writing thread); and
+        ``queue_infer_exact``: exact percentiles of the last requests' own queue + infer time."""
         out = serving_stats(self.metrics.registry)
         for model, samples in self.metrics.overhead_samples().items():
             if samples and model in out:
                 out[model]["server_overhead_exact"] = exact_percentiles([wall for wall, _ in samples])
                 out[model]["server_overhead_exact_write_cpu"] = exact_percentiles([cpu for _, cpu in samples])
+        for model, times in self.metrics.queue_infer_samples().items():
+            if times and model in out:
+                out[model]["queue_infer_exact"] = exact_percentiles(times)
         return out
 
     def metrics_text(self) -> bytes:

@@ -27,3 +27,11 @@ def test_request_series_export_the_stages_requests_and_batches_observed() -> Non
     stats = summarize(snap)["m"]
     assert 0.4 <= stats["decode"]["p50_ms"] <= 0.5  # the 3rd of 5 values, inside its (0.3, 0.5] ms bucket
     assert stats["batch_mean"] == 9.5
+
+
+def test_queue_plus_infer_is_kept_per_request_for_exact_percentiles() -> None:
+    metrics = AgentMetrics()
+    metrics.observe_stages("m", [("decode", 0.001), ("queue", 0.010), ("infer", 0.002), ("encode", 0.001)])
+    metrics.observe_stages("m", [("decode", 0.001), ("queue", 0.001), ("infer", 0.010)])
+    metrics.observe_stages("m", [("decode", 0.001)])  # refused before it ran: no queue + infer of its own
+    assert metrics.queue_infer_samples() == {"m": [0.012, 0.011]}
