@@ -88,3 +88,18 @@ def test_server_overhead_is_each_request_s_server_time_without_its_runtime_call(
     assert stats["server_overhead_exact_write_cpu"]["samples"] == 3
     text = service.metrics_text().decode()
     assert 'edgekit_server_overhead_seconds_count{model="tiny"} 3.0' in text
+
+
+def test_starting_the_server_moves_what_the_agent_loaded_out_of_the_collector_s_sight(
+    served: tuple[AgentService, str],
+) -> None:
+    import gc
+
+    service, _ = served
+    gc.unfreeze()  # (process-wide: the fixture's server froze already)
+    assert gc.get_freeze_count() == 0
+    server = AgentServer("127.0.0.1", 0, service)
+    try:
+        assert gc.get_freeze_count() > 0  # a full collection no longer walks the loaded SDKs and models
+    finally:
+        server.server_close()
