@@ -294,8 +294,14 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         headers = _Headers()
         for line in lines:
-            if not self._add_header(headers, line):
-                return False
+            # _add_header's checks inline for a well-formed line (a call per header costs ~0.5 us)
+            name, sep, value = line.partition(":")
+            key = name.strip().lower()
+            if not sep or not key or key == "content-length":
+                if not self._add_header(headers, line):
+                    return False
+                continue
+            headers[key] = value.strip()
         return headers
 
     def _add_header(self, headers: _Headers, line: str) -> bool:
