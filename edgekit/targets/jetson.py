@@ -353,7 +353,7 @@ def quantize_for_tensorrt(
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.calibrate import create_calibrator, save_tensors_data
 
-    from edgekit.compress.ort_quant import ArrayCalibrationReader
+    from edgekit.compress.ort_quant import collect_in_chunks
     from edgekit.validate.calib import even_batch, sample_count
 
     if method not in CALIBRATORS:
@@ -377,7 +377,7 @@ def quantize_for_tensorrt(
         providers=["CPUExecutionProvider"],
         extra_options=calib_options,
     )
-    calibrator.collect_data(ArrayCalibrationReader(calib, batch))  # duck-typed: ORT only calls get_next()
+    collect_in_chunks(calibrator, calib, batch)  # a few samples per call: ORT keeps every tensor of a call
     tensors = calibrator.compute_data()
     cache = work_dir / f"ranges-tensorrt-{method}.json"
     save_tensors_data(tensors, cache)
