@@ -418,6 +418,12 @@ def describe_tflite(
             + (", ..." if len(floats) > 4 else "")
             + "); on the Edge TPU a float op and every op after it run on the CPU (coral.ai/docs/edgetpu/models-intro)"
         )
+        float_outputs = [o.name for o in artifact_sig.outputs if o.quant is None]
+        if float_outputs:
+            notes.append(
+                f"output(s) {', '.join(float_outputs)} float32: written by ops kept in float (one int8 output "
+                "scale would crush the small-valued channels again)"
+            )
     common: dict[str, Any] = {
         "artifact_signature": artifact_sig,
         "mapping": mapping,

@@ -578,6 +578,9 @@ def test_coral_auto_rescues_int8_that_crushed_the_scores_by_keeping_the_head_con
     assert manifest.validation.passed and manifest.validation.channel_cosine is not None
     assert manifest.validation.channel_cosine > 0.99
     assert manifest.artifact_signature is not None and manifest.artifact_signature.outputs[0].quant is None
+    assert any(
+        n.startswith("output(s) ") and "float32: written by ops kept in float" in n for n in manifest.validation.notes
+    )
     served = load_model(model_dir, manifest, LiteRtOptions(threads=1))
     try:
         x = np.random.default_rng(9).standard_normal((8, 4, 8, 8)).astype(np.float32)
