@@ -85,7 +85,8 @@ def rank_qdq_layers(
 
     A layer's group is the layer and the quantized compute layers that produce its inputs
     (through Relu, pooling, reshapes): keeping a layer in float means its inputs stay float too,
-    and ORT quantizes a tensor whenever its producer *or* a consumer is quantized."""
+    and ORT quantizes a tensor whenever its producer *or* a consumer is quantized. A Concat's group
+    is the Concat and its tail to the outputs (module doc): its inputs keep their own scales."""
     import onnx
 
     qdq = onnx.load(str(qdq_path))
