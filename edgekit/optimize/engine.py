@@ -449,12 +449,28 @@ def _refine_skip(of: _State | None, base_p50: float | None, baseline: _State | N
         return f"{o.name} failed to build; a calibration change does not fix that"
     if o.status == "passed":
         return f"{o.name} is already within the budget"
+    if _only_channels_failed(o.comparison):
+        return (
+            f"{o.name} missed on its worst channel only (one output scale for channels of different value "
+            "scales): a calibration method moves that range, it does not split it; mixed precision keeps the "
+            "tail in float instead"
+        )
     if base_p50 is not None and o.p50_ms is not None and o.p50_ms > base_p50 * (1 + SPEED_TIE) and baseline:
         return (
             f"dominated: {o.name} measured {o.p50_ms:.3f} ms, slower than {baseline.candidate.name} "
             f"({base_p50:.3f} ms); calibration changes accuracy, not speed"
         )
     return ""
+
+
+def _only_channels_failed(c: Comparison | None) -> bool:
+    """The dense gate passed on cosine and relative error and failed on the worst channel alone."""
+    if c is None or c.kind != "dense" or len(c.failures) != 1:
+        return False
+    t = c.tolerance
+    return bool(
+        t.min_channel_cosine is not None and c.channel_cosine is not None and c.channel_cosine < t.min_channel_cosine
+    )
 
 
 def _mixed(
