@@ -15,6 +15,8 @@ Order of work:
 5. mixed precision, when the fastest quantized candidate missed the budget (``auto``, or with
    ``mixed_precision``): rank its layers by sensitivity and keep the fewest in float that meet
    the budget (1, 2, 4, ... layers, then the smallest count in between that passes);
+   then, under ``auto`` and only when still nothing met the budget, the plan's fallbacks (a
+   float artifact of an integer target), so what ships meets the gate and says what it is;
 6. a final side-by-side round with full repeats of every candidate the choice may pick, the
    target's FP32 baseline and the reference;
 7. under the latency objective, the finalists: the passing candidates within ``FINALIST_MARGIN``
@@ -253,6 +255,18 @@ def search(
         notes.append(f"mixed precision not tried: over the search time budget ({time_budget_s:.0f} s)")
     elif auto or mixed_precision:
         _mixed(states, attempt, space, auto, precision, base_p50, notes, say, target)
+
+    for cand in plan.fallback:
+        met = next((s.candidate.name for s in states if s.outcome is not None and s.outcome.status == "passed"
+                    and (auto or s.candidate.precision == precision)), None)  # fmt: skip
+        if not auto:
+            skipped.append(_skipped(cand.name, f"a fallback of --precision auto; --precision {precision} asked", cand))
+        elif met is not None:
+            skipped.append(_skipped(cand.name, f"{met} already meets the budget (a fallback is built only when "
+                                    "nothing does)", cand))  # fmt: skip
+        else:
+            say(f"[{target}] nothing met the budget; fallback: {cand.name}")
+            attempt(cand)
 
     # final round, with full repeats: everything the choice may pick (what passed; when nothing
     # choosable passed, every choosable built one: the most accurate is picked) and the baseline,
