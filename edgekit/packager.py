@@ -461,7 +461,9 @@ def _build_target(
         from edgekit.optimize.run import optimise
 
         ctx = dataclasses.replace(ctx, source_path=model)
-        optimised = optimise(target, ctx, engine, reference_path=model, shared=shared_builds)
+        optimised = optimise(
+            target, ctx, engine, reference_path=model, shared=shared_builds, holdout_reference=run.reference
+        )
         result, searched = optimised.build, optimised.search
         if keep_dir is not None:
             kept_rows = _keep_candidates(

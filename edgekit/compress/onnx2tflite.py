@@ -52,7 +52,7 @@ class TfliteModel:
     """A converted model: full-integer flatbuffer plus how its tensors map to the served ones."""
 
     quantized: bytes  # int8 weights; activations (and inputs/outputs) of type ``activations``
-    activations: str  # "int8" or "int16" (16x8)
+    activations: str  # "int8", "int16" (16x8), or "float32" (the coral float fallback: not quantized)
     float32: bytes
     inputs: tuple[TensorLink, ...]
     outputs: tuple[TensorLink, ...]

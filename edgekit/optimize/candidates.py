@@ -101,6 +101,9 @@ class CandidatePlan:
     skipped: tuple[tuple[str, str], ...] = ()  # (candidate name, why) decided by the target up front
     max_refinements: int | None = None  # at most this many refinements are built (None: no bound)
     bound_name: str = ""  # the option that sets max_refinements, for the record
+    # under ``auto``, built only when nothing else met the budget (refinements and mixed precision
+    # included): e.g. a float artifact of a target whose own form is integer, shipped as what it is
+    fallback: tuple[Candidate, ...] = ()
 
 
 def by_name(cands: Sequence[Candidate]) -> dict[str, Candidate]:

@@ -23,7 +23,10 @@ def accuracy_key(o: Outcome) -> tuple[float, float]:
     c = o.comparison
     if c is None:
         return (-1.0, -1.0)
-    return (c.top1_agreement if c.top1_agreement is not None else 0.0, c.cosine or 0.0)
+    agreement = c.top1_agreement if c.top1_agreement is not None else 0.0
+    if c.predicted_top1_agreement is not None:  # saturated agreement on easy samples ranks by the prediction
+        agreement = min(agreement, c.predicted_top1_agreement)
+    return (agreement, c.cosine or 0.0)
 
 
 def choose(outcomes: Sequence[Outcome], objective: str, auto: bool, baseline: Outcome | None) -> tuple[Outcome, str]:

@@ -33,6 +33,10 @@ class SearchData:
     selection_source: str  # "calibration samples not used for calibration" / "the calibration subset"
     calib_sha256: str
     calib_total: int  # samples given, before the subset was taken
+    # classifiers: FP32 top-1 margins of the inputs the gate represents (``optimize.flip_risk``):
+    # the held-out inputs' where the packager has them, else None (the selection samples' own)
+    margins: np.ndarray | None = None
+    margins_source: str = ""
 
 
 def stratified_indices(n: int, limit: int, classes: np.ndarray | None) -> np.ndarray:

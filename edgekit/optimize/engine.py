@@ -15,6 +15,8 @@ Order of work:
 5. mixed precision, when the fastest quantized candidate missed the budget (``auto``, or with
    ``mixed_precision``): rank its layers by sensitivity and keep the fewest in float that meet
    the budget (1, 2, 4, ... layers, then the smallest count in between that passes);
+   then, under ``auto`` and only when still nothing met the budget, the plan's fallbacks (a
+   float artifact of an integer target), so what ships meets the gate and says what it is;
 6. a final side-by-side round with full repeats of every candidate the choice may pick, the
    target's FP32 baseline and the reference;
 7. under the latency objective, the finalists: the passing candidates within ``FINALIST_MARGIN``
@@ -170,6 +172,11 @@ def search(
     one = pad_samples(take(data.selection, 0, fixed_batch(served) or 1), fixed_batch(served) or 1)
     states: list[_State] = []
     notes: list[str] = [f"selection on {data.selection_source}"]
+    if kind == "classifier":
+        notes.append(
+            "classifier selection also gates the top-1 agreement predicted from each candidate's gap shrink on the "
+            f"selection samples and the fp32 top-1 margins of {data.margins_source or 'the selection samples'}"
+        )
 
     def space(folder: Path) -> BuildSpace:
         return BuildSpace(work_dir=folder, calib=data.calib, served=served, calib_batch=calib_batch, progress=say)
@@ -195,6 +202,8 @@ def search(
                 raise ValueError("the candidate can neither run here nor gave an intermediate to measure")
             outputs = run_all(st.run, data.selection, batch, pad=fixed_batch(served) is not None)
             comparison = compare(ref_out, outputs, kind, tolerance)
+            if kind == "classifier":
+                comparison = flip_gate(comparison, ref_out, outputs, data, tolerance)
         # A candidate's SDK may raise anything (ORT's quantizer raised ValueError from numpy on an
         # int32-input model, FIELD_NOTES): that candidate failed, the search goes on.
         except Exception as exc:
@@ -246,6 +255,18 @@ def search(
         notes.append(f"mixed precision not tried: over the search time budget ({time_budget_s:.0f} s)")
     elif auto or mixed_precision:
         _mixed(states, attempt, space, auto, precision, base_p50, notes, say, target)
+
+    for cand in plan.fallback:
+        met = next((s.candidate.name for s in states if s.outcome is not None and s.outcome.status == "passed"
+                    and (auto or s.candidate.precision == precision)), None)  # fmt: skip
+        if not auto:
+            skipped.append(_skipped(cand.name, f"a fallback of --precision auto; --precision {precision} asked", cand))
+        elif met is not None:
+            skipped.append(_skipped(cand.name, f"{met} already meets the budget (a fallback is built only when "
+                                    "nothing does)", cand))  # fmt: skip
+        else:
+            say(f"[{target}] nothing met the budget; fallback: {cand.name}")
+            attempt(cand)
 
     # final round, with full repeats: everything the choice may pick (what passed; when nothing
     # choosable passed, every choosable built one: the most accurate is picked) and the baseline,
@@ -329,6 +350,33 @@ def search(
 
 
 # -- steps -----------------------------------------------------------------------------------
+
+
+def flip_gate(
+    comparison: Comparison,
+    reference: Mapping[str, np.ndarray],
+    outputs: Mapping[str, np.ndarray],
+    data: SearchData,
+    tolerance: Tolerance,
+) -> Comparison:
+    """``comparison`` with the predicted top-1 agreement (``optimize.flip_risk``) recorded and, below
+    ``min_top1_agreement``, a failure: agreement on easy selection samples saturates at 1.0 and
+    does not tell the candidates that will flip the gate's close decisions apart."""
+    from edgekit.optimize.flip_risk import predicted_agreement, top1_margins
+
+    first = next(iter(reference))
+    ref, got = reference[first], outputs[first]
+    margins = data.margins if data.margins is not None else top1_margins(ref)
+    predicted = predicted_agreement(ref, got, margins)
+    failures = comparison.failures
+    floor = tolerance.min_top1_agreement
+    if floor is not None and predicted < floor and comparison.passed:
+        failures = (
+            f"predicted top-1 agreement {predicted:.4g} on inputs as close to the decision boundary as "
+            f"{data.margins_source or 'the selection samples'}, needs >= {floor:.4g} (off by {floor - predicted:.4g}): "
+            "the selection samples agree but leave too little margin",
+        )
+    return dataclasses.replace(comparison, predicted_top1_agreement=predicted, failures=failures)
 
 
 def _final_round(states: list[_State], baseline: _State | None, auto: bool, precision: str) -> list[_State]:

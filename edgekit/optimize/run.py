@@ -8,6 +8,7 @@ default gate, selection on the calibration data).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,11 +64,15 @@ def optimise(
     settings: EngineSettings | None = None,
     reference_path: Path | None = None,
     shared: dict[Any, Any] | None = None,
+    holdout_reference: Mapping[str, np.ndarray] | None = None,
 ) -> Optimised:
     """Search ``target``'s candidates for ``ctx.precision`` and finish the chosen one into
     ``ctx.out_dir``. ``reference_path``: the FP32 model accuracy is compared with and latency
     referred to (the source model; default ``ctx.source_path`` or ``ctx.model_path``). ``shared``:
-    one dict per ``package`` call, so targets reuse each other's identical builds."""
+    one dict per ``package`` call, so targets reuse each other's identical builds.
+    ``holdout_reference``: the FP32 outputs on the held-out evaluation inputs; for a classifier,
+    their top-1 margins are what the selection predicts agreement at (``optimize.flip_risk``):
+    only the FP32 model's outputs on them are used, never a candidate's."""
     from edgekit.targets.cpu import ort_open
 
     settings = settings or EngineSettings()
@@ -87,6 +92,12 @@ def optimise(
         scores = run_all(reference, dict(ctx.calib), batch, pad=fixed_batch(ctx.served) is not None)[first]
         classes = np.asarray(scores).reshape(sample_count(ctx.calib), -1).argmax(-1)
     data = search_data(ctx.calib, settings.calib_samples, classes)
+    if kind == "classifier" and holdout_reference is not None:
+        from edgekit.optimize.flip_risk import top1_margins
+
+        held = np.asarray(holdout_reference[ctx.served.outputs[0].name])
+        source = f"the {len(held)} held-out evaluation inputs (fp32 outputs)"
+        data = dataclasses.replace(data, margins=top1_margins(held), margins_source=source)
     calib_batch = fixed_batch(served) or even_batch(sample_count(data.calib))
     plan = target.candidates(ctx)
     result = search(

@@ -14,6 +14,8 @@ calibration method (``edgekit.compress.tflite_quant``). Candidates:
   quantizer's ``denylisted_nodes``), ranked by their measured error (``optimize.tflite_sensitivity``);
 - 16x8 (int16 activations, int8 weights) under ``auto`` or with ``activations=int16``, only where
   the Edge TPU is not the target: the Edge TPU runs int8 only (the skip is recorded).
+- under ``auto`` without the Edge TPU, when no int8 candidate met the budget (mixed precision
+  included): the float32 TFLite of the same conversion, for LiteRT's CPU kernels, shipped as fp32.
 
 Timing: without the compiler the bundle holds ``model.tflite`` for the CPU (XNNPACK) and every
 candidate is timed here on host LiteRT, as the cpu target's are. With the compiler each int8
@@ -246,7 +248,11 @@ class CoralTarget:
                 )
             else:
                 first.append(_int16_candidate(shared))
-        return CandidatePlan(first=tuple(first), refinements=tuple(refinements), skipped=tuple(skipped))
+        # nothing int8 met the budget: the float TFLite for LiteRT's CPU; the Edge TPU runs int8 only
+        fallback = (_float_candidate(shared),) if auto and compiler is None else ()
+        return CandidatePlan(
+            first=tuple(first), refinements=tuple(refinements), skipped=tuple(skipped), fallback=fallback
+        )
 
     def finish(self, ctx: BuildContext, built: Built, built_dir: Path) -> BuildResult:
         """The chosen candidate's files in ``ctx.out_dir``, described for the manifest."""
@@ -281,6 +287,7 @@ class CoralTarget:
 
 
 SIXTEEN_BY_EIGHT = "int16 16x8 minmax per-channel"
+FLOAT_FALLBACK = "float32 tflite (fallback)"
 
 
 def _int8_candidate(shared: _Shared, variant: QuantVariant, compiler: str | None) -> Candidate:
@@ -340,6 +347,25 @@ def _int16_candidate(shared: _Shared) -> Candidate:
     )
 
 
+def _float_candidate(shared: _Shared) -> Candidate:
+    """The float32 TFLite of the shared conversion, for LiteRT's CPU kernels: the engine's fallback
+    under ``auto`` when no int8 candidate met the budget (a MobileNetV3 whose held-out decisions are
+    too close for any int8 layout), shipped as fp32, never labelled int8."""
+
+    def build(space: BuildSpace) -> Built:
+        conversion = shared.conversion(space)
+        return _built(space, shared, conversion.model(conversion.float32, "float32"), None, None)
+
+    return Candidate(
+        name=FLOAT_FALLBACK,
+        precision="fp32",
+        runtime="litert",
+        build=build,
+        settings={"activations": "float32"},
+        family="float32",
+    )
+
+
 def _built(
     space: BuildSpace, shared: _Shared, converted: TfliteModel, variant: QuantVariant | None, compiler: str | None
 ) -> Built:
@@ -380,6 +406,9 @@ def _mapping(converted: TfliteModel) -> tuple[TensorMapping, ...]:
 
 
 def _precision(converted: TfliteModel, variant: QuantVariant | None, samples: int) -> Precision:
+    if converted.activations == "float32":
+        method = "onnx2tf float32 TFLite, not quantized (LiteRT CPU; the Edge TPU runs int8 only)"
+        return Precision("fp32", "fp32", method)
     if variant is None:
         return Precision(
             "int8",
@@ -437,6 +466,11 @@ def describe_tflite(
             notes.append(
                 "16x8 (int16 activations, int8 weights): runs on LiteRT's CPU kernels; the Edge TPU runs int8 only"
             )
+        elif converted.activations == "float32":
+            notes.append(
+                "float32 fallback: no int8 candidate met the accuracy budget; runs on LiteRT's CPU kernels (XNNPACK), "
+                "not on the Edge TPU (int8 only)"
+            )
         else:
             reason = "edgetpu=false" if opts.edgetpu is False else f"{opts.edgetpu_compiler} is not on PATH"
             notes.append(f"not compiled for the Edge TPU ({reason}): the runtime uses the CPU (XNNPACK)")
@@ -476,15 +510,18 @@ def _provenance(
     from edgekit.compress.onnx2tflite import import_tensorflow
 
     tf_version = str(import_tensorflow().__version__)
+    convert = CompressionStep(
+        kind="convert",
+        tool=f"onnx2tf {version('onnx2tf')}",
+        settings={"layout": "NCHW -> NHWC", "output": "SavedModel -> float32 TFLite"},
+        metric="worst output cosine, float TFLite vs ONNX Runtime",
+        after=converted.float_cosine,
+    )
+    if converted.activations == "float32":
+        return (*converted.frozen.provenance(), convert)
     return (
         *converted.frozen.provenance(),
-        CompressionStep(
-            kind="convert",
-            tool=f"onnx2tf {version('onnx2tf')}",
-            settings={"layout": "NCHW -> NHWC", "output": "SavedModel -> float32 TFLite"},
-            metric="worst output cosine, float TFLite vs ONNX Runtime",
-            after=converted.float_cosine,
-        ),
+        convert,
         CompressionStep(
             kind="quantize",
             tool=f"tensorflow {tf_version} TFLiteConverter",
@@ -583,7 +620,9 @@ def interpreter_placement(model: bytes, activations: str = "int8", floats: tuple
         )
         for i, (kind, out, _) in enumerate(op_outputs(model))
     )  # fmt: skip
-    why = "16x8: the Edge TPU runs int8 only" if activations == "int16" else "not compiled for the Edge TPU"
+    why = "not compiled for the Edge TPU"
+    if activations in ("int16", "float32"):
+        why = f"{'16x8' if activations == 'int16' else 'float32'}: the Edge TPU runs int8 only"
     return OpPlacement(
         tool=f"litert interpreter op list ({why})",
         accelerated=0,

@@ -351,9 +351,8 @@ def quantize_for_tensorrt(
     ``all`` placement gives (Q/DQ on every op ONNX Runtime quantizes, as pytorch-quantization's
     default of quantizing every input of supported layers). ``exclude``: nodes left without Q/DQ."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-    from onnxruntime.quantization.calibrate import create_calibrator, save_tensors_data
 
-    from edgekit.compress.ort_quant import collect_in_chunks
+    from edgekit.compress.ort_quant import calibrate_to_cache
     from edgekit.validate.calib import even_batch, sample_count
 
     if method not in CALIBRATORS:
@@ -369,18 +368,9 @@ def quantize_for_tensorrt(
     if method == "percentile":
         calib_options["percentile"] = opts.percentile
     batch = even_batch(sample_count(calib))
-    calibrator = create_calibrator(
-        Path(model_path),
-        None,  # every op: the calibration cache covers the whole FP32 graph
-        augmented_model_path=str(work_dir / f"augmented-{method}.onnx"),
-        calibrate_method=ort_method,
-        providers=["CPUExecutionProvider"],
-        extra_options=calib_options,
-    )
-    collect_in_chunks(calibrator, calib, batch)  # a few samples per call: ORT keeps every tensor of a call
-    tensors = calibrator.compute_data()
     cache = work_dir / f"ranges-tensorrt-{method}.json"
-    save_tensors_data(tensors, cache)
+    # every op: the calibration cache covers the whole FP32 graph; entropy with TensorRT's histogram
+    tensors = calibrate_to_cache(Path(model_path), calib, batch, method, cache, calib_options, work_dir)
     weighted = placement == "weighted-inputs"
     quantize_static(
         str(model_path),

@@ -55,6 +55,9 @@ class Comparison:
     max_abs_error: float | None = None
     mean_abs_error: float | None = None
     failures: tuple[str, ...] = ()
+    # classifiers, at selection only (``edgekit.optimize.flip_risk``): top-1 agreement predicted on
+    # inputs as close to the decision boundary as the gate's; not a manifest measure
+    predicted_top1_agreement: float | None = None
 
     @property
     def passed(self) -> bool:
@@ -64,6 +67,8 @@ class Comparison:
         """One line, e.g. ``top-1 agreement 0.990`` or ``cosine 0.9981``."""
         if self.kind == "classifier" and self.top1_agreement is not None:
             text = f"top-1 agreement {self.top1_agreement:.3f}"
+            if self.predicted_top1_agreement is not None and self.predicted_top1_agreement < self.top1_agreement:
+                text += f", predicted on held-out-like inputs {self.predicted_top1_agreement:.3f}"
             if self.top1_accuracy is not None and self.fp32_top1_accuracy is not None:
                 text += f", accuracy {self.top1_accuracy:.3f} (fp32 {self.fp32_top1_accuracy:.3f})"
             return text

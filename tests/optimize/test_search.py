@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from edgekit.bundle.manifest import Precision, Signature, TensorSpec, Tolerance
-from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, Refinement
+from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, Refinement, RunFn
 from edgekit.optimize.data import search_data
 from edgekit.optimize.engine import search
 
@@ -236,3 +236,19 @@ def test_search_skips_a_refinement_when_an_untimed_candidate_ranked_as_fast_alre
     assert by_name["int8 a percentile"].status == "skipped"
     assert by_name["int8 a percentile"].reason.startswith("int8 b (device rank 0) already meets the budget")
     assert result.chosen.name == "int8 b" and "rank 0" in result.why
+
+
+def test_search_builds_the_fallback_only_when_nothing_met_the_budget_under_auto(tmp_path: Path) -> None:
+    def plan(int8_fn: RunFn) -> CandidatePlan:
+        return CandidatePlan(
+            first=(_candidate("int8", "int8", int8_fn),), fallback=(_candidate("float fallback", "fp32", _exact),)
+        )
+
+    missed = _search(tmp_path / "a", plan(_slow_and_wrong), "auto")
+    assert missed.chosen.name == "float fallback" and missed.chosen.comparison is not None
+    met = _search(tmp_path / "b", plan(_exact), "auto")
+    rows = {o.name: o for o in met.outcomes}
+    assert met.chosen.name == "int8" and rows["float fallback"].status == "skipped"
+    assert rows["float fallback"].reason.startswith("int8 already meets the budget")
+    asked = _search(tmp_path / "c", plan(_slow_and_wrong), "int8")
+    assert {o.name: o.status for o in asked.outcomes}["float fallback"] == "skipped"  # int8 asked: never float
