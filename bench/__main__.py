@@ -75,10 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         for entry in entries:
             print(f"[{entry.name}] {entry.description}", flush=True)
             try:
-                rows += entry.run(ctx)
+                got = entry.run(ctx)
             except EdgekitError as exc:  # one benchmark failing must not hide the others' numbers
                 print(f"  {entry.name} failed: {exc}", flush=True)
-                rows.append(Measurement(entry.name, "-", "-", "", "", "", note=f"failed: {exc}".splitlines()[0]))
+                got = [Measurement(entry.name, "-", "-", "", "", "", note=f"failed: {exc}".splitlines()[0])]
+            rows += got
+            if len(entries) > 1:  # each benchmark's rows as soon as they are measured (a long run may be cut)
+                print(report.format_table(got), flush=True)
     duration = time.perf_counter() - t0
     print()
     print(report.format_table(rows))

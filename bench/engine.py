@@ -54,7 +54,7 @@ def run(ctx: BenchContext, *, name: str, model: str, paths: tuple[str, str, str]
         ctx.progress(f"skipped: {exc}")
         return [Measurement(name, "edgekit auto vs best peer", "p50 latency, batch 1", "ms", "peer", "edgekit",
                             note=f"{NOT_HERE}: {exc}")]  # fmt: skip
-    work = ctx.workdir / "engine" / model
+    work = ctx.workdir / "engine" / name  # one folder per entry (user models share model="file")
     work.mkdir(parents=True, exist_ok=True)
     rows: list[Measurement] = []
     with contextlib.ExitStack() as stack:

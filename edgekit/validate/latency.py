@@ -7,6 +7,7 @@ these numbers; they are measured and recorded.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -53,8 +54,11 @@ def stats_side_by_side(
 ) -> dict[str, LatencyStats]:
     """p50, p90 and IQR milliseconds per call of each function, measured interleaved in blocks.
 
-    Each round calls every function ``discard + block`` times in a row, starting at a rotating
-    position, and times the last ``block``. Blocks rather than single calls: alternating runtimes
+    Each round calls every function ``discard + block`` times in a row, in a shuffled order (a
+    fixed seed: the same orders every run), and times the last ``block``. Shuffled, not rotated:
+    a rotation keeps each function's neighbours, so one always ran right after the same other
+    runtime (the same ONNX Runtime FP32 graph measured 15.7 and 23.5 ms in one rotated loop with
+    OpenVINO sides on a loaded 2-core host; 7.0 and 7.0 ms alone). Blocks rather than single calls: alternating runtimes
     call by call penalises the one whose worker threads sleep between calls (OpenVINO measured
     3.5 ms interleaved with ONNX Runtime per call, 0.42 ms alone, on this 2-core machine); a
     discarded first call absorbs the previous runtime's threads still spinning (the optimisation
@@ -69,8 +73,10 @@ def stats_side_by_side(
             fns[name]()
     times: dict[str, list[float]] = {n: [] for n in names}
     start = time.perf_counter()
+    shuffle = random.Random(0).shuffle
     for r in range(repeats):
-        order = names[r % len(names) :] + names[: r % len(names)]
+        order = list(names)
+        shuffle(order)
         for name in order:
             fn, out = fns[name], times[name]
             for _ in range(discard):
