@@ -2,13 +2,17 @@
 cpu ``int8-weights`` (ORT dynamic INT8) and ``int4-weights`` (``MatMulNBits``) vs FP32, packaged by
 ``edgekit.package`` and opened through the device runtime; size and p50 latency side by side.
 
-The graph: ``x [1, 128, 256]`` -> 4 post-norm encoder blocks (BERT's layout) of (QKV MatMul
-256x768 + bias, scaled-dot-product attention with MatMul + Softmax, output MatMul 256x256 + bias,
-residual, LayerNormalization, MLP MatMul 256x1024 + bias -> GELU (the erf form exporters write) ->
-MatMul 1024x256 + bias, residual, LayerNormalization) -> ``y``; seeded random weights, so accuracy
-is agreement with FP32 only. The residual + LayerNorm and bias + GELU patterns are what ONNX
-Runtime's transformer optimizer fuses (SkipLayerNormalization, BiasGelu), one of the engine's
-``int8-weights`` graph forms.
+The graph: ``x [1, 128, 256]`` -> 4 post-norm encoder blocks in BERT's layout, as transformers
+exports BERT (hidden 256, 4 heads of 64, MLP 1024, sequence 128, batch 1): query/key/value
+MatMul 256x256 + bias, each split into heads (Reshape + Transpose), scores MatMul scaled by
+1/sqrt(64), Softmax, context MatMul, heads merged (Transpose + Reshape), output MatMul 256x256 +
+bias, residual, LayerNormalization, MLP MatMul 256x1024 + bias -> GELU (the erf form exporters
+write) -> MatMul 1024x256 + bias, residual, LayerNormalization -> ``y``; seeded random weights, so
+accuracy is agreement with FP32 only. ONNX Runtime's transformer optimizer fuses all of it
+(Attention, SkipLayerNormalization, BiasGelu): the engine's transformer-fused ``int8-weights``
+form, whose dynamic quantization turns Attention into QAttention and MatMul + bias into
+DynamicQuantizeMatMul. (Before 2026-12-01 the graph had one head and a fused QKV projection, which
+the optimizer did not fuse into Attention.)
 """
 
 from __future__ import annotations
@@ -20,11 +24,17 @@ import numpy as np
 
 from bench.registry import BenchContext, Measurement
 
-SEQ, DIM, HIDDEN, BLOCKS = 128, 256, 1024, 4
+SEQ, DIM, HIDDEN, BLOCKS, HEADS = 128, 256, 1024, 4, 4
 
 
 def build_encoder(
-    path: Path, seed: int = 0, seq: int = SEQ, dim: int = DIM, hidden: int = HIDDEN, blocks: int = BLOCKS
+    path: Path,
+    seed: int = 0,
+    seq: int = SEQ,
+    dim: int = DIM,
+    hidden: int = HIDDEN,
+    blocks: int = BLOCKS,
+    heads: int = HEADS,
 ) -> Path:
     """The encoder above at the given sizes (the tests build a small one)."""
     import onnx
@@ -64,30 +74,33 @@ def build_encoder(
             helper.make_node("Mul", [p + "gm", "half"], [p + "gelu"], name=p + "gelu_half"),
         ]
 
-    const("qkv_shape", np.array([0, 0, 3, dim], np.int64))  # 0: keep that dim (batch, sequence)
-    const("scale", np.array(1.0 / np.sqrt(dim), np.float32))
+    if dim % heads:
+        raise ValueError(f"dim {dim} is not a multiple of heads {heads}")
+    head = dim // heads
+    const("heads_shape", np.array([0, 0, heads, head], np.int64))  # 0: keep that dim (batch, sequence)
+    const("merge_shape", np.array([0, 0, dim], np.int64))
+    const("sqrt_head", np.array(np.sqrt(head), np.float32))
     for n, v in (("sqrt2", np.sqrt(2.0)), ("one", 1.0), ("half", 0.5)):
         const(n, np.array(v, np.float32))
     x = "x"
     for b in range(blocks):
         p = f"b{b}_"
-        qkv, qkv_nodes = linear(p, x, "wqkv", (dim, 3 * dim))
+        # BERT's self-attention as transformers exports it: query/key/value linears, split into
+        # heads (Reshape + Transpose), scores scaled, softmax, context merged back
+        for t, perm in (("q", [0, 2, 1, 3]), ("k", [0, 2, 3, 1]), ("v", [0, 2, 1, 3])):
+            y, t_nodes = linear(p, x, "w" + t, (dim, dim))
+            nodes += [
+                *t_nodes,
+                helper.make_node("Reshape", [y, "heads_shape"], [p + t + "4"], name=p + t + "_heads"),
+                helper.make_node("Transpose", [p + t + "4"], [p + t], perm=perm, name=p + t + "_t"),
+            ]
         nodes += [
-            *qkv_nodes,
-            helper.make_node("Reshape", [qkv, "qkv_shape"], [p + "qkv4"], name=p + "reshape"),
-            helper.make_node(
-                "Split", [p + "qkv4"], [p + "q4", p + "k4", p + "v4"], axis=2, num_outputs=3, name=p + "split"
-            ),
-        ]
-        for t in ("q", "k", "v"):
-            nodes.append(helper.make_node("Squeeze", [p + t + "4", const(p + t + "ax", np.array([2], np.int64))],
-                                          [p + t], name=p + "sq" + t))  # fmt: skip
-        nodes += [
-            helper.make_node("Transpose", [p + "k"], [p + "kt"], perm=[0, 2, 1], name=p + "kt"),
-            helper.make_node("MatMul", [p + "q", p + "kt"], [p + "s"], name=p + "scores"),
-            helper.make_node("Mul", [p + "s", "scale"], [p + "ss"], name=p + "scaled"),
+            helper.make_node("MatMul", [p + "q", p + "k"], [p + "s"], name=p + "scores"),
+            helper.make_node("Div", [p + "s", "sqrt_head"], [p + "ss"], name=p + "scaled"),
             helper.make_node("Softmax", [p + "ss"], [p + "a"], axis=-1, name=p + "softmax"),
-            helper.make_node("MatMul", [p + "a", p + "v"], [p + "ctx"], name=p + "context"),
+            helper.make_node("MatMul", [p + "a", p + "v"], [p + "c4"], name=p + "context"),
+            helper.make_node("Transpose", [p + "c4"], [p + "ct"], perm=[0, 2, 1, 3], name=p + "context_t"),
+            helper.make_node("Reshape", [p + "ct", "merge_shape"], [p + "ctx"], name=p + "merge"),
         ]
         o, o_nodes = linear(p, p + "ctx", "wo", (dim, dim))
         nodes += [*o_nodes, helper.make_node("Add", [x, o], [p + "r1"], name=p + "res1")]

@@ -336,20 +336,24 @@ def _matmul_model(model_path: Path, precision: str) -> Any:
 def quantize_weights_int8(
     model_path: Path, out_path: Path, per_channel: bool = False, reduce_range: bool = False
 ) -> Path:
-    """Dynamic INT8: MatMul weights int8 (per output channel with ``per_channel``; 7-bit with
-    ``reduce_range``, which avoids the int16 saturation of u8s8 dot products on x86 CPUs without
-    VNNI), activations quantized per call (uint8) by ORT. Models with contrib ops (a graph the
-    transformer optimizer fused) keep float as the type of tensors shape inference cannot type."""
+    """Dynamic INT8: MatMul (and fused Attention) weights int8 (per output channel with
+    ``per_channel``; 7-bit with ``reduce_range``, which avoids the int16 saturation of u8s8 dot
+    products on x86 CPUs without VNNI), activations quantized per call (uint8) by ORT. Models
+    with contrib ops (a graph the transformer optimizer fused) keep float as the type of tensors
+    shape inference cannot type."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     model = _matmul_model(model_path, "int8-weights")
     staged = Path(out_path).with_suffix(".matmul.onnx")
     onnx.save(model, str(staged))
+    # a graph the transformer optimizer fused keeps the attention projections inside Attention
+    # nodes: ORT's dynamic quantizer turns those into QAttention (int8 weights, as for MatMul)
+    fused_attention = any(n.op_type == "Attention" and n.domain == "com.microsoft" for n in model.graph.node)
     quantize_dynamic(
         str(staged),
         str(out_path),
-        op_types_to_quantize=["MatMul"],
+        op_types_to_quantize=["MatMul", "Attention"] if fused_attention else ["MatMul"],
         weight_type=QuantType.QInt8,
         per_channel=per_channel,
         reduce_range=reduce_range,

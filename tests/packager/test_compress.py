@@ -127,3 +127,22 @@ def test_unshaped_tensors_found_for_ops_shape_inference_cannot_follow() -> None:
     assert _unshaped_tensors(model) == []  # r inferred; y is a declared graph output
     del model.graph.value_info[:]
     assert _unshaped_tensors(model) == ["r"]
+
+
+def test_dynamic_int8_quantizes_the_attention_the_transformer_optimizer_fused(tmp_path: Path) -> None:
+    # BERT's self-attention (query/key/value linears split into heads): ORT's optimizer fuses it
+    # into Attention, and the dynamic quantizer must turn that into QAttention, or the QKV weights
+    # (3 of the 8 weight matrices a block holds) stay float
+    from bench.transformer import build_encoder
+    from edgekit.compress.ort_quant import fuse_transformer, quantize_weights_int8
+
+    model = build_encoder(tmp_path / "enc.onnx", seq=16, dim=64, hidden=128, blocks=2, heads=4)
+    fused = fuse_transformer(model, tmp_path / "fused.onnx")
+    assert fused["Attention"] == 2 and fused["SkipLayerNormalization"] == 4
+    quantize_weights_int8(tmp_path / "fused.onnx", tmp_path / "q.onnx")
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "q.onnx")).graph.node]
+    assert ops.count("QAttention") == 2 and "Attention" not in ops
+    x = {"x": np.random.default_rng(0).standard_normal((1, 16, 64)).astype(np.float32)}
+    want = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, x)[0].ravel()
+    got = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(None, x)[0].ravel()
+    assert float(got @ want / np.linalg.norm(got) / np.linalg.norm(want)) > 0.99
