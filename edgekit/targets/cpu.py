@@ -336,6 +336,8 @@ def _dynamic_candidates(
         return out
     what = ",".join(f"{op}x{n}" for op, n in sorted(fused.items()))
     out.append(_ort_candidate(name, "int8-weights", fused_path, _dynamic(False, False), fused=what))
+    out.append(_ort_candidate(f"{name} per-channel", "int8-weights", fused_path, _dynamic(True, False), fused=what,
+                              per_channel=True))  # fmt: skip
     if auto:
         out.append(_ort_candidate("ort fp32 transformer-fused", "fp32", fused_path, _fused_fp32(what), fused=what))
     return out

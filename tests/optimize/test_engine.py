@@ -146,6 +146,9 @@ def test_engine_int8_weights_searches_dynamic_layouts_and_the_transformer_fused_
     assert fused.status in ("passed", "chosen") and "SkipLayerNormalization" in fused.settings["fused"]
     assert fused.latency_p50_ms is not None
     assert rows["ort dynamic int8 per-channel"].settings["per_channel"] == "True"
+    fused_pc = rows["ort dynamic int8 transformer-fused per-channel"]  # the fused form in both layouts
+    assert fused_pc.settings["per_channel"] == "True" and "Attention" in fused_pc.settings["fused"]
+    assert fused_pc.status in ("passed", "chosen") and fused_pc.latency_p50_ms is not None
     assert rows["ort dynamic int8 (MatMul/Gemm weights)"].status in ("passed", "chosen")
     seven_bit = rows["ort dynamic int8 reduce-range"]  # a refinement: built only for a layout that missed
     assert (seven_bit.status, seven_bit.reason) == (
