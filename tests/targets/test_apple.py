@@ -565,6 +565,7 @@ def test_apple_w8a8_converts_a_dynamic_hw_yolo_style_detector_and_passes_its_gat
     v = manifest.validation
     assert manifest.precision.label == "w8a8" and v.kind == "dense" and v.passed and v.cosine > 0.99
     assert "frozen: static input shapes images=1x3x64x64" in v.notes
+    assert manifest.signature.outputs[0].shape == (1, 7, 84)  # what the frozen package gives, not 'anchors'
     kinds = [step.kind for step in manifest.provenance if step.kind != "prepare"]
     assert kinds == ["fix_shapes", "simplify", "quantize", "convert", "select"]
 
