@@ -129,7 +129,25 @@ def test_search_skips_refinements_over_the_time_budget_and_says_so(tmp_path: Pat
     )  # fmt: skip
     skipped = next(o for o in result.outcomes if o.name == "int8 entropy")
     assert (skipped.status, skipped.reason) == ("skipped", "over the search time budget (0 s)")
+    # nothing choosable passed: the rescue is not cut by the budget (it has nothing to rank here)
+    assert "over the search time budget (0 s) with nothing within the budget: mixed precision tried anyway" in (
+        result.notes
+    )
+
+
+def test_search_skips_mixed_precision_over_the_time_budget_when_a_candidate_passed(tmp_path: Path) -> None:
+    def wrong(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"y": -feed["x"][..., None]}
+
+    plan = CandidatePlan(first=(_candidate("fp32", "fp32", _exact, baseline=True), _candidate("int8", "int8", wrong)))
+    data = search_data({"x": np.random.default_rng(1).standard_normal((40, 8)).astype(np.float32)}, 16)
+    result = search(
+        plan, target="test", work_dir=tmp_path / "c", data=data, served=SERVED, reference=_exact,
+        reference_open=lambda threads: _exact, kind="dense", tolerance=Tolerance(), precision="auto",
+        latency_budget_s=0.5, progress=lambda _m: None, time_budget_s=0.0,
+    )  # fmt: skip
     assert "mixed precision not tried: over the search time budget (0 s)" in result.notes
+    assert result.chosen.name == "fp32"
 
 
 def test_search_stops_refining_a_layout_once_one_refinement_meets_the_budget(tmp_path: Path) -> None:
