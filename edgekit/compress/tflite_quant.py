@@ -7,7 +7,8 @@ them separately lets every candidate of the coral search share the slow part. Op
 use the MLIR quantizer's ``denylisted_nodes`` (an op's output tensor names), the mechanism of
 ``tf.lite.experimental.QuantizationDebugger``'s selective quantization
 (``QuantizationDebugOptions(denylisted_nodes=...)`` + ``get_nondebug_quantized_model()``): the
-quantizer puts DEQUANTIZE/QUANTIZE around them.
+quantizer puts DEQUANTIZE/QUANTIZE around them, and also between two of them (a float-to-float
+edge rounded through int8), which ``without_float_round_trips`` bypasses.
 
 Calibration methods:
 - ``minmax``: the calibrator's min/max over the representative data (TFLite's own default);
@@ -117,7 +118,54 @@ def quantize_calibrated(calibrated: bytes, variant: QuantVariant) -> bytes:
             )
     except Exception as exc:  # the wrapper raises ConverterError / RuntimeError alike
         raise UnsupportedOpError(f"TFLite int8 quantization ({variant.label}) failed: {_last_line(exc)}") from exc
-    return bytes(model)
+    return without_float_round_trips(bytes(model)) if variant.denylisted else bytes(model)
+
+
+def without_float_round_trips(model: bytes) -> bytes:
+    """``model`` with every QUANTIZE -> DEQUANTIZE pair between two float tensors bypassed: the
+    consumers of the DEQUANTIZE read the float tensor the QUANTIZE read.
+
+    The MLIR quantizer keeps a denylisted op in float but still rounds its output through int8
+    when the consumer is denylisted too: on YOLOv8n (onnx2tf), with the class LOGISTIC and the
+    output CONCATENATION both denylisted, the float sigmoid went QUANTIZE (LOGISTIC's fixed int8
+    output scale, 1/256) -> DEQUANTIZE -> float CONCATENATION, and class scores peaking at 0.015
+    came out as 0 to 3/256 whatever was kept in float. A QUANTIZE whose int8 tensor other
+    (quantized) ops read stays for them; only the pair's float-to-float path is bypassed."""
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    schema = flatbuffer_utils.schema_fb
+    obj = flatbuffer_utils.read_model_from_bytearray(bytearray(model))
+    kind = [max(c.builtinCode, c.deprecatedBuiltinCode) for c in obj.operatorCodes]
+    changed = False
+    for graph in obj.subgraphs:
+        is_float = [t.type == schema.TensorType.FLOAT32 for t in graph.tensors]
+        quantized_from = {  # int8 tensor -> the float tensor a QUANTIZE made it from
+            int(op.outputs[0]): int(op.inputs[0])
+            for op in graph.operators
+            if kind[op.opcodeIndex] == schema.BuiltinOperator.QUANTIZE and is_float[int(op.inputs[0])]
+        }
+        bypass: dict[int, int] = {}  # a DEQUANTIZE's float output -> the float tensor before the pair
+        kept = []
+        outputs = {int(i) for i in graph.outputs}
+        for op in graph.operators:
+            if kind[op.opcodeIndex] == schema.BuiltinOperator.DEQUANTIZE:
+                src, out = int(op.inputs[0]), int(op.outputs[0])
+                if src in quantized_from and is_float[out] and out not in outputs:
+                    bypass[out] = quantized_from[src]
+                    continue
+            kept.append(op)
+        if not bypass:
+            continue
+        changed = True
+        for op in kept:
+            op.inputs = [bypass.get(int(i), int(i)) for i in op.inputs]
+        read = {int(i) for op in kept for i in op.inputs} | outputs
+        graph.operators = [  # a QUANTIZE only the bypassed DEQUANTIZEs read
+            op
+            for op in kept
+            if not (kind[op.opcodeIndex] == schema.BuiltinOperator.QUANTIZE and int(op.outputs[0]) not in read)
+        ]
+    return bytes(flatbuffer_utils.convert_object_to_bytearray(obj)) if changed else model
 
 
 def op_outputs(model: bytes) -> list[tuple[str, str, tuple[str, ...]]]:

@@ -169,3 +169,44 @@ def mixed_scale_head(path: Path, seed: int = 0) -> Path:
         ],
     )
     return _save(graph, path, 13)
+
+
+def tiny_score_head(path: Path, seed: int = 0) -> Path:
+    """x [N,4,8,8] -> a box branch (Conv, values in the hundreds, Reshape to [N,2,128]) and a score
+    branch (two Convs with bias -10, like two pyramid levels, each Reshaped to [N,3,64], joined on
+    the anchors, then Sigmoid: scores about 5e-5) -> Concat on channels -> y [N, 5, 128]: YOLOv8n's
+    head topology (its untrained class scores peak at 0.015). The Concat writes the output, and
+    TFLite's int8 LOGISTIC (fixed output scale 1/256) rounds every score to 0."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    boxes = (rng.standard_normal((4, 4, 3, 3)) * 300.0).astype(np.float32)
+    levels = [(rng.standard_normal((3, 4, 3, 3)) * 0.05).astype(np.float32) for _ in range(2)]
+    nodes = [
+        helper.make_node("Conv", ["x", "wb"], ["b0"], name="box_conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Reshape", ["b0", "box_shape"], ["b"], name="box_anchors"),
+    ]
+    for i in range(2):
+        nodes += [
+            helper.make_node("Conv", ["x", f"ws{i}", "bs"], [f"s{i}"], name=f"score_conv{i}", pads=[1, 1, 1, 1]),
+            helper.make_node("Reshape", [f"s{i}", "score_shape"], [f"r{i}"], name=f"score_anchors{i}"),
+        ]
+    nodes += [
+        helper.make_node("Concat", ["r0", "r1"], ["logits"], name="score_levels", axis=2),
+        helper.make_node("Sigmoid", ["logits"], ["s"], name="score_sigmoid"),
+        helper.make_node("Concat", ["b", "s"], ["y"], name="head_concat", axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tiny_score_head",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 5, 128])],
+        [
+            numpy_helper.from_array(boxes, "wb"),
+            *(numpy_helper.from_array(w, f"ws{i}") for i, w in enumerate(levels)),
+            numpy_helper.from_array(np.full(3, -10.0, dtype=np.float32), "bs"),
+            numpy_helper.from_array(np.array([-1, 2, 128], dtype=np.int64), "box_shape"),
+            numpy_helper.from_array(np.array([-1, 3, 64], dtype=np.int64), "score_shape"),
+        ],
+    )
+    return _save(graph, path, 13)
