@@ -135,7 +135,7 @@ def test_engine_table_prints_the_ratio_to_the_targets_own_fp32_that_decides(keyp
 def test_engine_int8_weights_searches_dynamic_layouts_and_the_transformer_fused_graph(keypair, tmp_path: Path) -> None:
     from bench.transformer import build_encoder
 
-    model = build_encoder(tmp_path / "encoder.onnx", seq=16, dim=32, hidden=64, blocks=2)
+    model = build_encoder(tmp_path / "encoder.onnx", seq=16, dim=32, hidden=64, blocks=2, heads=4)
     x = np.random.default_rng(4).standard_normal((40, 16, 32)).astype(np.float32)
     result = package(model, ["cpu"], "int8-weights", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out")
     m = result.manifests["cpu"]
@@ -173,7 +173,7 @@ def test_engine_int8_weights_says_why_there_is_no_transformer_fused_candidate(ke
 def test_engine_int4_weights_measures_float_and_int8_compute_accuracy_levels(keypair, tmp_path: Path) -> None:
     from bench.transformer import build_encoder
 
-    model = build_encoder(tmp_path / "encoder.onnx", seq=16, dim=64, hidden=128, blocks=1)
+    model = build_encoder(tmp_path / "encoder.onnx", seq=16, dim=64, hidden=128, blocks=1, heads=4)
     x = np.random.default_rng(5).standard_normal((40, 16, 64)).astype(np.float32)
     result = package(model, ["cpu"], "int4-weights", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
                      allow_failed=True)  # fmt: skip
