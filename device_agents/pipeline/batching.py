@@ -639,6 +639,12 @@ class Batcher:
                     now - call.started,
                     self.hung_call_s,
                 )
+                # Drop the hung model before anyone hears of the hang: a caller told "being reloaded"
+                # that retries at once must reach a fresh load, never the stuck session.
+                try:
+                    self.on_hung(call.model)
+                except Exception:  # the callers must still hear of the hang
+                    log.exception("%s: could not drop the hung model", self.name)
                 failure = RuntimeFailure(
                     f"model {self.name} hung: its runtime call ran over server.hung_call_s ({self.hung_call_s:g} s); "
                     "the model is being reloaded"
@@ -653,6 +659,5 @@ class Batcher:
                             log.exception("%s: could not answer a hung inline call", self.name)
                     job.done.set()
                     self._count_failure(call.model.manifest.version, None)  # a hang is not replayed
-                self.on_hung(call.model)
                 if call.answer is None:
                     self._spawn()
