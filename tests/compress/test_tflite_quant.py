@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 
 from edgekit.validate.metrics import worst_channel
+from tests.optimize.models import served_coral
 
 pytestmark = pytest.mark.slow
 
@@ -27,19 +28,6 @@ def score_head(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, 
     calib = {"x": np.random.default_rng(2).standard_normal((64, 4, 8, 8)).astype(np.float32)}
     conversion = to_float(model, folder, {"x": (1, 4, 8, 8)}, ["y"], calib, 64)
     return model, conversion, calibrate(conversion)
-
-
-def _served(conversion: object, quantized: bytes, x: np.ndarray) -> np.ndarray:
-    from edgekit.bundle.manifest import Signature, TensorSpec
-    from edgekit.targets.coral import _artifact_signature, _mapping, served_runner
-
-    tm = conversion.model(quantized, "int8")  # type: ignore[attr-defined]  # a FloatConversion
-    signature = Signature(
-        inputs=(TensorSpec("x", "float32", (1, 4, 8, 8), layout="NCHW"),),
-        outputs=(TensorSpec("y", "float32", (1, 5, 128)),),
-    )
-    run = served_runner(quantized, _artifact_signature(tm, signature), _mapping(tm), signature)
-    return np.concatenate([run({"x": x[i : i + 1]})["y"] for i in range(len(x))])
 
 
 def _score_cosine(want: np.ndarray, got: np.ndarray) -> float:
@@ -61,7 +49,7 @@ def test_quantize_calibrated_denylisted_sigmoid_and_concat_keep_tiny_scores_in_f
     assert 0 < want[:, 2:].max() < 1e-3  # the scores are far below LOGISTIC's int8 step (1/256)
 
     plain = quantize_calibrated(calibrated, QuantVariant())
-    plain_worst = worst_channel(want, _served(conversion, plain, x))
+    plain_worst = worst_channel(want, served_coral(conversion, plain, x, (1, 5, 128)))
     assert plain_worst is not None and plain_worst[0] < 0.5  # int8: the score channels crushed
 
     ops = op_outputs(plain)
@@ -69,7 +57,7 @@ def test_quantize_calibrated_denylisted_sigmoid_and_concat_keep_tiny_scores_in_f
     (concat,) = output_names(plain)
     assert any(kind == "CONCATENATION" and out == concat for kind, out, _ in ops)
     kept = quantize_calibrated(calibrated, QuantVariant(denylisted=(sigmoid, concat)))
-    got = _served(conversion, kept, x)
+    got = served_coral(conversion, kept, x, (1, 5, 128))
     assert _score_cosine(want, got) > 0.99  # was 0.00: the scores still went through 1/256
     kept_worst = worst_channel(want, got)
     assert kept_worst is not None and kept_worst[0] > 0.99

@@ -210,3 +210,18 @@ def tiny_score_head(path: Path, seed: int = 0) -> Path:
         ],
     )
     return _save(graph, path, 13)
+
+
+def served_coral(conversion: object, quantized: bytes, x: np.ndarray, out_shape: tuple[int, ...]) -> np.ndarray:
+    """``x`` [N,4,8,8] run one sample at a time through the runner the agent serves a coral bundle
+    with (float NCHW in, float ``y`` of ``out_shape`` out), on ``quantized`` from ``conversion``."""
+    from edgekit.bundle.manifest import Signature, TensorSpec
+    from edgekit.targets.coral import _artifact_signature, _mapping, served_runner
+
+    tm = conversion.model(quantized, "int8")  # type: ignore[attr-defined]  # a FloatConversion
+    signature = Signature(
+        inputs=(TensorSpec("x", "float32", (1, 4, 8, 8), layout="NCHW"),),
+        outputs=(TensorSpec("y", "float32", out_shape),),
+    )
+    run = served_runner(quantized, _artifact_signature(tm, signature), _mapping(tm), signature)
+    return np.concatenate([run({"x": x[i : i + 1]})["y"] for i in range(len(x))])

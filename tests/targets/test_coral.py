@@ -26,7 +26,7 @@ import edgekit
 from device_agents.runtimes import load_model
 from device_agents.runtimes.litert import LiteRtRunner
 from device_agents.runtimes.options import LiteRtOptions, RuntimesConfig
-from edgekit.bundle.manifest import Compatibility, Manifest, Signature, TensorSpec
+from edgekit.bundle.manifest import Compatibility, Manifest
 from edgekit.compress.freeze import scope_name
 from edgekit.compress.onnx2tflite import signature_details
 from edgekit.errors import ConfigError, IncompatibleError
@@ -37,6 +37,7 @@ from edgekit.targets.op_support import TargetOpError
 from edgekit.validate.metrics import worst_channel
 from tests.agent.conftest import RunningAgent, agent_cli, start_agent, write_config
 from tests.factories import sample_inputs, tiny_classifier, tiny_dense, tiny_yolo
+from tests.optimize.models import served_coral
 from tests.targets.conftest import no_network
 
 HAS_EDGETPU = shutil.which("edgetpu_compiler") is not None and ctypes.util.find_library("edgetpu") is not None
@@ -533,23 +534,12 @@ def test_coral_sensitivity_ranks_the_concat_whose_one_scale_crushed_the_scores_f
     x = np.random.default_rng(7).standard_normal((16, 4, 8, 8)).astype(np.float32)
     want = _ort(model, {"x": x})[0]
 
-    def served(quantized: bytes) -> np.ndarray:
-        from edgekit.targets.coral import _artifact_signature, _mapping, served_runner
-
-        tm = conv.model(quantized, "int8")  # type: ignore[attr-defined]  # a FloatConversion
-        signature = Signature(
-            inputs=(TensorSpec("x", "float32", (1, 4, 8, 8), layout="NCHW"),),
-            outputs=(TensorSpec("y", "float32", (1, 5, 64)),),
-        )
-        run = served_runner(quantized, _artifact_signature(tm, signature), _mapping(tm), signature)
-        return np.concatenate([run({"x": x[i : i + 1]})["y"] for i in range(len(x))])
-
-    plain_worst = worst_channel(want, served(plain))
+    plain_worst = worst_channel(want, served_coral(conv, plain, x, (1, 5, 64)))
     assert plain_worst is not None and plain_worst[0] < 0.9  # plain int8: a score channel crushed
     kept = quantize_calibrated(calibrated, QuantVariant(denylisted=group))
     _, out_details = signature_details(kept)
     assert next(iter(out_details.values()))["dtype"] == np.float32  # the float tail writes a float output
-    kept_worst = worst_channel(want, served(kept))
+    kept_worst = worst_channel(want, served_coral(conv, kept, x, (1, 5, 64)))
     assert kept_worst is not None and kept_worst[0] > 0.99
 
 
