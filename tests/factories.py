@@ -106,6 +106,42 @@ def tiny_dense(
     return _save(graph, path, opset)
 
 
+def tiny_upsampler(path: Path, *, size: int = 16, seed: int = 0) -> Path:
+    """A DBNet-style probability map: ``image`` [batch, 3, size, size] -> Conv (8) -> Relu ->
+    ConvTranspose (8 -> 4, kernel 2, stride 2; its weight is [in, out, kH, kW], so its output
+    channels are axis 1) -> Relu -> 1x1 Conv -> Sigmoid -> ``prob`` [batch, 1, 2*size, 2*size]."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+
+    def init(name: str, shape: tuple[int, ...], scale: float) -> object:
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+    nodes = [
+        helper.make_node("Conv", ["image", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("ConvTranspose", ["r1", "wt", "bt"], ["up"], strides=[2, 2], name="up"),
+        helper.make_node("Relu", ["up"], ["r2"], name="relu2"),
+        helper.make_node("Conv", ["r2", "w3", "b3"], ["logit"], name="head"),
+        helper.make_node("Sigmoid", ["logit"], ["prob"], name="sigmoid"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tiny_upsampler",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, size, size])],
+        [helper.make_tensor_value_info("prob", TensorProto.FLOAT, ["batch", 1, 2 * size, 2 * size])],
+        [
+            init("w1", (8, 3, 3, 3), 0.3),
+            init("b1", (8,), 0.1),
+            init("wt", (8, 4, 2, 2), 0.3),
+            init("bt", (4,), 0.1),
+            init("w3", (1, 4, 1, 1), 0.5),
+            init("b3", (1,), 0.1),
+        ],
+    )
+    return _save(graph, path, 13)
+
+
 def tiny_yolo(path: Path, *, size: int = 64, classes: int = 3, seed: int = 0) -> Path:
     """A YOLOv8-style detector exported by torch with dynamic batch, height and width: Conv-BN-SiLU,
     C2f blocks (Split + Concat), SPPF (three MaxPools), and a three-level Detect head whose anchors

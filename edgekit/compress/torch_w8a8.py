@@ -282,11 +282,13 @@ def _load_weights(graph_module: Any, program: Any) -> tuple[str, ...]:
         module = modules[key]
         values = np.asarray(op.materialized_val_inference(), dtype=np.float32)
         scale = np.asarray(op.inputs["scale"].val, dtype=np.float32)
-        channels = module.weight.shape[0]
+        # the output-channel axis torch.ao quantizes along: 0, but 1 for a ConvTranspose ([in, out/groups, ...])
+        axis = int(getattr(module, "weight_axis", 0))
+        channels = module.weight.shape[axis]
         if values.shape != tuple(module.weight.shape) or scale.size != channels:
             raise ValidationFailedError(
                 f"package weight {name} {list(values.shape)} (scale {list(scale.shape)}) does not fit {key} "
-                f"{list(module.weight.shape)} with one scale per output channel"
+                f"{list(module.weight.shape)} with one scale per output channel (axis {axis})"
             )
         per_channel = scale.reshape(channels).astype(np.float32)
         with torch.no_grad():
@@ -296,7 +298,9 @@ def _load_weights(graph_module: Any, program: Any) -> tuple[str, ...]:
             got = module.get_weight().numpy()
         # The same integers times the same FP16 scales; the package's materialized values are those
         # products rounded to FP16, as Core ML computes them.
-        codes = np.round(got / per_channel.reshape(channels, *([1] * (got.ndim - 1))))
+        along = [1] * got.ndim
+        along[axis] = channels
+        codes = np.round(got / per_channel.reshape(along))
         stored = op.inputs.get("quantized_data", op.inputs.get("data"))
         if stored is not None and stored.val is not None and not np.array_equal(codes, stored.val.astype(np.float64)):
             raise ValidationFailedError(f"{key} does not reproduce the int8 codes of package weight {name}")

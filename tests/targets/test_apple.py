@@ -8,6 +8,7 @@ end to end. Prediction on Core ML is ``requires_macos``. One conversion per prec
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 import warnings
@@ -512,6 +513,29 @@ def test_package_activation_quant_undoes_only_coremltools_scale_normalization() 
     assert scales(_quantized_add(0.1 / 0.05, 1.0, 0.3 / 0.05)) == [0.1, 0.05, 0.3]  # in units of s_y, undone
     with pytest.raises(ValidationFailedError, match=r"package op qz: the add before it reads dequantize scales 3 and"):
         package_activation_quant(_quantized_add(3.0, 1.0, 0.3 / 0.05))  # 3 * 0.05 is not qa's 0.1: not that pass
+
+
+def test_apple_w8a8_loads_a_conv_transpose_weight_quantized_along_its_output_axis(tmp_path: Path) -> None:
+    """A ConvTranspose weight is [in, out, kH, kW]: torch.ao and Core ML both keep one scale per
+    output channel, on axis 1 (an upsampling decoder, as in DBNet-style text detectors)."""
+    from edgekit.compress.mlpackage_weights import load_program, main_operations
+    from edgekit.compress.onnx_prep import prepare_model
+    from tests.factories import tiny_upsampler
+
+    model = prepare_model(tiny_upsampler(tmp_path / "up.onnx"), tmp_path / "prepared")
+    ctx = _ctx(model, tmp_path / "build", "int8")
+    ctx = dataclasses.replace(ctx, calib={"image": sample_inputs(8)}, static_shapes={"image": (1, 3, 16, 16)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = AppleTarget().build(ctx)
+    assert result.precision.label == "w8a8"
+    _, program = load_program(ctx.out_dir / "model.mlpackage")
+    assert [op.op_type for op in main_operations(program)].count("constexpr_affine_dequantize") == 3
+    x = sample_inputs(8, seed=4)
+    ref = ort_cpu_runner(model.path)({"image": x})["prob"]
+    got = np.concatenate([result.intermediate({"image": x[i : i + 1]})["prob"] for i in range(len(x))])
+    cos = float((ref * got).sum() / (np.linalg.norm(ref) * np.linalg.norm(got)))
+    assert cos > 0.99
 
 
 def test_apple_refuses_w8a8_below_ios17(prepared, tmp_path: Path) -> None:
