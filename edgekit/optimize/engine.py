@@ -63,6 +63,16 @@ class OptimizationError(EdgekitError):
 
 
 MAX_MIXED_TRIES = 6
+# under ``auto`` and the latency objective, a first-wave candidate or refinement whose first calls
+# are this many times slower than the ONNX Runtime FP32 source is dominated: auto ships nothing
+# slower than FP32, so its accuracy run (on the selection samples) and its timing rounds are
+# skipped. YOLOv8n at 320 on coral: 16x8 (LiteRT's reference int16 kernels) measured 663 ms,
+# 0.03x the source, and its accuracy run and timing rounds took ~120 s of the 293 s search.
+DOMINATED_FACTOR = 5.0
+# ... and only a candidate this slow per call: a faster one's accuracy run costs seconds, and on
+# tiny models per-call overheads (another runtime's, ~0.05 ms) differ by more than the factor
+DOMINATED_MIN_MS = 50.0
+PRESCREEN_CALLS = 2  # timed calls of a candidate (after one warm-up) for the prescreen
 # final-round candidates this close to its fastest are timed again, alone with the baseline
 FINALIST_MARGIN = 0.10
 MAX_FINALISTS = 4
@@ -155,6 +165,7 @@ def search(
     shared: dict[tuple[str, ...], tuple[Path, Built]] | None = None,
     time_budget_s: float | None = None,
     device_latency: DeviceLatency | None = None,
+    dominated_factor: float | None = DOMINATED_FACTOR,
 ) -> SearchResult:
     """Run the search for one target. ``precision``: ``auto`` or the CLI precision requested
     (then only candidates of that precision are chosen; the baseline is measured for comparison).
@@ -163,7 +174,12 @@ def search(
     name, settings): the same candidate (OpenVINO FP32 / NNCF INT8 IR on CPU for cpu and intel)
     is built once and measured again for each target. ``time_budget_s``: once the search has run
     this long, refinements and mixed-precision tries not started yet are skipped (and recorded).
-    ``device_latency``: this target's timings from a device profile, used instead of the host's."""
+    ``device_latency``: this target's timings from a device profile, used instead of the host's.
+    ``dominated_factor``: under ``auto`` with the latency objective and host timings, a first-wave
+    candidate or refinement (never the baseline, a fallback or a mixed-precision try) whose first
+    calls measure more than this many times the target's FP32 baseline's (the FP32 source's where
+    it has none) and more than ``DOMINATED_MIN_MS`` is recorded as skipped (dominated) before its
+    accuracy run; None: never."""
     t0 = time.perf_counter()
     say = progress
     auto = precision == "auto"
@@ -181,7 +197,31 @@ def search(
     def space(folder: Path) -> BuildSpace:
         return BuildSpace(work_dir=folder, calib=data.calib, served=served, calib_batch=calib_batch, progress=say)
 
-    def attempt(cand: Candidate) -> _State:
+    prescreen = auto and objective == "latency" and device_latency is None and dominated_factor is not None
+    against: dict[str, float] = {}  # what the prescreen compares with -> its median ms, measured once
+
+    def dominated(run: RunFn) -> str:
+        """Why ``run`` is dominated on its first calls (slower than the target's FP32 baseline, or
+        the FP32 source where the target has none, by more than ``dominated_factor`` and slower
+        than ``DOMINATED_MIN_MS``), else ""."""
+        cand_ms = prescreen_ms(run, one, PRESCREEN_CALLS, statistic="min")
+        if cand_ms <= DOMINATED_MIN_MS:
+            return ""
+        base = next((s for s in states if s.candidate.baseline and s.run is not None), None)
+        name = base.candidate.name if base is not None else REFERENCE
+        if name not in against:
+            fn = base.run if base is not None and base.run is not None else reference_open(threads)
+            against[name] = prescreen_ms(fn, one, 3, statistic="median")
+        factor = dominated_factor or 0.0
+        if cand_ms <= factor * against[name]:
+            return ""
+        return (
+            f"dominated on its first calls: {cand_ms:.1f} ms, {cand_ms / max(against[name], 1e-9):.1f}x {name} "
+            f"({against[name]:.1f} ms; over {factor:g}x), and auto ships nothing slower than fp32: "
+            "its accuracy run and timing rounds were skipped"
+        )
+
+    def attempt(cand: Candidate, screen: bool = False) -> _State:
         folder = work_dir / f"{len(states):02d}-{_slug(cand.name)}"
         folder.mkdir(parents=True)
         st = _State(cand, folder)
@@ -200,6 +240,12 @@ def search(
             st.run = st.built.open(threads) if st.built.open is not None else st.built.intermediate
             if st.run is None:
                 raise ValueError("the candidate can neither run here nor gave an intermediate to measure")
+            slow = dominated(st.run) if screen and prescreen and st.built.open is not None and not cand.baseline else ""
+            if slow:
+                st.run = None  # never timed again, never chosen
+                say(f"[{target}]   skipped: {slow}")
+                st.outcome = _skipped(cand.name, slow, cand)
+                return st
             outputs = run_all(st.run, data.selection, batch, pad=fixed_batch(served) is not None)
             comparison = compare(ref_out, outputs, kind, tolerance)
             if kind == "classifier":
@@ -220,7 +266,7 @@ def search(
         return st
 
     for cand in plan.first:
-        attempt(cand)
+        attempt(cand, screen=True)
     skipped = [_skipped(name, why) for name, why in plan.skipped]
     baseline = next((s for s in states if s.candidate.baseline), None)
 
@@ -247,7 +293,7 @@ def search(
             skipped.append(_skipped(ref.candidate.name, why, ref.candidate))
             continue
         refined += 1
-        st = attempt(ref.candidate)  # timed in the final round if it passes
+        st = attempt(ref.candidate, screen=True)  # timed in the final round if it passes
         if st.outcome is not None and st.outcome.status == "passed":
             rescued[ref.of] = ref.candidate.name
 
@@ -483,6 +529,18 @@ def _device_times(states: list[_State], device: DeviceLatency) -> None:
         )
 
 
+def prescreen_ms(run: RunFn, feed: dict[str, np.ndarray], calls: int, statistic: str = "min") -> float:
+    """Milliseconds per call of ``run`` on ``feed``: one warm-up call, then the min (or median) of
+    ``calls`` timed calls (min: a candidate is called dominated only when even its fastest call is)."""
+    run(feed)
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        run(feed)
+        times.append((time.perf_counter() - started) * 1e3)
+    return float(np.min(times) if statistic == "min" else np.median(times))
+
+
 def _ranked_skip(of: _State | None, states: list[_State]) -> str:
     """Where nothing is timed: a refinement cannot beat a passing candidate ranked at least as
     fast on the device (a calibration change does not change the rank)."""
@@ -505,6 +563,8 @@ def _refine_skip(of: _State | None, base_p50: float | None, baseline: _State | N
     o = of.outcome
     if o.status == "error":
         return f"{o.name} failed to build; a calibration change does not fix that"
+    if o.status == "skipped":
+        return f"{o.name} was skipped ({o.reason.split(':')[0]}); a calibration change does not change its speed"
     if o.status == "passed":
         return f"{o.name} is already within the budget"
     if _only_channels_failed(o.comparison):
@@ -548,6 +608,7 @@ def _mixed(
         o = s.outcome
         return bool(
             o is not None
+            and o.status != "skipped"  # dominated on its first calls: keeping layers in float only slows it
             and s.built is not None
             and s.candidate.exclude is not None
             and s.candidate.rank_layers is not None

@@ -3,6 +3,7 @@ refinements skipped and said so, explicit precisions chosen among their own cand
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -36,12 +37,12 @@ def _candidate(name: str, precision: str, fn, baseline: bool = False, raises: Ex
     return Candidate(name, precision, "python", build, {"recipe": name}, family=name, baseline=baseline)
 
 
-def _search(tmp_path: Path, plan: CandidatePlan, precision: str):
+def _search(tmp_path: Path, plan: CandidatePlan, precision: str, **kw):
     data = search_data({"x": np.random.default_rng(1).standard_normal((40, 8)).astype(np.float32)}, 16)
     return search(
         plan, target="test", work_dir=tmp_path / "c", data=data, served=SERVED, reference=_exact,
         reference_open=lambda threads: _exact, kind="dense", tolerance=Tolerance(), precision=precision,
-        latency_budget_s=1.0, progress=lambda _m: None,
+        latency_budget_s=1.0, progress=lambda _m: None, **kw,
     )  # fmt: skip
 
 
@@ -50,7 +51,8 @@ def test_search_skips_a_refinement_of_a_layout_slower_than_fp32_under_auto(tmp_p
         first=(_candidate("fp32", "fp32", _exact, baseline=True), _candidate("int8 slow", "int8", _slow_and_wrong)),
         refinements=(Refinement(_candidate("int8 slow percentile", "int8", _slow_and_wrong), of="int8 slow"),),
     )
-    result = _search(tmp_path, plan, "auto")
+    # no prescreen: the quick round's dominance over the baseline is what skips the refinement
+    result = _search(tmp_path, plan, "auto", dominated_factor=None)
     by_name = {o.name: o for o in result.outcomes}
     assert by_name["int8 slow"].status == "failed" and "cosine" in by_name["int8 slow"].reason
     skipped = by_name["int8 slow percentile"]
@@ -247,7 +249,7 @@ def test_search_times_the_chosen_and_the_baseline_in_one_round_and_never_a_slow_
             _candidate("int8 slow", "int8", _slow_exact),
         ),
     )
-    result = _search(tmp_path, plan, "auto")
+    result = _search(tmp_path, plan, "auto", dominated_factor=None)  # the slow one measured, not prescreened
     by_name = {o.name: o for o in result.outcomes}
     assert by_name["int8 slow"].status == "passed" and by_name["int8 slow"].timed_in == "final"
     assert result.chosen.name != "int8 slow" and result.chosen.timed_in == result.baseline.timed_in
@@ -301,3 +303,69 @@ def test_search_builds_the_fallback_only_when_nothing_met_the_budget_under_auto(
     assert rows["float fallback"].reason.startswith("int8 already meets the budget")
     asked = _search(tmp_path / "c", plan(_slow_and_wrong), "int8")
     assert {o.name: o.status for o in asked.outcomes}["float fallback"] == "skipped"  # int8 asked: never float
+
+
+def _very_slow_exact(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    time.sleep(0.06)  # over DOMINATED_MIN_MS per call, and thousands of times _exact's
+    return _exact(feed)
+
+
+def test_search_skips_a_candidate_dominated_on_its_first_calls_before_its_accuracy_run_under_auto(
+    tmp_path: Path,
+) -> None:
+    calls: list[int] = []
+
+    def counted_slow(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        calls.append(len(next(iter(feed.values()))))
+        return _very_slow_exact(feed)
+
+    plan = CandidatePlan(
+        first=(_candidate("int16 slow", "int8", counted_slow), _candidate("int8 fast", "int8", _exact)),
+        refinements=(Refinement(_candidate("int16 slow minmax", "int8", _very_slow_exact), of="int16 slow"),),
+    )
+    result = _search(tmp_path, plan, "auto")
+    by_name = {o.name: o for o in result.outcomes}
+    slow = by_name["int16 slow"]
+    assert slow.status == "skipped" and slow.comparison is None and slow.latency is None
+    assert slow.reason.startswith("dominated on its first calls: ") and "x onnxruntime fp32 (source)" in slow.reason
+    assert len(calls) == 3 and set(calls) == {1}  # a warm-up and two timed single-sample calls, no accuracy run
+    assert by_name["int16 slow minmax"].status == "skipped"
+    assert by_name["int16 slow minmax"].reason.startswith("int16 slow was skipped (dominated on its first calls)")
+    assert result.chosen.name == "int8 fast"
+    assert [o.name for o in result.outcomes].count("int16 slow") == 1  # recorded once
+
+
+def test_search_measures_a_slow_candidate_fully_under_an_explicit_precision_or_the_size_objective(
+    tmp_path: Path,
+) -> None:
+    plan = CandidatePlan(first=(_candidate("int16 slow", "int8", _very_slow_exact),))
+    explicit = _search(tmp_path / "a", plan, "int8")
+    assert explicit.chosen.name == "int16 slow" and explicit.chosen.comparison is not None
+    size = _search(tmp_path / "b", plan, "auto", objective="size")
+    assert size.chosen.name == "int16 slow" and size.chosen.comparison is not None
+
+
+def test_search_builds_the_fallback_when_the_only_candidate_that_would_pass_is_dominated(tmp_path: Path) -> None:
+    plan = CandidatePlan(
+        first=(_candidate("int8", "int8", _slow_and_wrong), _candidate("int16 slow", "int8", _very_slow_exact)),
+        fallback=(_candidate("float fallback", "fp32", _exact),),
+    )
+    result = _search(tmp_path, plan, "auto")
+    rows = {o.name: o for o in result.outcomes}
+    # the wrong one is ~1 ms a call: measured (failed); the slow one that would pass: prescreened
+    assert rows["int16 slow"].status == "skipped" and rows["int8"].status == "failed"
+    assert result.chosen.name == "float fallback" and result.chosen.comparison is not None
+
+
+def test_search_prescreen_compares_with_the_targets_own_fp32_where_it_has_one(tmp_path: Path) -> None:
+    def slow_fp32(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        time.sleep(0.04)  # the target's own runtime: far slower than the ONNX Runtime source here
+        return _exact(feed)
+
+    plan = CandidatePlan(
+        first=(_candidate("fp32", "fp32", slow_fp32, baseline=True), _candidate("int8", "int8", _very_slow_exact))
+    )
+    result = _search(tmp_path, plan, "auto")
+    rows = {o.name: o for o in result.outcomes}
+    # 1.5x its own fp32 (though thousands of times the source's): measured, not prescreened
+    assert rows["int8"].comparison is not None and rows["int8"].status in ("passed", "chosen")
