@@ -211,7 +211,7 @@ def search(
         name = base.candidate.name if base is not None else REFERENCE
         if name not in against:
             fn = base.run if base is not None and base.run is not None else reference_open(threads)
-            against[name] = prescreen_ms(fn, one, 3, statistic="median")
+            against[name] = prescreen_ms(fn, one, 5, statistic="median")  # once per search: a steadier median
         factor = dominated_factor or 0.0
         if cand_ms <= factor * against[name]:
             return ""
