@@ -33,8 +33,9 @@ TF-Serving's batchers, made adaptive):
   whose batch of n costs about n single calls, such as a small compute-bound conv net), the model
   is run as if unbatched: requests run inline whenever a slot
   is free, and workers take queued jobs one at a time, except one batch in ``_EXPLORE_EVERY``
-  that still coalesces, so the cost model sees when batching starts to pay. Batching therefore
-  never costs more than not batching, beyond that one batch in sixteen.
+  that coalesces what is queued then (no wait) up to ``_EXPLORE_ROWS`` rows (or two of its
+  head's size), so the cost model sees when batching starts to pay. Batching therefore never
+  costs more than not batching, beyond that one small batch in sixteen.
 - ``min_batch_size``: a batch below it waits (past ``max_wait_ms``) until its head's deadline
   nears; a batch still runs before that deadline.
 
@@ -77,9 +78,11 @@ _DEADLINE_MARGIN_S = 0.02
 # only when the fixed part is over twice that and at least _MIN_FIXED_SHARE of a single call.
 _HANDOFF_S = 0.00005
 _MIN_FIXED_SHARE = 0.2
-# While batching does not pay, one batch in this many still coalesces what is queued, so that the
-# cost model keeps seeing batch sizes and notices when batching starts to pay.
+# While batching does not pay, one batch in this many still coalesces what is queued (up to
+# _EXPLORE_ROWS rows, or two of its head's size), so that the cost model keeps seeing a second batch
+# size and notices when batching starts to pay.
 _EXPLORE_EVERY = 16
+_EXPLORE_ROWS = 4
 
 
 class Done:
@@ -151,50 +154,95 @@ class Job:
 class CallCost:
     """A runtime call's time as ``fixed_s + per_row_s * rows``, fitted at run time.
 
-    Exponentially weighted least squares over recent calls (weight ``1 - decay`` for the newest):
-    the fixed part is what batching saves per call saved. Before any call it is 0; until calls of
-    at least two sizes were seen the split is unknown, and ``fixed_s`` is the whole mean call time
-    (as if batching saved everything: the batcher then waits up to ``max_wait_ms``, as a plain
-    dynamic batcher would).
+    Each batch size seen keeps its own mean call time (exponentially weighted over that size's
+    calls, weight ``1 - decay`` for the newest); the line is a least-squares fit through those
+    means, each weighted by how many calls it holds and how recently it was seen. Until calls
+    of two sizes were seen the split is unknown, and ``fixed_s`` is the whole mean call time (as
+    if batching saved everything: the batcher then waits up to ``max_wait_ms``, as a plain
+    dynamic batcher would); once seen, it stays known.
+
+    Why per size, not one regression over the stream of calls: a model run as if unbatched makes
+    mostly single calls and a rare small exploring batch. One stream-wide regression forgot the
+    exploring batches within a few dozen single calls (their share of the weights fell until the
+    sizes could not be told apart), fell back to "all fixed", decided batching paid, and formed
+    full batches of a model that batching slows down (the digits conv net: 0.74x-0.90x unbatched
+    under load). A size's mean is forgotten only as that size is measured again.
     """
 
-    __slots__ = ("_n", "_nn", "_nt", "_t", "_w", "decay")
+    __slots__ = ("_calls", "_fit", "_mean_t", "_mean_w", "_sizes", "age_decay", "decay")
 
-    def __init__(self, decay: float = 0.95) -> None:
-        self.decay = decay
-        self._w = self._n = self._nn = self._t = self._nt = 0.0
+    def __init__(self, decay: float = 0.95, age_decay: float = 0.995) -> None:
+        self.decay = decay  # per size: weight of a size's older calls against its newest
+        self.age_decay = age_decay  # per call of any size: how a size seen long ago loses weight in the fit
+        self._sizes: dict[int, list[float]] = {}  # rows -> [sum of weighted seconds, sum of weights, last call]
+        self._calls = 0
+        self._mean_t = self._mean_w = 0.0  # every call, decay 0.95: the recent mean call time
+        self._fit: tuple[float, float] | None = None  # (fixed_s, per_row_s), until the next record
 
     def record(self, rows: int, seconds: float) -> None:
-        d = self.decay
-        self._w = d * self._w + 1.0
-        self._n = d * self._n + rows
-        self._nn = d * self._nn + rows * rows
-        self._t = d * self._t + seconds
-        self._nt = d * self._nt + rows * seconds
+        self._calls += 1
+        size = self._sizes.get(rows)
+        if size is None:
+            self._sizes[rows] = [seconds, 1.0, float(self._calls)]
+        else:
+            d = self.decay
+            size[0] = d * size[0] + seconds
+            size[1] = d * size[1] + 1.0
+            size[2] = float(self._calls)
+        self._mean_t = 0.95 * self._mean_t + seconds
+        self._mean_w = 0.95 * self._mean_w + 1.0
+        self._fit = None
 
     @property
     def measured(self) -> bool:
-        return self._w > 0
+        return self._calls > 0
+
+    @property
+    def sizes(self) -> int:
+        """How many batch sizes were measured (the split is known from two)."""
+        return len(self._sizes)
 
     @property
     def mean_s(self) -> float:
-        return self._t / self._w if self._w else 0.0
+        return self._mean_t / self._mean_w if self._mean_w else 0.0
+
+    @property
+    def fixed_s(self) -> float:
+        return self._line()[0]
 
     @property
     def per_row_s(self) -> float:
         """The part of a call's time that grows with each row (0 until two sizes were seen)."""
-        return max(0.0, (self.mean_s - self.fixed_s) / (self._n / self._w)) if self._w and self._n else 0.0
+        return self._line()[1]
 
-    @property
-    def fixed_s(self) -> float:
-        if not self._w:
-            return 0.0
-        mean_n, mean_t = self._n / self._w, self._t / self._w
-        var = self._nn / self._w - mean_n * mean_n
-        if var < 0.25:  # (nearly) one batch size so far: the fixed part cannot be told apart
-            return mean_t
-        slope = (self._nt / self._w - mean_n * mean_t) / var
-        return max(0.0, mean_t - slope * mean_n)
+    def _line(self) -> tuple[float, float]:
+        if self._fit is not None:
+            return self._fit
+        if not self._sizes:
+            return 0.0, 0.0
+        if len(self._sizes) == 1:
+            ((total, weight, _),) = self._sizes.values()
+            self._fit = (total / weight, 0.0)  # one size: the fixed part cannot be told apart
+            return self._fit
+        sw = sx = sy = sxx = sxy = 0.0
+        for rows, (total, weight, last) in self._sizes.items():
+            # floored: a size seen once keeps the split known (it only counts less and less)
+            w = weight * max(1e-6, self.age_decay ** (self._calls - last))
+            y = total / weight
+            sw += w
+            sx += w * rows
+            sy += w * y
+            sxx += w * rows * rows
+            sxy += w * rows * y
+        mean_x, mean_y = sx / sw, sy / sw
+        var = sxx / sw - mean_x * mean_x
+        if var <= 0.0:  # rounding: sizes seen long ago weigh 1e-6 of the rest
+            self._fit = (mean_y, 0.0)
+            return self._fit
+        slope = (sxy / sw - mean_x * mean_y) / var
+        intercept = mean_y - slope * mean_x
+        self._fit = (max(0.0, intercept), max(0.0, slope if intercept >= 0 else mean_y / mean_x))
+        return self._fit
 
 
 @dataclass(eq=False)
@@ -424,8 +472,13 @@ class Batcher:
             cfg = self.batching
             if cfg is not None:
                 self._formed += 1
-                if self.batching_pays() or self._formed % _EXPLORE_EVERY == 0:
-                    rows = self._gather(head, batch, rows, cfg)
+                if self.batching_pays():
+                    rows = self._gather(head, batch, rows, cfg, cfg.max_batch_size)
+                elif self._formed % _EXPLORE_EVERY == 0:
+                    # a small batch of what is queued now, no wait: enough for the cost model to see
+                    # a second size, never a big batch of a model that batching slows down
+                    cap = min(cfg.max_batch_size, max(_EXPLORE_ROWS, 2 * head.rows))
+                    rows = self._gather(head, batch, rows, cfg, cap, wait=False)
             with self._lock:
                 self._waiting -= len(batch)
             return batch
@@ -465,26 +518,29 @@ class Batcher:
             return None
         return max(until, head.enqueued + cfg.max_wait_ms / 1000)
 
-    def _gather(self, head: Job, batch: list[Job], rows: int, cfg: BatchingConfig) -> int:
-        """Add queued jobs that can share ``head``'s batch, in queue order, until it is full or
-        the wait is over; jobs that cannot are held back, in order, for the next batches."""
+    def _gather(
+        self, head: Job, batch: list[Job], rows: int, cfg: BatchingConfig, limit: int, wait: bool = True
+    ) -> int:
+        """Add queued jobs that can share ``head``'s batch, in queue order, until it holds
+        ``limit`` rows or the wait is over (``wait=False``: only what is queued now); jobs that
+        cannot are held back, in order, for the next batches."""
         job: Job | None
         kept: deque[Job] = deque()
         blocked = False  # a same-shape job did not fit: nothing behind it may overtake it
         key = head.key
         for job in self._held:
-            if not blocked and job.key == key and rows + job.rows <= cfg.max_batch_size:
+            if not blocked and job.key == key and rows + job.rows <= limit:
                 batch.append(job)
                 rows += job.rows
             else:
                 blocked = blocked or job.key == key
                 kept.append(job)
         self._held = kept
-        while not blocked and rows < cfg.max_batch_size and rows not in cfg.preferred_batch_sizes:
+        while not blocked and rows < limit and rows not in cfg.preferred_batch_sizes:
             try:
                 job = self._incoming.get_nowait()  # what is queued already joins whatever the wait
             except queue.Empty:
-                until = self._wait_until(head, batch, rows, cfg)
+                until = self._wait_until(head, batch, rows, cfg) if wait else None
                 if until is None:
                     break
                 try:
@@ -497,7 +553,7 @@ class Batcher:
                 break
             if not self._usable(job):
                 continue
-            if job.key == key and rows + job.rows <= cfg.max_batch_size:
+            if job.key == key and rows + job.rows <= limit:
                 batch.append(job)
                 rows += job.rows
             else:

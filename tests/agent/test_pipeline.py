@@ -99,6 +99,19 @@ def _batcher(lifecycle: Lifecycle, batching: BatchingConfig | None = None, **ser
     )
 
 
+class _Recorded(CallCost):
+    """A cost model holding recorded call times only (the test's calls, held at the gate, would
+    add their own)."""
+
+    def __init__(self, calls: list[tuple[int, float]]) -> None:
+        super().__init__()
+        for rows, seconds in calls:
+            super().record(rows, seconds)
+
+    def record(self, rows: int, seconds: float) -> None:
+        pass
+
+
 def _job(rows: int, deadline_s: float = 30.0, seed: int = 0) -> Job:
     return Job({"input": sample_inputs(rows, seed=seed)}, None, time.monotonic() + deadline_s)
 
@@ -428,6 +441,34 @@ def test_call_cost_splits_a_call_s_time_into_fixed_and_per_row_parts() -> None:
     assert cost.per_row_s == pytest.approx(0.0005, rel=0.05)
 
 
+def test_call_cost_keeps_the_split_of_a_rare_batch_size_through_many_single_calls() -> None:
+    cost = CallCost()
+    for _ in range(3):
+        cost.record(4, 0.00015 + 0.001 * 4)  # an exploring batch of a small conv net
+    for _ in range(500):
+        cost.record(1, 0.00015 + 0.001)  # then single calls only, as a model run unbatched makes
+    # the split is still the one measured: not "all of a call is fixed" (which says batching pays)
+    assert cost.fixed_s == pytest.approx(0.00015, rel=0.01)
+    assert cost.per_row_s == pytest.approx(0.001, rel=0.01)
+    slower = CallCost()
+    for rows, seconds in ((1, 0.0008), (4, 0.0064), (1, 0.0008)):  # a batch of 4 costs 8 single calls
+        slower.record(rows, seconds)
+    assert slower.fixed_s == 0.0 and slower.per_row_s > 0.0
+
+
+def test_batching_keeps_not_paying_while_a_model_is_run_as_if_unbatched(lifecycle: Lifecycle) -> None:
+    batcher = _batcher(lifecycle, BatchingConfig())
+    try:
+        for rows in (1, 4, 1, 4):
+            batcher.cost.record(rows, 0.0008 * rows)  # nothing saved by batching
+        assert not batcher.batching_pays()
+        for _ in range(300):
+            batcher.cost.record(1, 0.0008)  # the single calls it then makes
+            assert not batcher.batching_pays()
+    finally:
+        batcher.stop(5)
+
+
 def test_batching_pays_only_when_a_call_s_fixed_part_is_a_real_share_of_it(lifecycle: Lifecycle) -> None:
     batcher = _batcher(lifecycle, BatchingConfig())
     try:
@@ -474,6 +515,27 @@ def test_a_batcher_whose_calls_have_no_fixed_cost_runs_jobs_one_at_a_time(lifecy
     for job in (running, *later):
         batcher.wait(job)
     assert gate.rows[4:] == [1, 3]
+    batcher.stop(5)
+
+
+def test_an_exploring_batch_of_a_model_batching_does_not_pay_for_stays_small(lifecycle: Lifecycle, gate: Gate) -> None:
+    from device_agents.pipeline.batching import _EXPLORE_EVERY, _EXPLORE_ROWS
+
+    batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=1.0))
+    batcher.cost = _Recorded([(rows, 0.001 * rows) for rows in (1, 2, 4, 1, 2, 4)])  # batching saves nothing
+    batcher._formed = _EXPLORE_EVERY - 2  # the batch after the running one explores
+    running = _job(1)
+    batcher.submit(running)
+    assert gate.entered.wait(10)
+    queued = [_job(1, seed=i) for i in range(7)]
+    for job in queued:
+        batcher.submit(job)
+    gate.opened.set()
+    for job in (running, *queued):
+        batcher.wait(job)
+    # 7 queued while the model ran: the exploring batch takes _EXPLORE_ROWS of them, not all 7
+    # (a full batch of a model batching slows down), and the rest run one at a time
+    assert gate.rows == [1, _EXPLORE_ROWS, *[1] * (7 - _EXPLORE_ROWS)]
     batcher.stop(5)
 
 
