@@ -34,9 +34,10 @@ TF-Serving's batchers, made adaptive):
   is run as if unbatched: requests run inline whenever a slot
   is free, and workers take what is queued (no wait) up to the batch size measured cheapest
   per row (``CallCost.cheapest_rows``: 1, one at a time, unless a small batch measured cheaper),
-  except one batch in ``_EXPLORE_EVERY`` that may take twice that (at least ``_EXPLORE_ROWS``
-  rows), so the cost model sees when batching starts to pay. Batching therefore never costs
-  more than not batching, beyond that one small batch in sixteen.
+  except an exploring batch that may take twice that (at least ``_EXPLORE_ROWS`` rows), so
+  the cost model sees when batching starts to pay: one in ``_EXPLORE_EVERY`` batches formed,
+  half as often after each one that cost more per row (down to one in ``_EXPLORE_MAX``).
+  Batching therefore never costs more than not batching, beyond those few small batches.
 - ``min_batch_size``: a batch below it waits (past ``max_wait_ms``) until its head's deadline
   nears; a batch still runs before that deadline.
 
@@ -84,6 +85,7 @@ _MIN_FIXED_SHARE = 0.2
 # other batch sizes and notices when batching starts to pay.
 _EXPLORE_EVERY = 16
 _EXPLORE_ROWS = 4
+_EXPLORE_MAX = 1024  # the longest interval exploring backs off to, in batches formed
 # A batch size counts as measured (``CallCost.cheapest_rows``) after about this many calls of it
 # (its decayed weight: 3 calls at decay 0.95 weigh 2.85).
 _MIN_SIZE_CALLS = 2.5
@@ -315,7 +317,10 @@ class Batcher:
         self._stopping = False
         self.cost = CallCost()
         self._stall = stall_armed("infer_stall")  # the fault point, armed when this model's batcher is built
-        self._formed = 0  # batches formed (for _EXPLORE_EVERY)
+        self._formed = 0  # batches formed (for exploring)
+        self._explore_every = _EXPLORE_EVERY  # doubles after each exploring batch that cost more per row
+        self._next_explore = _EXPLORE_EVERY  # the _formed count of the next exploring batch
+        self._exploring: list[Job] | None = None  # the exploring batch formed last, until it has run
         self._threads: list[threading.Thread] = []
         for _ in range(workers):
             self._spawn()
@@ -496,11 +501,15 @@ class Batcher:
                     # batch in _EXPLORE_EVERY a little further, for the cost model to see more sizes
                     # (never a big batch of a model that batching slows down)
                     limit = max(head.rows, self.cost.cheapest_rows(cfg.max_batch_size))
-                    if self._formed % _EXPLORE_EVERY == 0:
+                    explore = self._formed >= self._next_explore
+                    if explore:
+                        self._next_explore = self._formed + self._explore_every
                         limit = max(limit * 2, _EXPLORE_ROWS)
                     limit = min(cfg.max_batch_size, limit)
                     if limit > head.rows:
                         rows = self._gather(head, batch, rows, cfg, limit, wait=False)
+                    if explore and len(batch) > 1:
+                        self._exploring = batch
             with self._lock:
                 self._waiting -= len(batch)
             return batch
@@ -510,12 +519,26 @@ class Batcher:
         ``_HANDOFF_S`` and at least ``_MIN_FIXED_SHARE`` of a single call, or not measured yet
         (assumed to, as a plain batcher would).
         When not, jobs run one at a time like an unbatched model's (inline when a slot is free),
-        except one batch in ``_EXPLORE_EVERY``."""
+        except the exploring batches."""
         cost = self.cost
         if not cost.measured:
             return True
         fixed = cost.fixed_s
         return fixed >= 2 * _HANDOFF_S and fixed >= _MIN_FIXED_SHARE * (fixed + cost.per_row_s)
+
+    def _explored(self, rows: int) -> None:
+        """After an exploring batch of ``rows``: explore half as often if that size is not the
+        cheapest per row (up to ``_EXPLORE_MAX`` batches apart: a model whose bigger batches cost
+        more, such as the digits conv net's 4 rows at 8 single calls' time, pays for each one),
+        as often as at first if it is."""
+        self._exploring = None
+        cfg = self.batching
+        if cfg is None:
+            return
+        if self.cost.cheapest_rows(cfg.max_batch_size) < rows:
+            self._explore_every = min(_EXPLORE_MAX, self._explore_every * 2)
+        else:
+            self._explore_every = _EXPLORE_EVERY
 
     def _wait_until(self, head: Job, batch: list[Job], rows: int, cfg: BatchingConfig) -> float | None:
         """How long this batch may wait for more (a ``time.monotonic()``), None to run it now;
@@ -618,6 +641,8 @@ class Batcher:
                 return  # its jobs were answered by the watchdog
             if self.batching is not None:  # the cost model is for the batcher's decisions only
                 self.cost.record(rows, time.monotonic() - start)
+                if batch is self._exploring:
+                    self._explored(rows)
             self.on_batch(rows)
             self._split(batch, outputs, rows, version)
             for job in batch:

@@ -568,6 +568,29 @@ def test_a_model_batching_does_not_pay_for_is_batched_up_to_its_cheapest_size(li
     batcher.stop(5)
 
 
+def test_exploring_backs_off_while_the_bigger_batches_it_tries_cost_more_per_row(
+    lifecycle: Lifecycle, gate: Gate
+) -> None:
+    from device_agents.pipeline.batching import _EXPLORE_EVERY, _EXPLORE_ROWS
+
+    batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=1.0))
+    # 4 rows cost 8 single calls: each exploring batch of 4 is paid for
+    batcher.cost = _Recorded([(rows, s) for rows, s in ((1, 0.00069), (2, 0.00117), (4, 0.0055)) for _ in range(3)])
+    batcher._formed = _EXPLORE_EVERY - 2  # the batch after the running one explores
+    running = _job(1)
+    batcher.submit(running)
+    assert gate.entered.wait(10)
+    queued = [_job(1, seed=i) for i in range(7)]
+    for job in queued:
+        batcher.submit(job)
+    gate.opened.set()
+    for job in (running, *queued):
+        batcher.wait(job)
+    assert gate.rows == [1, _EXPLORE_ROWS, 2, 1]
+    assert batcher._explore_every == 2 * _EXPLORE_EVERY  # the next one comes half as often
+    batcher.stop(5)
+
+
 def test_a_batched_model_runs_inline_while_batching_does_not_pay(lifecycle: Lifecycle, gate: Gate) -> None:
     gate.opened.set()
     pipeline = _pipeline(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=10_000.0))
