@@ -1,8 +1,9 @@
 """One model's request queue, worker pool and dynamic batcher.
 
 Every served name has one ``Batcher``: a bounded FIFO queue (full -> ``OverloadedError``, a 429),
-``workers`` threads that run the runtime, and ``workers`` call slots: the model's concurrency
-limit, shared by the workers and by inline calls.
+``workers`` threads that run the runtime (one more for a batched model: it forms the next batch
+while every slot is busy), and ``workers`` call slots: the model's concurrency limit, shared by
+the workers and by inline calls.
 
 Inline calls. A request that finds the model idle (a free slot, nothing queued, no batch to wait
 for) runs in the calling thread (``run_inline``): handing it to a worker and back costs two
@@ -322,7 +323,12 @@ class Batcher:
         self._next_explore = _EXPLORE_EVERY  # the _formed count of the next exploring batch
         self._exploring: list[Job] | None = None  # the exploring batch formed last, until it has run
         self._threads: list[threading.Thread] = []
-        for _ in range(workers):
+        # A batched model gets one thread more than its call slots: that one forms the next batch
+        # while the slots are busy (its head taken, waiting for a slot, then what queued meanwhile
+        # joins at once), so a batch starts as soon as the previous one ends. Without it the worker
+        # that ran the previous batch formed the next one only after it had answered every job of
+        # it, while the woken callers took the GIL: the model stood idle between batches.
+        for _ in range(workers + (1 if batching is not None else 0)):
             self._spawn()
         self._watchdog = threading.Thread(target=self._watch, name=f"hung-{name}", daemon=True)
         self._watchdog.start()

@@ -270,6 +270,29 @@ def test_a_model_s_workers_setting_sizes_its_worker_pool(lifecycle: Lifecycle) -
     assert not any(t.is_alive() for t in pipeline.batcher._threads)
 
 
+def test_a_batched_model_forms_its_next_batch_while_its_only_slot_is_busy(lifecycle: Lifecycle, gate: Gate) -> None:
+    batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=1.0))  # workers = 1
+    try:
+        assert sum(t.is_alive() for t in batcher._threads) == 2  # one slot, and a thread to form the next batch
+        running = _job(1)
+        batcher.submit(running)
+        assert gate.entered.wait(10)
+        queued = [_job(1, seed=i) for i in range(2)]
+        for job in queued:
+            batcher.submit(job)
+        deadline = time.monotonic() + 10
+        while batcher._incoming.qsize() > 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        # the next batch's head was taken off the queue while the running batch still holds the slot
+        assert batcher._incoming.qsize() == 1 and not queued[0].started
+        gate.opened.set()
+        for job in (running, *queued):
+            batcher.wait(job)
+        assert gate.rows == [1, 2] and len(set(gate.threads)) == 2
+    finally:
+        batcher.stop(5)
+
+
 def test_a_lone_request_does_not_wait_for_a_batch_that_cannot_come(lifecycle: Lifecycle, gate: Gate) -> None:
     gate.opened.set()
     batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=10_000.0))
