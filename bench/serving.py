@@ -78,10 +78,33 @@ def _package(ctx: BenchContext, model: Path, name: str, calib: dict[str, np.ndar
 
 
 class Load:
-    """``concurrency`` threads, each with its own tritonclient, sending ``x`` to ``model`` for ``seconds``."""
+    """``concurrency`` threads, each with its own tritonclient, sending ``x`` to ``model`` for ``seconds``.
 
-    def __init__(self, address: str, model: str, inputs: dict[str, np.ndarray], output: str) -> None:
+    It adds up the CPU time the load generator itself used (this process: only its client threads
+    run meanwhile) and, given ``server_pid``, the agent's, over the seconds measured: on a 2-core
+    machine the clients take cores the agent needs, and their share says whether they limit."""
+
+    def __init__(
+        self, address: str, model: str, inputs: dict[str, np.ndarray], output: str, server_pid: int | None = None
+    ) -> None:
         self.address, self.model, self.inputs, self.output = address, model, inputs, output
+        self.server_pid = server_pid
+        self.client_cpu_s = self.server_cpu_s = self.measured_s = 0.0
+
+    def _server_cpu(self) -> float:
+        if self.server_pid is None:
+            return 0.0
+        import psutil
+
+        times = psutil.Process(self.server_pid).cpu_times()
+        return float(times.user + times.system)
+
+    def cpu_note(self) -> str:
+        """The client's and the agent's CPU use while measured, in cores."""
+        if not self.measured_s:
+            return ""
+        agent = f", agent {self.server_cpu_s / self.measured_s:.2f}" if self.server_pid is not None else ""
+        return f"clients {self.client_cpu_s / self.measured_s:.2f}{agent} cores"
 
     def run(self, concurrency: int, seconds: float) -> tuple[int, list[float], int]:
         import tritonclient.http as httpclient
@@ -119,8 +142,12 @@ class Load:
         stop_at[0] = time.perf_counter() + 60  # set properly once every client is connected
         start.wait()
         stop_at[0] = time.perf_counter() + seconds
+        cpu0, server0, wall0 = time.process_time(), self._server_cpu(), time.perf_counter()
         for t in threads:
             t.join(seconds + 60)
+        self.client_cpu_s += time.process_time() - cpu0
+        self.server_cpu_s += self._server_cpu() - server0
+        self.measured_s += time.perf_counter() - wall0
         flat = [v for lat in latencies for v in lat]
         return len(flat), flat, sum(errors)
 
@@ -183,7 +210,7 @@ def run_batching(ctx: BenchContext, *, name: str) -> list[Measurement]:
             for b in (batched_bundle, plain_bundle):
                 agent.install(b)
             x = calib["x"][:1].copy()
-            loads = {n: Load(agent.host_port, n, {"x": x}, "y") for n in ("mlp_unbatched", "mlp")}
+            loads = {n: Load(agent.host_port, n, {"x": x}, "y", agent.pid) for n in ("mlp_unbatched", "mlp")}
             for c in levels:
                 before = _scrape(agent.url) if c == 16 else None
                 ctx.progress(f"{name}: concurrency {c}{tag}, {rounds} rounds of {seconds:g} s each, interleaved")
@@ -191,8 +218,11 @@ def run_batching(ctx: BenchContext, *, name: str) -> list[Measurement]:
                 (a_rps, a_lat, a_err), (b_rps, b_lat, b_err) = got["mlp_unbatched"], got["mlp"]
                 note = (
                     f"client p50/p99 ms: unbatched {_pct(a_lat, 50):.2f}/{_pct(a_lat, 99):.2f}, "
-                    f"batched {_pct(b_lat, 50):.2f}/{_pct(b_lat, 99):.2f}; errors {a_err}/{b_err}"
+                    f"batched {_pct(b_lat, 50):.2f}/{_pct(b_lat, 99):.2f}; errors {a_err}/{b_err}; CPU: "
+                    f"unbatched {loads['mlp_unbatched'].cpu_note()}, batched {loads['mlp'].cpu_note()}"
                 )
+                for load in loads.values():
+                    load.client_cpu_s = load.server_cpu_s = load.measured_s = 0.0
                 rows.append(
                     Measurement(name, f"mlp batched vs unbatched, c={c}{tag}", "throughput", "req/s", "unbatched",
                                 f"max_batch_size {MAX_BATCH}", a_rps, b_rps, note)
@@ -254,14 +284,21 @@ def _conv_batching(ctx: BenchContext, name: str, work: Path, seconds: float, rou
         for b in (batched, plain):
             agent.install(b)
         x = {spec.name: calib[spec.name][:1].copy()}
-        loads = {n: Load(agent.host_port, n, x, out_name) for n in ("digits_unbatched", "digits")}
+        loads = {n: Load(agent.host_port, n, x, out_name, agent.pid) for n in ("digits_unbatched", "digits")}
         ctx.progress(f"{name}: digits conv net ({model.name}), concurrency 16")
+        before = _scrape(agent.url)
         got = _throughput_side_by_side(loads, 16, seconds, rounds)
+        from device_agents.stats import summarize
+
+        batched = summarize(_scrape(agent.url).minus(before)).get("digits", {})
     (a_rps, a_lat, _), (b_rps, b_lat, _) = got["digits_unbatched"], got["digits"]
     return [
         Measurement(name, "digits conv net batched vs unbatched, c=16", "throughput", "req/s", "unbatched",
                     f"max_batch_size {MAX_BATCH}", a_rps, b_rps,
-                    f"{model.name} {shape}; client p50 ms {_pct(a_lat, 50):.2f} vs {_pct(b_lat, 50):.2f}")
+                    f"{model.name} {shape}; client p50 ms {_pct(a_lat, 50):.2f} vs {_pct(b_lat, 50):.2f}; "
+                    f"batched: mean batch {batched.get('batch_mean', 0):.2f}, infer p50 "
+                    f"{batched.get('infer', {}).get('p50_ms', 0):.2f} ms; CPU: unbatched "
+                    f"{loads['digits_unbatched'].cpu_note()}, batched {loads['digits'].cpu_note()}")
     ]  # fmt: skip
 
 
