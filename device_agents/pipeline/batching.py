@@ -15,9 +15,10 @@ stuck in the runtime).
 Batching. Without ``[models.<name>.batching]`` each job runs alone. With it, one worker at a
 time forms a batch from the head of the queue: jobs whose inputs agree on everything but axis 0
 are concatenated (different batch sizes coalesce) until the batch holds ``max_batch_size``
-samples or a preferred size; the head is always in the batch, so no job starves; the results
-are split back by rows. How long a batch waits for more (the greedy policy of Triton's and
-TF-Serving's batchers, made adaptive):
+samples or a preferred size, or the size measured cheapest per row where a bigger size measured
+dearer (``CallCost.measured_sizes``; an exploring batch now and then goes further); the head is
+always in the batch, so no job starves; the results are split back by rows. How long a batch
+waits for more (the greedy policy of Triton's and TF-Serving's batchers, made adaptive):
 
 - What queued while the model was busy always joins at once, whatever the wait.
 - While another call of this model runs, the batch waits for companions up to ``max_wait_ms``
@@ -213,18 +214,27 @@ class CallCost:
     def mean_s(self) -> float:
         return self._mean_t / self._mean_w if self._mean_w else 0.0
 
-    def cheapest_rows(self, up_to: int) -> int:
+    def cheapest_rows(self, up_to: int) -> int | None:
         """The batch size of at most ``up_to`` rows measured cheapest per row (over at least
-        ``_MIN_SIZE_CALLS`` calls); 1 when none is. A call's time need not be linear in its rows:
-        the digits conv net (2 intra-op threads) measured 0.69 ms for 1 row, 1.17 ms for 2 and
-        5.5 ms for 4, so batches of 2 pay where the line through 1 and 4 says nothing does."""
-        best, best_s = 1, float("inf")
+        ``_MIN_SIZE_CALLS`` calls); None while none is. A call's time need not be linear in its
+        rows: the digits conv net (2 intra-op threads) measured 0.69 ms for 1 row, 1.17 ms for 2
+        and 5.5 ms for 4, so batches of 2 pay where the line through 1 and 4 says nothing does,
+        and batches of 4 or more cost more than single calls."""
+        return self.measured_sizes(up_to)[0]
+
+    def measured_sizes(self, up_to: int) -> tuple[int | None, int | None]:
+        """(``cheapest_rows(up_to)``, the largest size of at most ``up_to`` rows measured)."""
+        best: int | None = None
+        largest: int | None = None
+        best_s = float("inf")
         for rows, (total, weight, _) in self._sizes.items():
             if rows <= up_to and weight >= _MIN_SIZE_CALLS:
                 per_row = total / weight / rows
                 if per_row < best_s:
                     best, best_s = rows, per_row
-        return best
+                if largest is None or rows > largest:
+                    largest = rows
+        return best, largest
 
     @property
     def fixed_s(self) -> float:
@@ -500,22 +510,28 @@ class Batcher:
             cfg = self.batching
             if cfg is not None:
                 self._formed += 1
-                if self.batching_pays():
-                    rows = self._gather(head, batch, rows, cfg, cfg.max_batch_size)
+                pays = self.batching_pays()
+                # Up to the size measured cheapest per row; the whole max_batch_size while batching
+                # pays and no bigger size measured dearer per row (none measured yet, or the
+                # biggest measured is the cheapest: bigger may be cheaper still); an exploring batch
+                # further, for the cost model to see more sizes. So batches never grow past a size
+                # measured cheaper per row than bigger ones, whatever the line through the sizes
+                # says: a model that bigger batches slow down never gets big ones.
+                cheapest, largest = self.cost.measured_sizes(cfg.max_batch_size)
+                if cheapest is None or (pays and cheapest == largest):
+                    limit = cfg.max_batch_size if pays else head.rows
                 else:
-                    # what is queued now (no wait), up to the size measured cheapest per row; one
-                    # batch in _EXPLORE_EVERY a little further, for the cost model to see more sizes
-                    # (never a big batch of a model that batching slows down)
-                    limit = max(head.rows, self.cost.cheapest_rows(cfg.max_batch_size))
-                    explore = self._formed >= self._next_explore
-                    if explore:
-                        self._next_explore = self._formed + self._explore_every
-                        limit = max(limit * 2, _EXPLORE_ROWS)
-                    limit = min(cfg.max_batch_size, limit)
-                    if limit > head.rows:
-                        rows = self._gather(head, batch, rows, cfg, limit, wait=False)
-                    if explore and len(batch) > 1:
-                        self._exploring = batch
+                    limit = max(head.rows, cheapest)
+                explore = self._formed >= self._next_explore
+                if explore:
+                    self._next_explore = self._formed + self._explore_every
+                    limit = max(limit * 2, _EXPLORE_ROWS)
+                limit = min(cfg.max_batch_size, limit)
+                if limit > head.rows:
+                    # when batching does not pay, only what is queued now: no wait
+                    rows = self._gather(head, batch, rows, cfg, limit, wait=pays)
+                if explore and len(batch) > 1:
+                    self._exploring = batch
             with self._lock:
                 self._waiting -= len(batch)
             return batch
@@ -541,7 +557,8 @@ class Batcher:
         cfg = self.batching
         if cfg is None:
             return
-        if self.cost.cheapest_rows(cfg.max_batch_size) < rows:
+        cheapest = self.cost.cheapest_rows(cfg.max_batch_size)
+        if cheapest is not None and cheapest < rows:
             self._explore_every = min(_EXPLORE_MAX, self._explore_every * 2)
         else:
             self._explore_every = _EXPLORE_EVERY

@@ -591,6 +591,46 @@ def test_a_model_batching_does_not_pay_for_is_batched_up_to_its_cheapest_size(li
     batcher.stop(5)
 
 
+def _queue_behind_one(batcher: Batcher, gate: Gate, queued: int) -> None:
+    """Hold one call at the gate, queue ``queued`` single-row jobs behind it, run them all."""
+    running = _job(1)
+    batcher.submit(running)
+    assert gate.entered.wait(10)
+    jobs = [_job(1, seed=i) for i in range(queued)]
+    for job in jobs:
+        batcher.submit(job)
+    gate.opened.set()
+    for job in (running, *jobs):
+        batcher.wait(job)
+
+
+def test_batches_never_grow_past_a_size_measured_cheaper_per_row_than_bigger_ones(
+    lifecycle: Lifecycle, gate: Gate
+) -> None:
+    batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=16, max_wait_ms=1.0))
+    # the line through these says batching pays (72% of a call is fixed), but 8 rows cost more per row than 4
+    batcher.cost = _Recorded([(rows, s) for rows, s in ((1, 0.003), (4, 0.0032), (8, 0.008)) for _ in range(3)])
+    try:
+        assert batcher.batching_pays()
+        _queue_behind_one(batcher, gate, 7)
+        assert gate.rows == [1, 4, 3]
+    finally:
+        batcher.stop(5)
+
+
+def test_batches_grow_to_max_batch_size_while_the_biggest_size_measured_is_the_cheapest(
+    lifecycle: Lifecycle, gate: Gate
+) -> None:
+    batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=16, max_wait_ms=1.0))
+    # an MLP reading its weights once per call: the bigger the batch, the cheaper each row
+    batcher.cost = _Recorded([(rows, s) for rows, s in ((1, 0.003), (4, 0.0034), (8, 0.0038)) for _ in range(3)])
+    try:
+        _queue_behind_one(batcher, gate, 10)
+        assert gate.rows == [1, 10]  # bigger than any size measured: not capped at 8
+    finally:
+        batcher.stop(5)
+
+
 def test_exploring_backs_off_while_the_bigger_batches_it_tries_cost_more_per_row(
     lifecycle: Lifecycle, gate: Gate
 ) -> None:
