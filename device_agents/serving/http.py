@@ -24,7 +24,6 @@ import ipaddress
 import json
 import logging
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -57,7 +56,6 @@ _JSON = "application/json"
 _BINARY = "application/octet-stream"
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 _MAX_LINE = 65536
-SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval while the agent serves (see AgentServer)
 
 
 class _Forbidden(EdgekitError):
@@ -118,12 +116,6 @@ class AgentServer(ThreadingHTTPServer):
         # requests of a fresh agent (a tail the batching p99 and the overhead p99 both see). Frozen
         # objects freed later by reference counting still go; only cycles among them stay.
         gc.freeze()
-        # A thread coming back from a runtime call (or a socket) needs the GIL back; with many
-        # request threads runnable it waited up to the switch interval (CPython's 5 ms) for the
-        # holder to drop it: a batch's answers, the next batch's start and every unbatched call's
-        # return waited behind Python work. At 0.5 ms the 16-client MLP benchmark, under load,
-        # served 1.3x (batched) to 1.7x (unbatched) the requests.
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     @property
     def url(self) -> str:

@@ -103,22 +103,3 @@ def test_starting_the_server_moves_what_the_agent_loaded_out_of_the_collector_s_
         assert gc.get_freeze_count() > 0  # a full collection no longer walks the loaded SDKs and models
     finally:
         server.server_close()
-
-
-def test_starting_the_server_shortens_the_gil_switch_interval(served: tuple[AgentService, str]) -> None:
-    import sys
-
-    from device_agents.serving.http import SWITCH_INTERVAL_S
-
-    service, _ = served
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(0.005)  # CPython's default (process-wide: the fixture's server set it already)
-    try:
-        server = AgentServer("127.0.0.1", 0, service)
-        try:
-            # a thread back from a runtime call waits at most this long for the GIL, not 5 ms
-            assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S) and SWITCH_INTERVAL_S < 0.001
-        finally:
-            server.server_close()
-    finally:
-        sys.setswitchinterval(before)
