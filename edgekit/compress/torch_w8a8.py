@@ -78,6 +78,8 @@ def calibrate(module: Any, example: tuple[Any, ...], batches: Iterable[tuple[Any
         # onnx2torch's own op modules branch on tensor values (e.g. OnnxBinaryMathOperation's integer
         # Div check), which FX cannot trace: they stay opaque float ops between the quantized ones
         non_traceable_module_names=opaque_modules(module),
+        # None: this op is not quantized (it runs in float, FP16 in Core ML)
+        module_name_configs=dict.fromkeys(float_fed_fixed_range_ops(module)),
     )
     quantizer = LinearQuantizer(module, config)
     try:
@@ -92,6 +94,38 @@ def calibrate(module: Any, example: tuple[Any, ...], batches: Iterable[tuple[Any
         for batch in batches:
             prepared(*batch)
     return quantizer.finalize()
+
+
+def float_fed_fixed_range_ops(module: Any) -> list[str]:
+    """Names of the fixed-output-range activations (Sigmoid, Tanh, Hardsigmoid, Softmax) whose input
+    comes from no quantized op (an opaque onnx2torch op, a graph input, a function).
+
+    torch.ao gives these ops fixed quantization parameters (Sigmoid: scale 1/256, zero point 0, so
+    [0, 1)), and where nothing upstream already quantized their input it quantizes the input with
+    those same parameters: logits clamp to [0, 1) before the sigmoid, so every score lands in
+    [0.5, 0.73] (YOLOv8's class sigmoid after its anchor Concat, its DFL softmax after a Transpose:
+    class-score channel cosine 0.08 on a trained detector). Those ops stay float; a sigmoid fed by
+    a quantized conv (SiLU in the backbone) keeps its quantization."""
+    import torch
+
+    fixed = (torch.nn.Sigmoid, torch.nn.Tanh, torch.nn.Hardsigmoid, torch.nn.Softmax)
+    graph = getattr(module, "graph", None)
+    if graph is None:
+        return []
+    names = []
+    for node in graph.nodes:
+        if node.op != "call_module" or not isinstance(module.get_submodule(node.target), fixed):
+            continue
+        source = node.args[0] if node.args else None
+        quantized_source = (
+            isinstance(source, torch.fx.Node)
+            and source.op == "call_module"
+            and not type(module.get_submodule(source.target)).__module__.startswith("onnx2torch.")
+            and str(source.target) not in names  # one kept float feeds this one float too
+        )
+        if not quantized_source:
+            names.append(str(node.target))
+    return names
 
 
 def opaque_modules(module: Any) -> list[str]:

@@ -538,6 +538,34 @@ def test_apple_w8a8_loads_a_conv_transpose_weight_quantized_along_its_output_axi
     assert cos > 0.99
 
 
+def test_apple_w8a8_keeps_a_sigmoid_fed_by_no_quantized_op_in_float(tmp_path: Path) -> None:
+    """A detector head's score sigmoid after an anchor Reshape/Concat (opaque ops): torch.ao would
+    quantize its input with the sigmoid's fixed output range [0, 1), clamping every logit, so each
+    score lands in [0.5, 0.73]. It stays float; the convs keep their quantization."""
+    import torch
+
+    from edgekit.compress.freeze import freeze_graph
+    from edgekit.compress.onnx_to_torch import onnx_to_torch
+    from edgekit.compress.torch_w8a8 import calibrate, float_fed_fixed_range_ops
+    from tests.optimize.models import tiny_score_head
+
+    model = tiny_score_head(tmp_path / "head.onnx")
+    frozen = freeze_graph(model, tmp_path / "frozen.onnx", {"x": (1, 4, 8, 8)})
+    module = onnx_to_torch(frozen.path)
+    (sigmoid,) = float_fed_fixed_range_ops(module)
+    assert "sigmoid" in sigmoid.lower()
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal((16, 4, 8, 8)).astype(np.float32) * 3)
+    with torch.no_grad():
+        want = module(x[:8]).numpy()
+        quantized = calibrate(module, (x[:1],), [(x[i : i + 1],) for i in range(16)])
+        got = np.concatenate([quantized(x[i : i + 1]).numpy() for i in range(8)])
+    assert (want[:, 2:] < 0.01).all()  # the scores: about 5e-5
+    # float scores (without the exclusion: 0.5 each, as the clamped logits are 0)
+    np.testing.assert_allclose(got[:, 2:], want[:, 2:], rtol=0.2)
+    names = {n.target for n in quantized.graph.nodes if n.op == "call_function"}
+    assert any("quantize_per_tensor" in str(t) for t in names)  # the convs are still W8A8
+
+
 def test_apple_refuses_w8a8_below_ios17(prepared, tmp_path: Path) -> None:
     ctx = _ctx(prepared, tmp_path, "int8", AppleOptions(minimum_deployment_target="iOS16"))
     with pytest.raises(
