@@ -514,29 +514,13 @@ def test_a_batcher_whose_calls_have_no_fixed_cost_runs_jobs_one_at_a_time(lifecy
     for rows in (1, 2, 4, 1, 2, 4):
         batcher.cost.record(rows, 0.001 * rows)  # batching saves nothing: run as an unbatched model would
     assert not batcher.batching_pays()
-    first = _job(1)
-    batcher.submit(first)
-    assert gate.entered.wait(10)
-    queued = [_job(1, seed=i) for i in range(3)]
-    for job in queued:
-        batcher.submit(job)
-    gate.opened.set()
-    for job in (first, *queued):
-        batcher.wait(job)
+    _queue_behind_one(batcher, gate, 3)
     assert gate.rows[:4] == [1, 1, 1, 1]
     # one batch in _EXPLORE_EVERY still coalesces, so that the cost model keeps seeing batch sizes
     gate.opened.clear()
     gate.entered.clear()
     batcher._formed = _EXPLORE_EVERY - 2
-    running = _job(1)
-    batcher.submit(running)
-    assert gate.entered.wait(10)
-    later = [_job(1, seed=i) for i in range(3)]
-    for job in later:
-        batcher.submit(job)
-    gate.opened.set()
-    for job in (running, *later):
-        batcher.wait(job)
+    _queue_behind_one(batcher, gate, 3)
     assert gate.rows[4:] == [1, 3]
     batcher.stop(5)
 
@@ -547,15 +531,7 @@ def test_an_exploring_batch_of_a_model_batching_does_not_pay_for_stays_small(lif
     batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=1.0))
     batcher.cost = _Recorded([(rows, 0.001 * rows) for rows in (1, 2, 4, 1, 2, 4)])  # batching saves nothing
     batcher._formed = _EXPLORE_EVERY - 2  # the batch after the running one explores
-    running = _job(1)
-    batcher.submit(running)
-    assert gate.entered.wait(10)
-    queued = [_job(1, seed=i) for i in range(7)]
-    for job in queued:
-        batcher.submit(job)
-    gate.opened.set()
-    for job in (running, *queued):
-        batcher.wait(job)
+    _queue_behind_one(batcher, gate, 7)
     # 7 queued while the model ran: the exploring batch takes _EXPLORE_ROWS of them, not all 7
     # (a full batch of a model batching slows down), and the rest run one at a time
     assert gate.rows == [1, _EXPLORE_ROWS, *[1] * (7 - _EXPLORE_ROWS)]
@@ -578,15 +554,7 @@ def test_a_model_batching_does_not_pay_for_is_batched_up_to_its_cheapest_size(li
     batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=1.0))
     batcher.cost = _Recorded([(rows, s) for rows, s in ((1, 0.00069), (2, 0.00117), (4, 0.0055)) for _ in range(3)])
     assert not batcher.batching_pays()
-    running = _job(1)
-    batcher.submit(running)
-    assert gate.entered.wait(10)
-    queued = [_job(1, seed=i) for i in range(5)]
-    for job in queued:
-        batcher.submit(job)
-    gate.opened.set()
-    for job in (running, *queued):
-        batcher.wait(job)
+    _queue_behind_one(batcher, gate, 5)
     assert gate.rows == [1, 2, 2, 1]  # pairs of what queued, never the batch of 5 that costs more
     batcher.stop(5)
 
@@ -640,15 +608,7 @@ def test_exploring_backs_off_while_the_bigger_batches_it_tries_cost_more_per_row
     # 4 rows cost 8 single calls: each exploring batch of 4 is paid for
     batcher.cost = _Recorded([(rows, s) for rows, s in ((1, 0.00069), (2, 0.00117), (4, 0.0055)) for _ in range(3)])
     batcher._formed = _EXPLORE_EVERY - 2  # the batch after the running one explores
-    running = _job(1)
-    batcher.submit(running)
-    assert gate.entered.wait(10)
-    queued = [_job(1, seed=i) for i in range(7)]
-    for job in queued:
-        batcher.submit(job)
-    gate.opened.set()
-    for job in (running, *queued):
-        batcher.wait(job)
+    _queue_behind_one(batcher, gate, 7)
     assert gate.rows == [1, _EXPLORE_ROWS, 2, 1]
     assert batcher._explore_every == 2 * _EXPLORE_EVERY  # the next one comes half as often
     batcher.stop(5)
