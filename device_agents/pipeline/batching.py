@@ -206,11 +206,6 @@ class CallCost:
         return self._calls > 0
 
     @property
-    def sizes(self) -> int:
-        """How many batch sizes were measured (the split is known from two)."""
-        return len(self._sizes)
-
-    @property
     def mean_s(self) -> float:
         return self._mean_t / self._mean_w if self._mean_w else 0.0
 

@@ -64,10 +64,11 @@ class OptimizationError(EdgekitError):
 
 MAX_MIXED_TRIES = 6
 # under ``auto`` and the latency objective, a first-wave candidate or refinement whose first calls
-# are this many times slower than the ONNX Runtime FP32 source is dominated: auto ships nothing
-# slower than FP32, so its accuracy run (on the selection samples) and its timing rounds are
-# skipped. YOLOv8n at 320 on coral: 16x8 (LiteRT's reference int16 kernels) measured 663 ms,
-# 0.03x the source, and its accuracy run and timing rounds took ~120 s of the 293 s search.
+# are this many times slower than the target's FP32 baseline (the ONNX Runtime FP32 source where
+# the target has none) is dominated: auto ships nothing slower than FP32, so its accuracy run (on
+# the selection samples) and its timing rounds are skipped. YOLOv8n at 320 on coral: 16x8
+# (LiteRT's reference int16 kernels) measured 663 ms, 0.03x the source, and its accuracy run and
+# timing rounds took ~120 s of the 293 s search.
 DOMINATED_FACTOR = 5.0
 # ... and only a candidate this slow per call: a faster one's accuracy run costs seconds, and on
 # tiny models per-call overheads (another runtime's, ~0.05 ms) differ by more than the factor
