@@ -15,7 +15,7 @@ stuck in the runtime).
 Batching. Without ``[models.<name>.batching]`` each job runs alone. With it, one worker at a
 time forms a batch from the head of the queue: jobs whose inputs agree on everything but axis 0
 are concatenated (different batch sizes coalesce) until the batch holds ``max_batch_size``
-samples or a preferred size, or the size measured cheapest per row where a bigger size measured
+samples or a preferred size, or the size measured cheapest per row where a bigger size measured clearly
 dearer (``CallCost.measured_sizes``; an exploring batch now and then goes further); the head is
 always in the batch, so no job starves; the results are split back by rows. How long a batch
 waits for more (the greedy policy of Triton's and TF-Serving's batchers, made adaptive):
@@ -91,6 +91,9 @@ _EXPLORE_MAX = 1024  # the longest interval exploring backs off to, in batches f
 # A batch size counts as measured (``CallCost.cheapest_rows``) after about this many calls of it
 # (its decayed weight: 3 calls at decay 0.95 weigh 2.85).
 _MIN_SIZE_CALLS = 2.5
+# A bigger batch size measured up to this much dearer per row than the cheapest counts as no dearer
+# (``CallCost.cheapest_rows``): measured means under load are that noisy.
+_SIZE_TOLERANCE = 0.2
 
 
 class Done:
@@ -210,26 +213,27 @@ class CallCost:
         return self._mean_t / self._mean_w if self._mean_w else 0.0
 
     def cheapest_rows(self, up_to: int) -> int | None:
-        """The batch size of at most ``up_to`` rows measured cheapest per row (over at least
-        ``_MIN_SIZE_CALLS`` calls); None while none is. A call's time need not be linear in its
-        rows: the digits conv net (2 intra-op threads) measured 0.69 ms for 1 row, 1.17 ms for 2
-        and 5.5 ms for 4, so batches of 2 pay where the line through 1 and 4 says nothing does,
-        and batches of 4 or more cost more than single calls."""
+        """The biggest batch size of at most ``up_to`` rows measured (over at least
+        ``_MIN_SIZE_CALLS`` calls) no dearer per row than the cheapest, within ``_SIZE_TOLERANCE``;
+        None while none is. A call's time need not be linear in its rows: the digits conv net
+        (2 intra-op threads) measured 0.69 ms for 1 row, 1.17 ms for 2 and 5.5 ms for 4, so
+        batches of 2 pay where the line through 1 and 4 says nothing does, and batches of 4 or more
+        cost more than single calls. The tolerance is for noise: an MLP reading its weights once
+        a call measured 1.81 ms for 3 rows and 2.46 ms for 4 under load (0.60 and 0.62 ms a row);
+        a strict "cheapest" would cap its batches at 3 rows until exploring saw otherwise."""
         return self.measured_sizes(up_to)[0]
 
     def measured_sizes(self, up_to: int) -> tuple[int | None, int | None]:
         """(``cheapest_rows(up_to)``, the largest size of at most ``up_to`` rows measured)."""
-        best: int | None = None
-        largest: int | None = None
-        best_s = float("inf")
-        for rows, (total, weight, _) in self._sizes.items():
-            if rows <= up_to and weight >= _MIN_SIZE_CALLS:
-                per_row = total / weight / rows
-                if per_row < best_s:
-                    best, best_s = rows, per_row
-                if largest is None or rows > largest:
-                    largest = rows
-        return best, largest
+        per_row: dict[int, float] = {
+            rows: total / weight / rows
+            for rows, (total, weight, _) in self._sizes.items()
+            if rows <= up_to and weight >= _MIN_SIZE_CALLS
+        }
+        if not per_row:
+            return None, None
+        best = min(per_row.values()) * (1 + _SIZE_TOLERANCE)
+        return max(rows for rows, s in per_row.items() if s <= best), max(per_row)
 
     @property
     def fixed_s(self) -> float:
