@@ -108,24 +108,28 @@ class RequestSeries(Collector):
         self._queue_infer_samples: dict[str, deque[float]] = {}
 
     def observe_stages(self, model: str, stages: Iterable[tuple[str, float]]) -> None:
+        with self._lock:
+            self._observe_stages(model, stages)
+
+    def _observe_stages(self, model: str, stages: Iterable[tuple[str, float]]) -> None:
+        """(under the lock)"""
         bounds = _LATENCY_BUCKETS_S
         queue_infer = 0.0
         ran = False
-        with self._lock:
-            for stage, seconds in stages:
-                series = self._stages.get((model, stage))
-                if series is None:
-                    series = self._stages[(model, stage)] = _Series(len(bounds))
-                series.counts[bisect_left(bounds, seconds)] += 1
-                series.total += seconds
-                if stage == "queue" or stage == "infer":
-                    queue_infer += seconds
-                    ran = ran or stage == "infer"
-            if ran:  # the request's own queue + infer time (the p99 of a sum is not the sum of p99s)
-                window = self._queue_infer_samples.get(model)
-                if window is None:
-                    window = self._queue_infer_samples[model] = deque(maxlen=OVERHEAD_SAMPLES)
-                window.append(queue_infer)
+        for stage, seconds in stages:
+            series = self._stages.get((model, stage))
+            if series is None:
+                series = self._stages[(model, stage)] = _Series(len(bounds))
+            series.counts[bisect_left(bounds, seconds)] += 1
+            series.total += seconds
+            if stage == "queue" or stage == "infer":
+                queue_infer += seconds
+                ran = ran or stage == "infer"
+        if ran:  # the request's own queue + infer time (the p99 of a sum is not the sum of p99s)
+            window = self._queue_infer_samples.get(model)
+            if window is None:
+                window = self._queue_infer_samples[model] = deque(maxlen=OVERHEAD_SAMPLES)
+            window.append(queue_infer)
 
     def queue_infer_samples(self) -> dict[str, list[float]]:
         """Per model, the last ``OVERHEAD_SAMPLES`` requests' queue + infer seconds, oldest first."""
@@ -139,25 +143,35 @@ class RequestSeries(Collector):
         seconds: float,
         overhead_s: float | None = None,
         write_cpu_overhead_s: float | None = None,
+        stages: Iterable[tuple[str, float]] | None = None,
+        stage_model: str = "",
+        batch_rows: int = 0,
     ) -> None:
+        """One answered request; with ``stages`` (of ``stage_model``'s pipeline) and ``batch_rows``
+        (the size of the call it ran in, when that was not observed already), all under one lock."""
         key = (model, str(code))
+        bounds = _LATENCY_BUCKETS_S
         with self._lock:
             series = self._requests.get(model)
             if series is None:
-                series = self._requests[model] = _Series(len(_LATENCY_BUCKETS_S))
-            series.counts[bisect_left(_LATENCY_BUCKETS_S, seconds)] += 1
+                series = self._requests[model] = _Series(len(bounds))
+            series.counts[bisect_left(bounds, seconds)] += 1
             series.total += seconds
             self._codes[key] = self._codes.get(key, 0) + 1
             if overhead_s is not None:
                 series = self._overhead.get(model)
                 if series is None:
-                    series = self._overhead[model] = _Series(len(_LATENCY_BUCKETS_S))
+                    series = self._overhead[model] = _Series(len(bounds))
                     self._overhead_samples[model] = deque(maxlen=OVERHEAD_SAMPLES)
-                series.counts[bisect_left(_LATENCY_BUCKETS_S, overhead_s)] += 1
+                series.counts[bisect_left(bounds, overhead_s)] += 1
                 series.total += overhead_s
                 self._overhead_samples[model].append(
                     (overhead_s, overhead_s if write_cpu_overhead_s is None else write_cpu_overhead_s)
                 )
+            if stages:
+                self._observe_stages(stage_model, stages)
+            if batch_rows:
+                self._observe_batch(stage_model, batch_rows)
 
     def overhead_samples(self) -> dict[str, list[tuple[float, float]]]:
         """Per model, the last ``OVERHEAD_SAMPLES`` server-side overheads (seconds), oldest first:
@@ -167,11 +181,15 @@ class RequestSeries(Collector):
 
     def observe_batch(self, model: str, rows: int) -> None:
         with self._lock:
-            series = self._batches.get(model)
-            if series is None:
-                series = self._batches[model] = _Series(len(_BATCH_BUCKETS))
-            series.counts[bisect_left(_BATCH_BUCKETS, rows)] += 1
-            series.total += rows
+            self._observe_batch(model, rows)
+
+    def _observe_batch(self, model: str, rows: int) -> None:
+        """(under the lock)"""
+        series = self._batches.get(model)
+        if series is None:
+            series = self._batches[model] = _Series(len(_BATCH_BUCKETS))
+        series.counts[bisect_left(_BATCH_BUCKETS, rows)] += 1
+        series.total += rows
 
     def collect(self) -> Iterable[Metric]:
         with self._lock:
@@ -296,10 +314,17 @@ class AgentMetrics:
         seconds: float,
         overhead_s: float | None = None,
         write_cpu_overhead_s: float | None = None,
+        stages: Iterable[tuple[str, float]] | None = None,
+        stage_model: str = "",
+        batch_rows: int = 0,
     ) -> None:
         """One answered request; ``overhead_s``: its server-side time minus the runtime call (200s);
-        ``write_cpu_overhead_s``: the same with the response's write counted by its CPU time."""
-        self.series.observe_request(model, code, seconds, overhead_s, write_cpu_overhead_s)
+        ``write_cpu_overhead_s``: the same with the response's write counted by its CPU time.
+        ``stages`` and ``batch_rows``: what the pipeline of ``stage_model`` left to be recorded
+        with the request (``pipeline.RequestTiming``), recorded under the same lock."""
+        self.series.observe_request(
+            model, code, seconds, overhead_s, write_cpu_overhead_s, stages, stage_model, batch_rows
+        )
 
     def observe_stages(self, model: str, stages: Iterable[tuple[str, float]]) -> None:
         """One request's (stage, seconds) pairs, recorded together."""

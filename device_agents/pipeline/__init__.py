@@ -7,13 +7,17 @@ when the front-end can be answered from another thread (``Decoded.answer``), so 
 hung-call watchdog can still answer it; its queue stage is then ~0.
 
 Pre/post-processing, the result cache and budgets join as stages here when they exist. Every
-stage's time is observed into ``edgekit_stage_seconds{model,stage}`` by ``Pipeline.run`` and
-nowhere else (a request's stages together, once); a stage refuses a request by raising a typed ``ServingError`` (or
-``InferenceInputError``), which the front-end maps to one status.
+stage's time is measured by ``Pipeline.run`` and nowhere else, and a request's stages are
+observed into ``edgekit_stage_seconds{model,stage}`` together, once: by ``Pipeline.run`` when it
+ends, or, when the front-end gave a ``RequestTiming``, by the front-end after it has written the
+answer (metrics work kept out of the request's received -> written time). A stage refuses a
+request by raising a typed ``ServingError`` (or ``InferenceInputError``), which the front-end
+maps to one status.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,12 +43,27 @@ DECODE_WAIT_S = 1.0
 
 class RequestTiming:
     """Filled in by the pipeline for the front-end: what a request's runtime call took (the
-    front-end subtracts it from received -> written to get the server-side overhead)."""
+    front-end subtracts it from received -> written to get the server-side overhead), and what
+    is left for the front-end to record once its response is written: the request's stage times
+    (``stages``, of pipeline ``model``) and, when it ran in its own thread, the size of that call
+    (``batch_rows``). Recording them is metrics work, not serving: done after the write, it stays
+    out of the request's received -> written time. The front-end records them exactly once,
+    whatever ends the request (``AgentMetrics.observe_request(..., stages, model, batch_rows)``,
+    or ``observe_stages`` when no answer was written); ``take`` hands them over and clears them."""
 
-    __slots__ = ("runtime_s",)
+    __slots__ = ("batch_rows", "model", "runtime_s", "stages")
 
     def __init__(self) -> None:
         self.runtime_s = 0.0
+        self.model = ""
+        self.stages: list[tuple[str, float]] | None = None
+        self.batch_rows = 0
+
+    def take(self) -> tuple[list[tuple[str, float]] | None, int]:
+        """The stages and batch size left to record (None, 0 once taken)."""
+        stages, rows = self.stages, self.batch_rows
+        self.stages, self.batch_rows = None, 0
+        return stages, rows
 
 
 @dataclass(slots=True)
@@ -60,7 +79,9 @@ class Decoded(Generic[R]):
     # Answers the request from another thread (the hung-call watchdog's) with an error, when the
     # caller's thread is stuck in a runtime call; given, an idle model runs the request inline.
     answer: Callable[[EdgekitError], None] | None = None
-    timing: RequestTiming | None = None  # given, the pipeline records the runtime call's time in it
+    # Given, the pipeline records the runtime call's time in it, and leaves the request's stage
+    # metrics in it for the front-end to record after its answer is written (``RequestTiming``).
+    timing: RequestTiming | None = None
 
 
 class Pipeline:
@@ -76,6 +97,9 @@ class Pipeline:
     ) -> None:
         self.name = name
         self.registry = registry
+        # The RequestTiming of the request this thread runs inline, if any: its call's batch size
+        # is left in it (recorded after the answer is written) instead of observed by ``on_batch``.
+        self._inline = threading.local()
         self.metrics = metrics
         self.decode_slots = decode_slots
         server = config.server
@@ -89,7 +113,7 @@ class Pipeline:
             queue_size=server.queue_size,
             hung_call_s=server.hung_call_s,
             retry_after_s=server.retry_after_s,
-            on_batch=lambda rows: metrics.observe_batch(name, rows),
+            on_batch=self._observe_batch,
             on_hung=self._hung,
             on_failure=self._failed,
         )
@@ -108,6 +132,7 @@ class Pipeline:
         batcher = self.batcher
         batched = batcher.batching is not None
         stages: list[tuple[str, float]] = []  # observed together, once, whatever stage ends the request
+        deferred: RequestTiming | None = None  # where the front-end takes them from, if it gave one
         t0 = time.perf_counter()
         if batched:
             batcher.arrive(1)  # on its way (waiting for a decode slot, then decoding): a batch may wait for it
@@ -135,13 +160,23 @@ class Pipeline:
             finally:
                 self.decode_slots.release()
             stages.append(("decode", time.perf_counter() - t0))
+            deferred = decoded.timing
             if decoded.timeout_s is not None:
                 deadline = min(deadline, start + decoded.timeout_s)
             job = Job(inputs, version, deadline)
             try:
                 if batched:
                     batcher.arrive(-1)
-                if decoded.answer is None or not batcher.run_inline(job, lease, decoded.answer):
+                if decoded.answer is None:
+                    inline = False
+                else:
+                    local = self._inline
+                    local.timing = deferred  # the call's batch size goes there (``_observe_batch``)
+                    try:
+                        inline = batcher.run_inline(job, lease, decoded.answer)
+                    finally:
+                        local.timing = None
+                if not inline:
                     lease.release()  # (run_inline released it when it ran the job here)
                     batcher.submit(job)
                     batcher.wait(job)
@@ -154,15 +189,27 @@ class Pipeline:
                 raise AnsweredError(f"model {self.name}: the hung-call watchdog answered this request")
             if job.outputs is None:  # no error raised: the batcher set them
                 raise RuntimeFailure(f"model {self.name} returned no outputs")
-            if decoded.timing is not None:
-                decoded.timing.runtime_s = job.runtime_s
+            if deferred is not None:
+                deferred.runtime_s = job.runtime_s
             t2 = time.perf_counter()
             out = encode(decoded.request, job.outputs, job.served_version)
             stages.append(("encode", time.perf_counter() - t2))
             return out
         finally:
             if stages:
-                self.metrics.observe_stages(self.name, stages)
+                if deferred is not None:  # recorded by the front-end, after its answer is written
+                    deferred.model, deferred.stages = self.name, stages
+                else:
+                    self.metrics.observe_stages(self.name, stages)
+
+    def _observe_batch(self, rows: int) -> None:
+        """The batcher's ``on_batch``: a call of ``rows`` ran; left in the request's RequestTiming
+        when the call ran inline for it (in this thread), else observed now."""
+        timing = getattr(self._inline, "timing", None)
+        if timing is not None:
+            timing.batch_rows = rows
+        else:
+            self.metrics.observe_batch(self.name, rows)
 
     def _failed(self, version: int, job: Job | None) -> None:
         """A request the runtime failed to run (a 500): counted against ``version`` unless the

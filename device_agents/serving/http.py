@@ -55,6 +55,9 @@ EXTENSIONS = ("binary_tensor_data",)
 _JSON = "application/json"
 _BINARY = "application/octet-stream"
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
+_SERVER = f"edgekit-agent/{__version__}"
+# The status line and Server header of the usual answers, built once.
+_STATUS_LINES = {code: f"HTTP/1.1 {code} {_REASONS[code]}\r\nServer: {_SERVER}\r\n" for code in (200, 400, 404, 413)}
 _MAX_LINE = 65536
 
 
@@ -177,7 +180,7 @@ def _shut(sock: socket.socket) -> None:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server_version = f"edgekit-agent/{__version__}"
+    server_version = _SERVER
     disable_nagle_algorithm = True  # sets TCP_NODELAY on every accepted socket
     server: AgentServer
 
@@ -324,14 +327,22 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s %s", self.address_string(), format % args)
 
     def _send(
-        self, code: int, body: bytes = b"", content_type: str = _JSON, headers: tuple[tuple[str, str], ...] = ()
+        self,
+        code: int,
+        body: bytes = b"",
+        content_type: str = _JSON,
+        headers: tuple[tuple[str, str], ...] = (),
+        extra: str = "",
     ) -> None:
-        extra = "".join(f"{k}: {v}\r\n" for k, v in headers)
+        """Write one response; ``extra``: more header lines, each ending in CRLF, as they are."""
+        if headers:
+            extra += "".join(f"{k}: {v}\r\n" for k, v in headers)
         if self.close_connection:
             extra += "Connection: close\r\n"
+        status = _STATUS_LINES.get(code) or f"HTTP/1.1 {code} {_REASONS.get(code, '')}\r\nServer: {_SERVER}\r\n"
         head = (
-            f"HTTP/1.1 {code} {_REASONS.get(code, '')}\r\nServer: {self.server_version}\r\nDate: {_http_date()}\r\n"
-            f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
+            f"{status}Date: {_http_date()}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\n{extra}\r\n"
         )
         data = head.encode("latin-1") + body
         self._write_start, cpu = time.perf_counter(), time.thread_time()
@@ -469,40 +480,55 @@ class _Handler(BaseHTTPRequestHandler):
     def _infer(self, parts: list[str]) -> None:
         start = self._received
         service = self.server.service
+        metrics = service.metrics
         self._label = ""
         timing = RequestTiming()
         overhead_s = write_cpu_overhead_s = None
         reservation = self._reservation()
         try:
-            # The body first: a refused request whose body stays unread would be parsed as the next
-            # request on this keep-alive connection (tritonclient reuses connections).
-            raw = self._read_raw_body(reservation)
-            name, version, rest = _model_route(parts)
-            if rest != ["infer"]:
-                raise ModelNotFoundError(f"no route POST {self.path}")
-            decode, encode = self._codec(raw, name, reservation, timing)
             try:
-                out, json_len = service.infer(name, version, decode, encode)
+                # The body first: a refused request whose body stays unread would be parsed as the
+                # next request on this keep-alive connection (tritonclient reuses connections).
+                raw = self._read_raw_body(reservation)
+                name, version, rest = _model_route(parts)
+                if rest != ["infer"]:
+                    raise ModelNotFoundError(f"no route POST {self.path}")
+                decode, encode = self._codec(raw, name, reservation, timing)
+                try:
+                    out, json_len = service.infer(name, version, decode, encode)
+                except EdgekitError:
+                    self._label = name if service.serves(name) else ""
+                    raise
+                if json_len is None:
+                    self._send(200, out)
+                else:
+                    self._send(200, out, _BINARY, extra=f"Inference-Header-Content-Length: {json_len}\r\n")
+                self._label = name  # served: it has an endpoint
+                code = 200
+                overhead_s = self._written - start - timing.runtime_s
+                write_cpu_overhead_s = self._write_start + self._write_cpu_s - start - timing.runtime_s
+            except AnsweredError:
+                self.close_connection = True  # the watchdog wrote the answer (and counted it)
+                return
+            except EdgekitError as exc:
+                self._send_error(exc)
+                code = exc.http_status
             finally:
-                self._label = name if service.serves(name) else ""
-            if json_len is None:
-                self._send(200, out)
-            else:
-                self._send(200, out, _BINARY, (("Inference-Header-Content-Length", str(json_len)),))
-            code = 200
-            overhead_s = self._written - start - timing.runtime_s
-            write_cpu_overhead_s = self._write_start + self._write_cpu_s - start - timing.runtime_s
-        except AnsweredError:
-            self.close_connection = True  # the watchdog wrote the answer (and counted it)
-            return
-        except EdgekitError as exc:
-            self._send_error(exc)
-            code = exc.http_status
+                reservation.close()
+            # Recorded once the answer is written (the pipeline left this request's stage metrics
+            # in ``timing``): metrics work is not part of received -> written.
+            stages, rows = timing.take()
+            seconds = time.perf_counter() - start
+            metrics.observe_request(
+                self._label, code, seconds, overhead_s, write_cpu_overhead_s, stages, timing.model, rows
+            )
         finally:
-            reservation.close()
-        service.metrics.observe_request(
-            self._label, code, time.perf_counter() - start, overhead_s, write_cpu_overhead_s
-        )
+            if timing.stages is not None or timing.batch_rows:  # no answer of ours recorded them
+                stages, rows = timing.take()  # (the watchdog answered, the write failed, ...)
+                if stages:
+                    metrics.observe_stages(timing.model, stages)
+                if rows:
+                    metrics.observe_batch(timing.model, rows)
 
     def _answer_hung(self, name: str, exc: EdgekitError) -> None:
         """Answer this request from the watchdog's thread: this handler's thread is stuck in a
@@ -527,18 +553,17 @@ class _Handler(BaseHTTPRequestHandler):
         header_length = _header_length(dict.get(headers, "inference-header-content-length"))
         encoding = dict.get(headers, "content-encoding")
         limit = self.server.max_request_bytes
+        cache = self.server.header_cache
         served: list[ServedModel] = []
 
         def decode(model: ServedModel) -> Decoded[InferRequest]:
             served.append(model)
-            body = inflate(raw, encoding, limit, reservation)
-            request = decode_request(
-                body, header_length, model.inputs, model.outputs, max_bytes=limit, cache=self.server.header_cache
-            )
+            body = raw if encoding is None else inflate(raw, encoding, limit, reservation)
+            request = decode_request(body, header_length, model.inputs, model.outputs, max_bytes=limit, cache=cache)
             return Decoded(request, request.inputs, request.timeout_s, lambda exc: self._answer_hung(name, exc), timing)
 
         def encode(request: InferRequest, results: dict[str, np.ndarray], version: int) -> tuple[bytes, int | None]:
-            return encode_response(name, version, request, results, served[0].outputs, self.server.header_cache)
+            return encode_response(name, version, request, results, served[0].outputs, cache)
 
         return decode, encode
 
