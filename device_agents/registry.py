@@ -46,20 +46,16 @@ class Loaded:
 
 
 class Lease:
-    """A loaded model held for one call; ``release`` it (or use ``with``)."""
+    """A loaded model held for one call; ``release`` it (or use ``with``). ``model`` and
+    ``version`` are its entry's (plain attributes: read a few times per request, and an entry's
+    model and version never change)."""
 
-    __slots__ = ("_entry", "_registry")
+    __slots__ = ("_entry", "_registry", "model", "version")
 
     def __init__(self, registry: Registry, entry: Loaded) -> None:
         self._registry, self._entry = registry, entry
-
-    @property
-    def model(self) -> ServedModel:
-        return self._entry.model
-
-    @property
-    def version(self) -> int:
-        return self._entry.version
+        self.model: ServedModel = entry.model
+        self.version: int = entry.version
 
     def release(self) -> None:
         self._registry._release(self._entry)
@@ -79,7 +75,11 @@ class Registry:
         self.open_slot = open_slot
         self.metrics = metrics
         self._loaded: dict[str, Loaded] = {}
-        self._cond = threading.Condition()  # guards _loaded and every Loaded.inflight
+        # Guards _loaded and every Loaded.inflight. Held as ``with self._lock`` (a C call) rather
+        # than ``with self._cond`` (Condition's __enter__/__exit__ are Python calls): a request
+        # takes it twice, for its lease and its release. The same lock: notify/wait hold it.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._loading: dict[str, threading.Lock] = {}
         # The version a switch replaced, kept loaded through the new one's health window (when
         # the update client judges it) to replay the new version's failed requests: count_failure.
@@ -91,7 +91,7 @@ class Registry:
     # -- what is there ------------------------------------------------------------------
     def models(self) -> dict[str, int]:
         """Loaded model names and their versions."""
-        with self._cond:
+        with self._lock:
             return {name: e.version for name, e in sorted(self._loaded.items())}
 
     def installed(self) -> dict[str, int]:
@@ -104,14 +104,14 @@ class Registry:
         lease = self._try_lease(name, version)
         if lease is not None:
             return lease
-        with self._cond:
+        with self._lock:
             entry = self._loaded.get(name)
         if entry is None and name in self.installed():
             self._load_on_demand(name)
             lease = self._try_lease(name, version)
             if lease is not None:
                 return lease
-            with self._cond:
+            with self._lock:
                 entry = self._loaded.get(name)
         if entry is None:
             known = ", ".join(self.models()) or "none"
@@ -124,7 +124,7 @@ class Registry:
             return lease.model
 
     def _try_lease(self, name: str, version: int | None) -> Lease | None:
-        with self._cond:
+        with self._lock:
             entry = self._loaded.get(name)
             if entry is not None and (version is None or version == entry.version):
                 entry.inflight += 1
@@ -133,7 +133,7 @@ class Registry:
 
     def _release(self, entry: Loaded) -> None:
         close = False
-        with self._cond:
+        with self._lock:
             entry.inflight -= 1
             if entry.inflight == 0 and entry.retired:  # only retire() waits, and only on a retired entry
                 close = not entry.closed
@@ -145,13 +145,13 @@ class Registry:
 
     # -- load / unload ------------------------------------------------------------------
     def _load_on_demand(self, name: str) -> None:
-        with self._cond:
+        with self._lock:
             lock = self._loading.setdefault(name, threading.Lock())
         with lock:
-            with self._cond:
+            with self._lock:
                 if name in self._loaded:
                     return
-            with self._cond:
+            with self._lock:
                 pinned = name in self._pinned
                 slot = self._pinned.get(name)
             if not pinned:
@@ -160,7 +160,7 @@ class Registry:
                 return
             log.info("%s: loading v%d on demand", name, slot.version)
             model = self.open_slot(slot)
-            with self._cond:
+            with self._lock:
                 if name in self._loaded:  # the lifecycle served one meanwhile
                     raced = True
                 else:
@@ -173,7 +173,7 @@ class Registry:
 
     def serve(self, name: str, model: ServedModel, version: int) -> Loaded | None:
         """Make ``model`` the served one of ``name``; return the one it replaced (still open)."""
-        with self._cond:
+        with self._lock:
             previous = self._loaded.get(name)
             self._loaded[name] = Loaded(model, version)
             self._pinned.pop(name, None)
@@ -182,17 +182,17 @@ class Registry:
 
     def pin(self, name: str, slot: Slot | None) -> None:
         """Load ``slot`` on demand instead of the active one (None: load nothing) until ``serve``."""
-        with self._cond:
+        with self._lock:
             self._pinned[name] = slot
 
     def peek(self, name: str) -> Loaded | None:
         """The loaded entry of ``name``, not held (to read its latency window)."""
-        with self._cond:
+        with self._lock:
             return self._loaded.get(name)
 
     def drop_version(self, name: str, version: int) -> Loaded | None:
         """``unload`` only if ``version`` is still the one served."""
-        with self._cond:
+        with self._lock:
             entry = self._loaded.get(name)
             if entry is None or entry.version != version:
                 return None
@@ -200,12 +200,12 @@ class Registry:
 
     def unload(self, name: str) -> Loaded | None:
         """Take ``name`` out of the table (a later lease loads it again); return it, still open."""
-        with self._cond:
+        with self._lock:
             return self._loaded.pop(name, None)
 
     def drop_if(self, name: str, entry_model: ServedModel) -> Loaded | None:
         """``unload`` only if ``entry_model`` is still the one served (a hung call's model)."""
-        with self._cond:
+        with self._lock:
             entry = self._loaded.get(name)
             if entry is None or entry.model is not entry_model:
                 return None
@@ -218,7 +218,7 @@ class Registry:
         it: a model is never closed under a running call.
         """
         deadline = time.monotonic() + wait_s
-        with self._cond:
+        with self._lock:
             entry.retired = True
             while entry.inflight and time.monotonic() < deadline:
                 self._cond.wait(timeout=0.5)
@@ -236,7 +236,7 @@ class Registry:
             )
 
     def close_all(self, *, wait_s: float = _IDLE_WAIT_S) -> None:
-        with self._cond:
+        with self._lock:
             entries, self._loaded = list(self._loaded.values()), {}
             entries += list(self._probation.values())
             self._probation = {}
@@ -250,7 +250,7 @@ class Registry:
         if not hold:
             self.retire(replaced)
             return
-        with self._cond:
+        with self._lock:
             older = self._probation.pop(name, None)
             self._probation[name] = replaced
         if older is not None:
@@ -258,7 +258,7 @@ class Registry:
 
     def take_held(self, name: str) -> Loaded | None:
         """The replaced version held through the health window, out of probation (for a rollback)."""
-        with self._cond:
+        with self._lock:
             return self._probation.pop(name, None)
 
     def end_probation(self, name: str) -> None:
@@ -272,7 +272,7 @@ class Registry:
         ``edgekit_model_failures``, unless the version it replaced, still loaded in the health
         window, fails on the same inputs too: then the input is at fault, not the update.
         Returns whether it counted."""
-        with self._cond:
+        with self._lock:
             held = self._probation.get(name)
             if held is not None:
                 held.inflight += 1

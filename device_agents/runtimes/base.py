@@ -35,6 +35,10 @@ _NP_DTYPES = {
 }
 
 
+# At most this many (input, shape) pairs are remembered as accepted; past it, shapes are checked every time.
+_ACCEPTED_SHAPES = 256
+
+
 def np_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(_NP_DTYPES[name])
 
@@ -83,6 +87,9 @@ class ServedModel:
         self._direct_in = self._direct(manifest.signature.inputs)
         self._direct_out = self._direct(manifest.signature.outputs)
         self._out_dtypes = {s.name: np_dtype(s.dtype) for s in manifest.signature.outputs}
+        # (input name, shape) pairs check_inputs found to match the signature: a client sends the
+        # same few shapes, and a set look-up costs less than comparing every axis again
+        self._accepted: set[tuple[str, tuple[int, ...]]] = set()
 
     def _direct(self, specs: tuple[TensorSpec, ...]) -> dict[str, str] | None:
         names = {}
@@ -110,15 +117,18 @@ class ServedModel:
         """Validate names, dtypes and shapes against the served signature; return cast copies."""
         if len(inputs) == len(self._expected):  # the common case: every input as served, checked in one pass
             fast: dict[str, np.ndarray] = {}
+            accepted = self._accepted
             for name, dtype, shape in self._expected:
                 arr = inputs.get(name)
-                if (
-                    not isinstance(arr, np.ndarray)
-                    or arr.dtype != dtype
-                    or arr.ndim != len(shape)
-                    or any(want is not None and got != want for got, want in zip(arr.shape, shape, strict=True))
-                ):
+                if not isinstance(arr, np.ndarray) or arr.dtype != dtype:
                     break
+                if (name, arr.shape) not in accepted:  # a shape not seen yet: check it against the signature
+                    if arr.ndim != len(shape) or any(
+                        want is not None and got != want for got, want in zip(arr.shape, shape, strict=True)
+                    ):
+                        break
+                    if len(accepted) < _ACCEPTED_SHAPES:
+                        accepted.add((name, arr.shape))
                 fast[name] = arr
             else:
                 return fast

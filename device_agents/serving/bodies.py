@@ -42,8 +42,11 @@ class ByteBudget:
             raise RequestTooLargeError(
                 f"the request needs {n} bytes of buffer, over server.max_buffered_mb ({self.capacity} bytes)"
             )
-        deadline = time.monotonic() + BUDGET_WAIT_S
         with self._lock:
+            if self.used + n <= self.capacity:  # room now: the usual case
+                self.used += n
+                return
+            deadline = time.monotonic() + BUDGET_WAIT_S
             while self.used + n > self.capacity:
                 left = deadline - time.monotonic()
                 if left <= 0:

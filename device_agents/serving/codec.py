@@ -83,7 +83,7 @@ class _Plan:
     outputs: Sequence[TensorSpec]
     max_bytes: int
     body_length: int  # header + every tensor's bytes
-    tensors: tuple[tuple[str, np.dtype[Any], tuple[int, ...], int, int], ...]  # name, dtype, shape, offset, count
+    tensors: tuple[tuple[str, np.dtype[Any], tuple[int, ...], int, int], ...]  # name, wire dtype, shape, offset, count
     request: InferRequest  # its inputs empty
 
 
@@ -95,21 +95,22 @@ class HeaderCache:
 
     def __init__(self, max_entries: int = 256) -> None:
         self.max_entries = max_entries
-        self._requests: dict[bytes, _Plan] = {}
-        self._responses: dict[tuple[Any, ...], bytes] = {}
+        # read with a plain ``dict.get`` on the hot path (one C call); written through ``keep_*``
+        self.plans: dict[bytes, _Plan] = {}
+        self.responses: dict[tuple[Any, ...], bytes] = {}
         self._lock = threading.Lock()
 
     def plan(self, header: bytes) -> _Plan | None:
-        return self._requests.get(header)
+        return self.plans.get(header)
 
     def response(self, key: tuple[Any, ...]) -> bytes | None:
-        return self._responses.get(key)
+        return self.responses.get(key)
 
     def keep_plan(self, header: bytes, plan: _Plan) -> None:
-        self._keep(self._requests, header, plan)
+        self._keep(self.plans, header, plan)
 
     def keep_response(self, key: tuple[Any, ...], header: bytes) -> None:
-        self._keep(self._responses, key, header)
+        self._keep(self.responses, key, header)
 
     def _keep(self, table: dict[Any, Any], key: Any, value: Any) -> None:
         with self._lock:
@@ -139,25 +140,31 @@ def decode_request(
 
     ``max_bytes`` bounds every tensor's declared size before it is allocated. ``cache``: a
     binary-only header seen before against the same signature is not parsed again."""
-    json_end = len(body) if header_length is None else header_length
-    if not 0 <= json_end <= len(body):
-        raise InferenceInputError(
-            f"Inference-Header-Content-Length {header_length} is outside the {len(body)}-byte body"
-        )
-    header = bytes(body[:json_end]) if cache is not None and json_end < len(body) else None
-    if header is not None and cache is not None:
-        plan = cache.plan(header)
+    size = len(body)
+    json_end = size if header_length is None else header_length
+    if not 0 <= json_end <= size:
+        raise InferenceInputError(f"Inference-Header-Content-Length {header_length} is outside the {size}-byte body")
+    header: bytes | None = None
+    if cache is not None and json_end < size:
+        head = body[:json_end]
+        header = bytes(head) if isinstance(head, bytearray) else head  # (an inflated body's is not hashable)
+        plan = cache.plans.get(header)
         if (
             plan is not None
             and plan.inputs is inputs
             and plan.outputs is outputs
             and plan.max_bytes == max_bytes
-            and plan.body_length == len(body)
+            and plan.body_length == size
         ):
-            known = {
-                name: _frombuffer(body, dtype, count, offset).reshape(shape)
-                for name, dtype, shape, offset, count in plan.tensors
-            }
+            known = {}
+            for name, dtype, shape, offset, count in plan.tensors:
+                # the checks _decode_input made are the plan's; what is left is the data itself
+                arr = np.frombuffer(body, dtype, count, offset)
+                if not dtype.isnative:  # a big-endian machine: in native byte order (a copy: aligned)
+                    arr = arr.astype(dtype.newbyteorder("="))
+                elif not arr.flags.aligned:
+                    arr = arr.copy()
+                known[name] = arr.reshape(shape)
             r = plan.request
             return InferRequest(r.id, known, r.outputs, r.binary_output, r.timeout_s)
     try:
@@ -178,7 +185,7 @@ def decode_request(
         tensors[name] = arr
         if used:
             binary += 1
-            layout.append((name, arr.dtype, arr.shape, offset, arr.size))
+            layout.append((name, arr.dtype.newbyteorder("<"), arr.shape, offset, arr.size))  # as on the wire
         offset += used
     if offset != len(body):
         raise InferenceInputError(
@@ -342,13 +349,22 @@ def encode_response(
     model, version, outputs asked for and their shapes and dtypes."""
     wanted = request.outputs if request.outputs is not None else tuple((s.name, request.binary_output) for s in outputs)
     key: tuple[Any, ...] | None = None
-    if cache is not None and request.id is None and all(binary for _, binary in wanted):
-        arrays = [results[name] for name, _ in wanted]
-        key = (model_name, version, wanted, *((a.shape, a.dtype.str) for a in arrays))
-        cached = cache.response(key)
-        if cached is not None:
-            tensors = [_little_endian_bytes(a) for a in arrays]
-            return cached + b"".join(tensors), len(cached)
+    if cache is not None and request.id is None:
+        if len(wanted) == 1:  # one output (the usual case): no generator or list of one
+            out_name, binary = wanted[0]
+            if binary:
+                a = results[out_name]
+                key = (model_name, version, wanted, (a.shape, a.dtype))
+                cached = cache.responses.get(key)
+                if cached is not None:
+                    return cached + _little_endian_bytes(a), len(cached)
+        elif all(binary for _, binary in wanted):
+            arrays = [results[name] for name, _ in wanted]
+            key = (model_name, version, wanted, *((a.shape, a.dtype) for a in arrays))
+            cached = cache.responses.get(key)
+            if cached is not None:
+                tensors = [_little_endian_bytes(a) for a in arrays]
+                return cached + b"".join(tensors), len(cached)
     datatypes = {s.name: MANIFEST_TO_V2[s.dtype] for s in outputs}  # ServedModel returns the served dtypes
     blobs: list[bytes] = []
     items = []
