@@ -82,17 +82,18 @@ class Reservation:
         self.held_inflated = 0
 
     def add(self, n: int) -> None:
-        self.held += self._take(self.budget, self.held, n, "as received")
+        budget = self.budget  # _take's steps inline: every request body comes here
+        if self.held + n > budget.capacity:
+            raise RequestTooLargeError(_over(self.held + n, "as received", budget.capacity))
+        budget.reserve(n, self.retry_after_s)
+        self.held += n
 
     def add_inflated(self, n: int) -> None:
         self.held_inflated += self._take(self.inflating, self.held_inflated, n, "inflated")
 
     def _take(self, budget: ByteBudget, held: int, n: int, what: str) -> int:
         if held + n > budget.capacity:  # could never fit, however long it waited
-            raise RequestTooLargeError(
-                f"the request needs over {held + n} bytes of buffer ({what}), over server.max_buffered_mb "
-                f"({budget.capacity} bytes)"
-            )
+            raise RequestTooLargeError(_over(held + n, what, budget.capacity))
         budget.reserve(n, self.retry_after_s)
         return n
 
@@ -109,6 +110,10 @@ class Reservation:
         if self.held_inflated:
             self.inflating.release(self.held_inflated)
             self.held_inflated = 0
+
+
+def _over(n: int, what: str, capacity: int) -> str:
+    return f"the request needs over {n} bytes of buffer ({what}), over server.max_buffered_mb ({capacity} bytes)"
 
 
 def inflate(body: bytes, encoding: str | None, limit: int, reservation: Reservation) -> bytes | bytearray:
