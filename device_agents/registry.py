@@ -64,7 +64,7 @@ class Lease:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.release()
+        self._registry._release(self._entry)  # release(), one call less: the batcher's every call ends here
 
 
 class Registry:

@@ -67,6 +67,9 @@ class ServedModel:
     def __init__(self, runner: ArtifactRunner, manifest: Manifest) -> None:
         self.runner = runner
         self.manifest = manifest
+        # The served signature (plain attributes, not properties: read on every request)
+        self.inputs: tuple[TensorSpec, ...] = manifest.signature.inputs
+        self.outputs: tuple[TensorSpec, ...] = manifest.signature.outputs
         self._in_map = {m.served: m for m in manifest.mapping}
         self._out_map = {m.served: m for m in manifest.mapping}
         self._artifact_specs = {
@@ -104,14 +107,6 @@ class ServedModel:
 
     def rejects_input(self, exc: Exception) -> bool:
         return bool(self._rejects_input is not None and self._rejects_input(exc))
-
-    @property
-    def inputs(self) -> tuple[TensorSpec, ...]:
-        return self.manifest.signature.inputs
-
-    @property
-    def outputs(self) -> tuple[TensorSpec, ...]:
-        return self.manifest.signature.outputs
 
     def check_inputs(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Validate names, dtypes and shapes against the served signature; return cast copies."""

@@ -300,7 +300,7 @@ class _Handler(BaseHTTPRequestHandler):
             # _add_header's checks inline for a well-formed line (a call per header costs ~0.5 us)
             name, sep, value = line.partition(":")
             key = name.strip().lower()
-            if not sep or not key or key == "content-length":
+            if not sep or not key or (key == "content-length" and key in headers):  # bad, or a second length
                 if not self._add_header(headers, line):
                     return False
                 continue
@@ -484,7 +484,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._label = ""
         timing = RequestTiming()
         overhead_s = write_cpu_overhead_s = None
-        reservation = self._reservation()
+        reservation = Reservation(self.server.budget, self.server.limits.retry_after_s, self.server.inflate_budget)
         try:
             try:
                 # The body first: a refused request whose body stays unread would be parsed as the
