@@ -347,10 +347,10 @@ class _Handler(BaseHTTPRequestHandler):
         data = head.encode("latin-1") + body
         self._write_start, cpu = time.perf_counter(), time.thread_time()
         self.connection.sendall(data)  # (what wfile.write does, less a Python call and a memoryview)
+        self._written = time.perf_counter()  # as soon as the write returned: not after the CPU clock read below
         # the write's own CPU time too: a write that wakes the client can be preempted by it (on a
         # busy 2-core machine, the client is woken onto this core), and that wait is the client's
         self._write_cpu_s = time.thread_time() - cpu
-        self._written = time.perf_counter()
         self._status, self._sent = code, len(body)
 
     def _send_json(self, code: int, doc: Any, headers: tuple[tuple[str, str], ...] = ()) -> None:
