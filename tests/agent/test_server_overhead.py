@@ -126,11 +126,15 @@ def test_a_request_s_stage_metrics_are_recorded_after_its_answer_is_written(
         seen.append(answered.wait(10))
         recorded.set()
 
-    observe_stages, observe_request = series.observe_stages, series.observe_request
+    observe_stages, observe_batch, observe_request = series.observe_stages, series.observe_batch, series.observe_request
 
     def stages_first(*args: Any, **kwargs: Any) -> None:
         waits_for_the_answer()
         observe_stages(*args, **kwargs)
+
+    def batch_first(*args: Any, **kwargs: Any) -> None:
+        waits_for_the_answer()
+        observe_batch(*args, **kwargs)
 
     def request_with_stages(*args: Any, **kwargs: Any) -> None:
         if kwargs.get("stages") or (len(args) > 5 and args[5]):
@@ -138,6 +142,7 @@ def test_a_request_s_stage_metrics_are_recorded_after_its_answer_is_written(
         observe_request(*args, **kwargs)
 
     monkeypatch.setattr(series, "observe_stages", stages_first)
+    monkeypatch.setattr(series, "observe_batch", batch_first)  # the call it ran in, run in its own thread
     monkeypatch.setattr(series, "observe_request", request_with_stages)
     client = triton.InferenceServerClient(address, network_timeout=30)
     _request(client, np.ones((1, 3, 16, 16), np.float32))
