@@ -80,6 +80,9 @@ class _Headers(dict[str, str]):
 
 
 _MAX_HEADERS = 100
+# Header blocks remembered as parsed (at most this many, each at most this long: 256 KiB in all)
+_HEADER_BLOCKS = 256
+_HEADER_BLOCK_MAX_BYTES = 1024
 
 
 class _Connection:
@@ -110,6 +113,8 @@ class AgentServer(ThreadingHTTPServer):
         self.inflate_budget = ByteBudget(self.limits.max_buffered_bytes)  # what gzip/deflate bodies inflate to
         self.request_queue_size = min(max(128, self.limits.max_connections), socket.SOMAXCONN)
         self.header_cache = HeaderCache()  # v2 JSON headers seen before: not parsed again
+        self.header_blocks: dict[bytes, _Headers] = {}  # HTTP header blocks seen before: not parsed again
+        self._header_blocks_lock = threading.Lock()
         self._conns: dict[int, _Connection] = {}
         self._conns_lock = threading.Lock()
         super().__init__((host, port), _Handler)
@@ -119,6 +124,15 @@ class AgentServer(ThreadingHTTPServer):
         # requests of a fresh agent (a tail the batching p99 and the overhead p99 both see). Frozen
         # objects freed later by reference counting still go; only cycles among them stay.
         gc.freeze()
+
+    def keep_header_block(self, block: bytes, headers: _Headers) -> None:
+        """Remember what ``block`` parsed to (a copy), if it is small; the oldest goes at the bound."""
+        if len(block) > _HEADER_BLOCK_MAX_BYTES:
+            return
+        with self._header_blocks_lock:
+            while len(self.header_blocks) >= _HEADER_BLOCKS:
+                del self.header_blocks[next(iter(self.header_blocks))]
+            self.header_blocks[block] = _Headers(headers)
 
     @property
     def url(self) -> str:
@@ -282,15 +296,34 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _header_block(self) -> _Headers | Literal[False] | None:
         """The headers when all of them are in the read buffer already (the usual case: one
-        ``peek``, one ``split``); None to read them line by line; False after answering a 4xx."""
+        ``peek``, one ``split``); None to read them line by line; False after answering a 4xx.
+
+        A client sends the same header block with every request of one kind (tritonclient: the
+        same six headers, byte for byte): a block parsed before is a dict look-up
+        (``AgentServer.header_blocks``; only blocks that parsed without a 4xx are kept)."""
         buffered = self.rfile.peek(_MAX_LINE)  # type: ignore[attr-defined]  # rfile is a BufferedReader
         if buffered.startswith(b"\r\n"):
             self.rfile.read(2)  # no headers: the blank line only
             return _Headers()
         end = buffered.find(b"\r\n\r\n")  # the first blank line ends the headers
-        if end < 0 or buffered.count(b"\n", 0, end) != buffered.count(b"\r\n", 0, end):  # incomplete, or bare LFs
+        if end < 0:  # not all in yet
             return None
-        lines = self.rfile.read(end + 4)[:end].decode("iso-8859-1").split("\r\n")
+        block = buffered[:end]
+        known = self.server.header_blocks.get(block)
+        if known is not None:
+            self.rfile.read(end + 4)
+            return _Headers(known)  # a copy: nothing a request does to its headers reaches the next
+        if buffered.count(b"\n", 0, end) != buffered.count(b"\r\n", 0, end):  # bare-LF lines
+            return None
+        self.rfile.read(end + 4)
+        headers = self._parse_block(block)
+        if headers is not False:
+            self.server.keep_header_block(block, headers)
+        return headers
+
+    def _parse_block(self, block: bytes) -> _Headers | Literal[False]:
+        """The ``Name: value`` lines of ``block`` (CRLF between them); False after answering a 4xx."""
+        lines = block.decode("iso-8859-1").split("\r\n")
         if len(lines) > _MAX_HEADERS:
             self.close_connection = True
             self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"More than {_MAX_HEADERS} headers")

@@ -344,6 +344,20 @@ def test_request_headers_parse_however_they_arrive(agent: RunningAgent, chunks: 
     assert answer.count(b"HTTP/1.1 ") == 1
 
 
+def test_a_header_block_seen_before_is_answered_as_the_first_time(agent: RunningAgent) -> None:
+    """Header blocks that parsed are remembered (a look-up instead of a parse): a repeated one
+    answers the same, a repeated bad one is refused every time, and what one request's block
+    parsed to does not leak into another's (``Connection: close`` here)."""
+    good = b"GET /v2/health/live HTTP/1.1\r\nHost: a\r\nX-Seen: 1\r\n\r\n"
+    closing = b"GET /v2/health/live HTTP/1.1\r\nHost: a\r\nX-Seen: 1\r\nConnection: close\r\n\r\n"
+    for _ in range(2):  # keep-alive: the server answers both requests, then the closing one, then closes
+        answer = _exchange(agent, good + good + closing)
+        assert answer.count(b"HTTP/1.1 200 ") == 3, answer[:600]
+    smuggled = b"POST /v2/health/live HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab"
+    for _ in range(2):
+        assert _exchange(agent, smuggled).startswith(b"HTTP/1.1 400 ")
+
+
 def test_bad_header_blocks_are_4xx(agent: RunningAgent) -> None:
     smuggled = b"POST /v2/health/live HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab"
     assert _exchange(agent, smuggled).startswith(b"HTTP/1.1 400 ")
