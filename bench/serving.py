@@ -4,7 +4,9 @@
   by one agent, as ``mlp`` (``max_batch_size = 32``, one batch at a time: ``workers = 1``, as
   the weights are read once per call) and ``mlp_unbatched`` (server default); throughput at
   concurrency 1/4/16/64, the two interleaved round by round; the server-side p99 (queue + infer,
-  from the stage histograms) against ``max_wait_ms`` + 2x the batch's run time; then c=16 again in
+  from the stage histograms) against ``max_wait_ms`` + 2x the batch's run time; the CPU per
+  request (load generator + agent) of both at c=16, which bounds their throughput ratio when the
+  clients share the agent's cores and both keep them full (less noisy than throughput); then c=16 again in
   an agent with ``[runtimes.onnxruntime] spinning = false`` (both models). Then the digits conv
   net example, batched vs unbatched at concurrency 16.
 - ``overhead``: p50 round trip of a 1 KB tensor to the agent vs to a do-nothing v2 server (the
@@ -90,6 +92,7 @@ class Load:
         self.address, self.model, self.inputs, self.output = address, model, inputs, output
         self.server_pid = server_pid
         self.client_cpu_s = self.server_cpu_s = self.measured_s = 0.0
+        self.answered = 0  # requests answered while measured
 
     def _server_cpu(self) -> float:
         if self.server_pid is None:
@@ -105,6 +108,16 @@ class Load:
             return ""
         agent = f", agent {self.server_cpu_s / self.measured_s:.2f}" if self.server_pid is not None else ""
         return f"clients {self.client_cpu_s / self.measured_s:.2f}{agent} cores"
+
+    def cpu_per_request_ms(self) -> tuple[float, float]:
+        """(clients, agent) CPU milliseconds per answered request while measured."""
+        if not self.answered:
+            return float("nan"), float("nan")
+        return self.client_cpu_s * 1000 / self.answered, self.server_cpu_s * 1000 / self.answered
+
+    def reset(self) -> None:
+        self.client_cpu_s = self.server_cpu_s = self.measured_s = 0.0
+        self.answered = 0
 
     def run(self, concurrency: int, seconds: float) -> tuple[int, list[float], int]:
         import tritonclient.http as httpclient
@@ -149,6 +162,7 @@ class Load:
         self.server_cpu_s += self._server_cpu() - server0
         self.measured_s += time.perf_counter() - wall0
         flat = [v for lat in latencies for v in lat]
+        self.answered += len(flat)
         return len(flat), flat, sum(errors)
 
 
@@ -238,8 +252,10 @@ def run_batching(ctx: BenchContext, *, name: str) -> list[Measurement]:
                     f"batched {_pct(b_lat, 50):.2f}/{_pct(b_lat, 99):.2f}; errors {a_err}/{b_err}; CPU: "
                     f"unbatched {loads['mlp_unbatched'].cpu_note()}, batched {loads['mlp'].cpu_note()}"
                 )
+                if c == 16:
+                    rows.append(_cpu_per_request(name, loads["mlp_unbatched"], loads["mlp"], tag))
                 for load in loads.values():
-                    load.client_cpu_s = load.server_cpu_s = load.measured_s = 0.0
+                    load.reset()
                 rows.append(
                     Measurement(name, f"mlp batched vs unbatched, c={c}{tag}", "throughput", "req/s", "unbatched",
                                 f"max_batch_size {MAX_BATCH}", a_rps, b_rps, note)
@@ -248,6 +264,18 @@ def run_batching(ctx: BenchContext, *, name: str) -> list[Measurement]:
                     rows.append(_server_p99(name, _scrape(agent.url).minus(before), _stats(agent.url), tag))
     rows += _conv_batching(ctx, name, work, seconds, 2 * rounds)  # c=16 and the conv net: the ratios judged
     return rows
+
+
+def _cpu_per_request(name: str, unbatched: Load, batched: Load, tag: str) -> Measurement:
+    """CPU per answered request (the load generator's and the agent's), unbatched vs batched.
+
+    Less noisy than throughput on a shared machine, and what bounds the throughput ratio when the
+    clients run on the agent's cores and both loads keep them full: about A/B."""
+    (uc, ua), (bc, ba) = unbatched.cpu_per_request_ms(), batched.cpu_per_request_ms()
+    return Measurement(name, f"CPU per request (clients + agent), c=16{tag}", "CPU", "ms", "unbatched",
+                       f"max_batch_size {MAX_BATCH}", uc + ua, bc + ba,
+                       f"unbatched clients {uc:.3f} + agent {ua:.3f} ms, batched clients {bc:.3f} + agent {ba:.3f} ms; "
+                       f"cores kept full: throughput ratio ~ A/B = {(uc + ua) / (bc + ba):.2f}x")  # fmt: skip
 
 
 def _server_p99(name: str, snap: Any, live: dict[str, Any], tag: str) -> Measurement:
