@@ -6,8 +6,9 @@
   concurrency 1/4/16/64, the two interleaved round by round; the server-side p99 (queue + infer,
   from the stage histograms) against ``max_wait_ms`` + 2x the batch's run time; the CPU per
   request (load generator + agent) of both at c=16, which bounds their throughput ratio when the
-  clients share the agent's cores and both keep them full (less noisy than throughput); then c=16 again in
-  an agent with ``[runtimes.onnxruntime] spinning = false`` (both models). Then the digits conv
+  clients share the agent's cores and both keep them full (less noisy than throughput); then c=16
+  again in an agent with ``[runtimes.onnxruntime] spinning = false`` and in one with
+  ``spin_between_runs = false`` (both models). Then the digits conv
   net example, batched vs unbatched at concurrency 16.
 - ``overhead``: p50 round trip of a 1 KB tensor to the agent vs to a do-nothing v2 server (the
   client-side floor), and the runtime call alone (``session.run``), side by side; their difference
@@ -231,11 +232,13 @@ def run_batching(ctx: BenchContext, *, name: str) -> list[Measurement]:
     )
     rows: list[Measurement] = []
     # The agent as configured by default (ONNX Runtime's threads spin), then at c=16 again with
-    # [runtimes.onnxruntime] spinning = false: both models of one agent get the same settings.
-    for spinning, levels in ((True, CONCURRENCY), (False, (16,))):
-        config = extra if spinning else extra + "[runtimes.onnxruntime]\nspinning = false\n"
-        tag = "" if spinning else ", spinning = false"
-        with RunningAgent(work / f"agent-{spinning}", [ctx.pub], extra_config=config) as agent:
+    # [runtimes.onnxruntime] spinning = false, and with spin_between_runs = false (they spin inside
+    # a run only): both models of one agent get the same settings.
+    variants = (("", CONCURRENCY), ("spinning = false", (16,)), ("spin_between_runs = false", (16,)))
+    for i, (setting, levels) in enumerate(variants):
+        config = extra + (f"[runtimes.onnxruntime]\n{setting}\n" if setting else "")
+        tag = f", {setting}" if setting else ""
+        with RunningAgent(work / f"agent-{i}", [ctx.pub], extra_config=config) as agent:
             for b in (batched_bundle, plain_bundle):
                 agent.install(b)
             x = calib["x"][:1].copy()

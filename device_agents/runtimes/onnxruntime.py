@@ -45,6 +45,8 @@ class OnnxRuntimeRunner:
         if not options.spinning:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
             so.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        elif not options.spin_between_runs:
+            so.add_session_config_entry("session.force_spinning_stop", "1")
         available = ort.get_available_providers()
         wanted = [p for p in options.providers if p in available] or ["CPUExecutionProvider"]
         self.session = ort.InferenceSession(str(model_dir / onnx_files[0].path), so, providers=wanted)

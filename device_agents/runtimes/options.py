@@ -31,6 +31,13 @@ class OnnxRuntimeOptions:
     # Spinning trades CPU for wake-up latency; on a device whose cores the server's own threads
     # (and other processes) share, the spinning threads take the cores those need.
     spinning: bool = True
+    # session.force_spinning_stop: with spinning on, whether the threads keep spinning after a run
+    # returns (ORT's default) or sleep until the next run (false: they still spin inside a run,
+    # between its parallel sections). Between runs is when a server's own threads need the cores:
+    # in three agent runs each, the batched MLP of bench/serving.py at 16 clients used 12-20% less
+    # agent CPU per request with it off (agent / client CPU per request 2.81-2.93 vs 3.01-3.80);
+    # one bench run on a host slowed 2x read the other way. Not the default until measured quiet.
+    spin_between_runs: bool = True
 
     def __post_init__(self) -> None:
         _check_non_negative(threads=self.threads, inter_op_threads=self.inter_op_threads)

@@ -72,3 +72,21 @@ def test_onnxruntime_runner_turns_thread_spinning_off_when_configured(
     assert quiet.session.get_session_options().get_session_config_entry(entry) == "0"
     with pytest.raises(RuntimeError, match="does not have configuration"):  # ORT's default (spinning) left alone
         default.session.get_session_options().get_session_config_entry(entry)
+
+
+def test_onnxruntime_runner_stops_spinning_after_each_run_when_configured(
+    tmp_path: Path, tiny_model: Path, bundles: Bundles
+) -> None:
+    manifest = read_manifest(bundles.v1)
+    (artifact,) = [f for f in manifest.artifact_files() if f.path.endswith(".onnx")]
+    shutil.copy(tiny_model, tmp_path / artifact.path)
+    between = OnnxRuntimeRunner(tmp_path, manifest, OnnxRuntimeOptions(threads=2, spin_between_runs=False))
+    default = OnnxRuntimeRunner(tmp_path, manifest, OnnxRuntimeOptions(threads=2))
+    entry = "session.force_spinning_stop"
+    assert between.session.get_session_options().get_session_config_entry(entry) == "1"
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # ORT's default left alone
+        default.session.get_session_options().get_session_config_entry(entry)
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # it still spins inside a run
+        between.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
+    x = np.ones((2, 3, 16, 16), np.float32)
+    np.testing.assert_allclose(between.run({"input": x})["probs"], _expected(tiny_model, x), rtol=1e-6)
