@@ -19,10 +19,7 @@ from tests.agent.conftest import Bundles
 
 @pytest.fixture()
 def runner(tmp_path: Path, tiny_model: Path, bundles: Bundles) -> OnnxRuntimeRunner:
-    manifest = read_manifest(bundles.v1)
-    (artifact,) = [f for f in manifest.artifact_files() if f.path.endswith(".onnx")]
-    shutil.copy(tiny_model, tmp_path / artifact.path)
-    return OnnxRuntimeRunner(tmp_path, manifest, OnnxRuntimeOptions(threads=1))
+    return _runner(tmp_path, tiny_model, bundles, OnnxRuntimeOptions(threads=1))
 
 
 def _expected(tiny_model: Path, x: np.ndarray) -> np.ndarray:
@@ -60,33 +57,38 @@ def test_onnxruntime_runner_still_refuses_a_missing_input(runner: OnnxRuntimeRun
         runner.run({})
 
 
-def test_onnxruntime_runner_turns_thread_spinning_off_when_configured(
-    tmp_path: Path, tiny_model: Path, bundles: Bundles
-) -> None:
+def _session_entry(runner: OnnxRuntimeRunner, entry: str) -> str | None:
+    """A session config entry of ``runner``'s session; None where it was left at ORT's default."""
+    try:
+        return str(runner.session.get_session_options().get_session_config_entry(entry))
+    except RuntimeError as exc:
+        assert "does not have configuration" in str(exc)
+        return None
+
+
+def _runner(tmp_path: Path, tiny_model: Path, bundles: Bundles, options: OnnxRuntimeOptions) -> OnnxRuntimeRunner:
     manifest = read_manifest(bundles.v1)
     (artifact,) = [f for f in manifest.artifact_files() if f.path.endswith(".onnx")]
     shutil.copy(tiny_model, tmp_path / artifact.path)
-    quiet = OnnxRuntimeRunner(tmp_path, manifest, OnnxRuntimeOptions(threads=2, spinning=False))
-    default = OnnxRuntimeRunner(tmp_path, manifest, OnnxRuntimeOptions(threads=2))
-    entry = "session.intra_op.allow_spinning"
-    assert quiet.session.get_session_options().get_session_config_entry(entry) == "0"
-    with pytest.raises(RuntimeError, match="does not have configuration"):  # ORT's default (spinning) left alone
-        default.session.get_session_options().get_session_config_entry(entry)
+    return OnnxRuntimeRunner(tmp_path, manifest, options)
+
+
+def test_onnxruntime_runner_turns_thread_spinning_off_when_configured(
+    tmp_path: Path, tiny_model: Path, bundles: Bundles
+) -> None:
+    quiet = _runner(tmp_path, tiny_model, bundles, OnnxRuntimeOptions(threads=2, spinning=False))
+    default = _runner(tmp_path, tiny_model, bundles, OnnxRuntimeOptions(threads=2))
+    assert _session_entry(quiet, "session.intra_op.allow_spinning") == "0"
+    assert _session_entry(default, "session.intra_op.allow_spinning") is None  # ORT's default (spinning) left alone
 
 
 def test_onnxruntime_runner_stops_spinning_after_each_run_when_configured(
     tmp_path: Path, tiny_model: Path, bundles: Bundles
 ) -> None:
-    manifest = read_manifest(bundles.v1)
-    (artifact,) = [f for f in manifest.artifact_files() if f.path.endswith(".onnx")]
-    shutil.copy(tiny_model, tmp_path / artifact.path)
-    between = OnnxRuntimeRunner(tmp_path, manifest, OnnxRuntimeOptions(threads=2, spin_between_runs=False))
-    default = OnnxRuntimeRunner(tmp_path, manifest, OnnxRuntimeOptions(threads=2))
-    entry = "session.force_spinning_stop"
-    assert between.session.get_session_options().get_session_config_entry(entry) == "1"
-    with pytest.raises(RuntimeError, match="does not have configuration"):  # ORT's default left alone
-        default.session.get_session_options().get_session_config_entry(entry)
-    with pytest.raises(RuntimeError, match="does not have configuration"):  # it still spins inside a run
-        between.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
+    between = _runner(tmp_path, tiny_model, bundles, OnnxRuntimeOptions(threads=2, spin_between_runs=False))
+    default = _runner(tmp_path, tiny_model, bundles, OnnxRuntimeOptions(threads=2))
+    assert _session_entry(between, "session.force_spinning_stop") == "1"
+    assert _session_entry(default, "session.force_spinning_stop") is None  # ORT's default left alone
+    assert _session_entry(between, "session.intra_op.allow_spinning") is None  # it still spins inside a run
     x = np.ones((2, 3, 16, 16), np.float32)
     np.testing.assert_allclose(between.run({"input": x})["probs"], _expected(tiny_model, x), rtol=1e-6)
