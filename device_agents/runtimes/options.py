@@ -33,10 +33,11 @@ class OnnxRuntimeOptions:
     spinning: bool = True
     # session.force_spinning_stop: with spinning on, whether the threads keep spinning after a run
     # returns (ORT's default) or sleep until the next run (false: they still spin inside a run,
-    # between its parallel sections). Between runs is when a server's own threads need the cores:
-    # in three agent runs each, the batched MLP of bench/serving.py at 16 clients used 12-20% less
-    # agent CPU per request with it off (agent / client CPU per request 2.81-2.93 vs 3.01-3.80);
-    # one bench run on a host slowed 2x read the other way. Not the default until measured quiet.
+    # between its parallel sections). Between runs is when a server's own threads need the cores.
+    # Not the default: on bench/serving.py's MLP (2 cores, clients on them) it was mixed at 16
+    # clients (agent / client CPU per request 2.60-3.32 vs 2.82-2.99 spinning, three quiet runs
+    # each) and cost latency at 1 client (p50 2.11-2.26 ms vs 1.55-1.68 in two of three runs: the
+    # threads are woken for every run).
     spin_between_runs: bool = True
 
     def __post_init__(self) -> None:
