@@ -73,22 +73,27 @@ def _runner(tmp_path: Path, tiny_model: Path, bundles: Bundles, options: OnnxRun
     return OnnxRuntimeRunner(tmp_path, manifest, options)
 
 
-def test_onnxruntime_runner_turns_thread_spinning_off_when_configured(
-    tmp_path: Path, tiny_model: Path, bundles: Bundles
+@pytest.mark.parametrize(
+    ("setting", "entry", "value"),
+    [
+        ({"spinning": False}, "session.intra_op.allow_spinning", "0"),
+        ({"spin_between_runs": False}, "session.force_spinning_stop", "1"),
+    ],
+    ids=["spinning-off", "no-spin-between-runs"],
+)
+def test_onnxruntime_runner_sets_a_thread_spinning_option_only_when_configured(
+    tmp_path: Path, tiny_model: Path, bundles: Bundles, setting: dict[str, bool], entry: str, value: str
 ) -> None:
-    quiet = _runner(tmp_path, tiny_model, bundles, OnnxRuntimeOptions(threads=2, spinning=False))
+    configured = _runner(tmp_path, tiny_model, bundles, OnnxRuntimeOptions(threads=2, **setting))
     default = _runner(tmp_path, tiny_model, bundles, OnnxRuntimeOptions(threads=2))
-    assert _session_entry(quiet, "session.intra_op.allow_spinning") == "0"
-    assert _session_entry(default, "session.intra_op.allow_spinning") is None  # ORT's default (spinning) left alone
+    assert _session_entry(configured, entry) == value
+    assert _session_entry(default, entry) is None  # ORT's default left alone
 
 
-def test_onnxruntime_runner_stops_spinning_after_each_run_when_configured(
+def test_onnxruntime_runner_that_stops_spinning_between_runs_still_spins_inside_one(
     tmp_path: Path, tiny_model: Path, bundles: Bundles
 ) -> None:
     between = _runner(tmp_path, tiny_model, bundles, OnnxRuntimeOptions(threads=2, spin_between_runs=False))
-    default = _runner(tmp_path, tiny_model, bundles, OnnxRuntimeOptions(threads=2))
-    assert _session_entry(between, "session.force_spinning_stop") == "1"
-    assert _session_entry(default, "session.force_spinning_stop") is None  # ORT's default left alone
-    assert _session_entry(between, "session.intra_op.allow_spinning") is None  # it still spins inside a run
+    assert _session_entry(between, "session.intra_op.allow_spinning") is None
     x = np.ones((2, 3, 16, 16), np.float32)
     np.testing.assert_allclose(between.run({"input": x})["probs"], _expected(tiny_model, x), rtol=1e-6)
