@@ -6,7 +6,9 @@
   concurrency 1/4/16/64, the two interleaved round by round; the server-side p99 (queue + infer,
   from the stage histograms) against ``max_wait_ms`` + 2x the batch's run time; the CPU per
   request (load generator + agent) of both at c=16, which bounds their throughput ratio when the
-  clients share the agent's cores and both keep them full (less noisy than throughput); then c=16
+  clients share the agent's cores and both keep them full (less noisy than throughput), with the
+  agent's share split by thread role where the OS names its threads (connections, batch workers,
+  the runtime's own threads: ``device_agents.platforms.threads``); then c=16
   again in an agent with ``[runtimes.onnxruntime] spinning = false`` and in one with
   ``spin_between_runs = false`` (both models). Then the digits conv
   net example, batched vs unbatched at concurrency 16.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import resource
 import selectors
 import socket
@@ -80,6 +83,33 @@ def _package(ctx: BenchContext, model: Path, name: str, calib: dict[str, np.ndar
     return Path(result.bundles["cpu"])
 
 
+# The agent's thread roles by OS thread name (device_agents.platforms.threads names them)
+_ROLES = (("infer-", "batch workers"), ("rt-", "runtime threads"))
+_ENDED = "connections"  # http-conn threads, read as the process's CPU the surviving threads did not use
+
+
+def thread_cpu_by_role(pid: int | None) -> dict[str, float]:
+    """CPU seconds the agent's live threads used, by role; {} where /proc has no thread names.
+
+    ``http-conn`` threads are left out: they end when their clients close, before a second
+    reading, so a load's connection CPU is what the process used minus the roles read here."""
+    if pid is None:
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    roles: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            comm = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        if comm == "http-conn":
+            continue
+        role = next((r for prefix, r in _ROLES if comm.startswith(prefix)), "other agent threads")
+        roles[role] = roles.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return roles
+
+
 class Load:
     """``concurrency`` threads, each with its own tritonclient, sending ``x`` to ``model`` for ``seconds``.
 
@@ -94,6 +124,7 @@ class Load:
         self.server_pid = server_pid
         self.client_cpu_s = self.server_cpu_s = self.measured_s = 0.0
         self.answered = 0  # requests answered while measured
+        self.thread_cpu_s: dict[str, float] = {}  # the agent's CPU by thread role (Linux), while measured
 
     def _server_cpu(self) -> float:
         if self.server_pid is None:
@@ -119,6 +150,14 @@ class Load:
     def reset(self) -> None:
         self.client_cpu_s = self.server_cpu_s = self.measured_s = 0.0
         self.answered = 0
+        self.thread_cpu_s = {}
+
+    def thread_note(self) -> str:
+        """The agent's CPU ms per answered request by thread role, where the OS names its threads."""
+        if not self.answered or not self.thread_cpu_s:
+            return ""
+        parts = (f"{role} {s * 1000 / self.answered:.3f}" for role, s in sorted(self.thread_cpu_s.items()) if s > 0)
+        return "agent by thread (ms/request): " + ", ".join(parts)
 
     def run(self, concurrency: int, seconds: float) -> tuple[int, list[float], int]:
         import tritonclient.http as httpclient
@@ -157,10 +196,21 @@ class Load:
         start.wait()
         stop_at[0] = time.perf_counter() + seconds
         cpu0, server0, wall0 = time.process_time(), self._server_cpu(), time.perf_counter()
+        roles0 = thread_cpu_by_role(self.server_pid)
         for t in threads:
             t.join(seconds + 60)
         self.client_cpu_s += time.process_time() - cpu0
-        self.server_cpu_s += self._server_cpu() - server0
+        server_s = self._server_cpu() - server0
+        self.server_cpu_s += server_s
+        roles = thread_cpu_by_role(self.server_pid)
+        if roles0 and roles:
+            named = 0.0
+            for role in roles.keys() - {_ENDED}:
+                spent = roles[role] - roles0.get(role, 0.0)
+                named += spent
+                self.thread_cpu_s[role] = self.thread_cpu_s.get(role, 0.0) + spent
+            # connection threads end as their clients close, before the second reading: the rest
+            self.thread_cpu_s[_ENDED] = self.thread_cpu_s.get(_ENDED, 0.0) + max(0.0, server_s - named)
         self.measured_s += time.perf_counter() - wall0
         flat = [v for lat in latencies for v in lat]
         self.answered += len(flat)
@@ -278,7 +328,9 @@ def _cpu_per_request(name: str, unbatched: Load, batched: Load, tag: str) -> Mea
     return Measurement(name, f"CPU per request (clients + agent), c=16{tag}", "CPU", "ms", "unbatched",
                        f"max_batch_size {MAX_BATCH}", uc + ua, bc + ba,
                        f"unbatched clients {uc:.3f} + agent {ua:.3f} ms, batched clients {bc:.3f} + agent {ba:.3f} ms; "
-                       f"cores kept full: throughput ratio ~ A/B = {(uc + ua) / (bc + ba):.2f}x")  # fmt: skip
+                       f"cores kept full: throughput ratio ~ A/B = {(uc + ua) / (bc + ba):.2f}x"
+                       + "".join(f"; {label} {load.thread_note()}" for label, load in
+                                 (("unbatched", unbatched), ("batched", batched)) if load.thread_note()))  # fmt: skip
 
 
 def _server_p99(name: str, snap: Any, live: dict[str, Any], tag: str) -> Measurement:

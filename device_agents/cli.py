@@ -35,6 +35,7 @@ from device_agents import __version__
 from device_agents.command_line import Parser, os_error_message, os_error_parts
 from device_agents.config import AgentConfig, load_config
 from device_agents.platforms import systemd
+from device_agents.platforms.threads import NamedThread
 from device_agents.store import Store, atomic_write, flock
 from edgekit.bundle.errors import ConfigError, EdgekitError, StoreError
 
@@ -121,7 +122,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         notifier: systemd.SystemdNotifier | None = None
         try:
             _publish_address(config.store / DAEMON_INFO, server.url)
-            threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+            NamedThread(target=server.serve_forever, name="http", daemon=True).start()
             notifier = on_ready(server.url, service.models())
             if config.updates is not None:
                 updater = _update_client(config, service.lifecycle)

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from device_agents.platforms.threads import NamedThread
 from device_agents.store import Slot, Store
 from edgekit.bundle import TrustStore
 from edgekit.bundle.errors import BundleError, ManifestError, StoreError
@@ -73,7 +74,7 @@ class PeriodicCheck:
         self.interval_s = interval_s
         self._fn = fn
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = NamedThread(target=self._run, name=name, daemon=True)
 
     def start(self) -> PeriodicCheck:
         self._thread.start()

@@ -38,6 +38,7 @@ from device_agents.faults import fault_point
 from device_agents.integrity import PeriodicCheck, check_slot, retry_delays
 from device_agents.metrics import AgentMetrics
 from device_agents.platforms.compatibility import check_compatible
+from device_agents.platforms.threads import NamedTimer
 from device_agents.registry import Registry
 from device_agents.runtimes import ServedModel, load_model
 from device_agents.selftest import REPORT_NAME, SelfTestReport, latency_verdict, run_selftest
@@ -481,8 +482,8 @@ class Lifecycle:
         old = self._timers.pop(name, None)
         if old is not None:
             old.cancel()
-        timer = threading.Timer(self.health_window_s, confirm)
-        timer.daemon = True
+        timer = NamedTimer(self.health_window_s, confirm)
+        timer.name, timer.daemon = f"health-{name}", True
         self._timers[name] = timer
         timer.start()
 

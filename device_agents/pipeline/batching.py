@@ -68,6 +68,7 @@ import numpy as np
 from device_agents.config import BatchingConfig
 from device_agents.errors import DeadlineExceededError, OverloadedError, RuntimeFailure, UnavailableError
 from device_agents.faults import stall_armed, stall_point
+from device_agents.platforms.threads import NamedThread
 from device_agents.registry import Lease
 from device_agents.runtimes import ServedModel
 from edgekit.bundle.errors import EdgekitError, InferenceInputError
@@ -339,7 +340,7 @@ class Batcher:
         # it, while the woken callers took the GIL: the model stood idle between batches.
         for _ in range(workers + (1 if batching is not None else 0)):
             self._spawn()
-        self._watchdog = threading.Thread(target=self._watch, name=f"hung-{name}", daemon=True)
+        self._watchdog = NamedThread(target=self._watch, name=f"hung-{name}", daemon=True)
         self._watchdog.start()
 
     # -- the request side ------------------------------------------------------------------
@@ -447,7 +448,7 @@ class Batcher:
 
     # -- the worker side -------------------------------------------------------------------
     def _spawn(self) -> None:
-        t = threading.Thread(target=self._work, name=f"infer-{self.name}", daemon=True)
+        t = NamedThread(target=self._work, name=f"infer-{self.name}", daemon=True)
         self._threads.append(t)
         t.start()
 

@@ -18,6 +18,8 @@ import threading
 import urllib.request
 from collections.abc import Callable, MutableMapping
 
+from device_agents.platforms.threads import NamedThread
+
 log = logging.getLogger("edgekit.agent.systemd")
 
 _ENV_KEYS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
@@ -96,7 +98,7 @@ class SystemdNotifier:
                 else:
                     log.warning("serving loop does not answer; withholding WATCHDOG=1")
 
-        self._thread = threading.Thread(target=loop, name="systemd-watchdog", daemon=True)
+        self._thread = NamedThread(target=loop, name="systemd-watchdog", daemon=True)
         self._thread.start()
 
     def stopping(self) -> None:

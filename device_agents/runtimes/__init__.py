@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from device_agents.platforms.threads import os_named
 from device_agents.runtimes.base import ArtifactRunner, ServedModel
 from device_agents.runtimes.options import OPTIONS, RuntimeOptions
 from edgekit.bundle.errors import ConfigError, IncompatibleError
@@ -52,7 +53,10 @@ def load_model(model_dir: Path, manifest: Manifest, options: RuntimeOptions | No
         raise ConfigError(
             f"model {manifest.name} runs on {runtime}, which takes {wanted.__name__}, not {type(options).__name__}"
         )
-    runner = cls(Path(model_dir), manifest, options)  # type: ignore[call-arg]  # the Protocol leaves __init__ to each runtime
+    # Threads the runtime starts while its runner is built (ONNX Runtime's intra-op pool) inherit
+    # this name: top -H then tells a model's runtime threads from the agent's own.
+    with os_named(f"rt-{manifest.name}"):
+        runner = cls(Path(model_dir), manifest, options)  # type: ignore[call-arg]  # the Protocol leaves __init__ to each runtime
     return ServedModel(runner, manifest)
 
 

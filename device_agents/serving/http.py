@@ -41,6 +41,7 @@ from device_agents.config import ServerConfig
 from device_agents.errors import AnsweredError, RequestTooLargeError, ServingError
 from device_agents.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from device_agents.pipeline import Decoded, RequestTiming
+from device_agents.platforms.threads import set_os_name
 from device_agents.runtimes import ServedModel
 from device_agents.service import AgentService
 from device_agents.serving.bodies import ByteBudget, Reservation, inflate
@@ -153,6 +154,10 @@ class AgentServer(ThreadingHTTPServer):
                 _shut(oldest.sock)  # its handler sees EOF and ends
             self._conns[sock.fileno()] = _Connection(sock)
         super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        set_os_name("http-conn")  # a connection's thread, to top -H (device_agents.platforms.threads)
+        super().process_request_thread(request, client_address)
 
     def connection(self, sock: socket.socket) -> _Connection | None:
         with self._conns_lock:

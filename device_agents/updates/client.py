@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from device_agents.platforms import probe
+from device_agents.platforms.threads import NamedThread
 from device_agents.updates.backoff import Backoff
 from device_agents.updates.connection import BrokerAddress, new_client, session_properties
 from device_agents.updates.download import DownloadError, DownloadLimits, download
@@ -144,7 +145,7 @@ class UpdateClient:
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
         for target, name in ((self._network, "mqtt"), (self._work, "updates")):
-            thread = threading.Thread(target=target, name=f"edgekit-{name}", daemon=True)
+            thread = NamedThread(target=target, name=f"edgekit-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
         log.info("updates: %s as %s, topics %s", self.address.url, self.updates.device_id, ", ".join(self.topics))
@@ -297,7 +298,7 @@ class UpdateClient:
             for notice in start:
                 if self._stop.is_set():
                     break
-                thread = threading.Thread(
+                thread = NamedThread(
                     target=self._run_one, args=(notice,), name=f"edgekit-update-{notice.name}", daemon=True
                 )
                 self._threads = [t for t in self._threads if t.is_alive()] + [thread]

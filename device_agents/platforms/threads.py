@@ -1,0 +1,95 @@
+"""OS names for the agent's threads: ``top -H``, ``ps -L`` and ``/proc/<pid>/task/*/comm`` then say
+which thread takes a device's CPU.
+
+Python 3.11 names threads for Python only; to the OS every thread is the process (``python3``).
+Linux keeps 15 bytes of a thread's name (``prctl(PR_SET_NAME)``), and a thread that C or C++ code
+starts inherits the name of the thread that started it: a model's runner is built under
+``rt-<model>``, so the worker threads ONNX Runtime (and LiteRT, OpenVINO, where they start them
+then) creates with the session carry the model's name. The names the agent uses:
+
+- ``http``: the accept loop; ``http-conn``: a connection's thread (one per open connection)
+- ``infer-<model>``: a model's batch worker (it also runs its share of the runtime's work)
+- ``rt-<model>``: the runtime's own threads (ONNX Runtime's intra-op pool: spinning shows here)
+- ``hung-<model>``, ``health-<model>``, ``mqtt``, ``updates``, ``update-<model>``,
+  ``verify-at-rest``, ``systemd-watchdog``: watchdogs, timers and the update client
+
+Elsewhere (macOS, Windows) nothing is named: the calls do nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import cache
+
+_PR_SET_NAME = 15
+_PR_GET_NAME = 16
+_NAME_BYTES = 15  # the kernel keeps 16 with the NUL
+_PREFIX = "edgekit-"  # the Python names' prefix, left out of the OS's 15 bytes
+
+
+@cache
+def _prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    fn: Callable[..., int] = libc.prctl
+    return fn
+
+
+def os_name_for(name: str) -> bytes:
+    """What the OS keeps of the Python thread name ``name``."""
+    return name.removeprefix(_PREFIX).encode("utf-8", "replace")[:_NAME_BYTES]
+
+
+def set_os_name(name: str) -> None:
+    """Name the calling thread ``name`` for the OS (its first 15 bytes; an ``edgekit-`` prefix left out)."""
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(_PR_SET_NAME, ctypes.c_char_p(os_name_for(name)), 0, 0, 0)
+
+
+def os_name() -> str | None:
+    """The calling thread's OS name; ``None`` where threads have none here."""
+    prctl = _prctl()
+    if prctl is None:
+        return None
+    buf = ctypes.create_string_buffer(_NAME_BYTES + 1)
+    if prctl(_PR_GET_NAME, buf, 0, 0, 0) != 0:
+        return None
+    return buf.value.decode("utf-8", "replace")
+
+
+@contextmanager
+def os_named(name: str) -> Iterator[None]:
+    """The calling thread is ``name`` to the OS inside the block (threads started there inherit it)."""
+    before = os_name()
+    set_os_name(name)
+    try:
+        yield
+    finally:
+        if before is not None:
+            set_os_name(before)
+
+
+class NamedThread(threading.Thread):
+    """A thread whose OS name is its Python ``name``."""
+
+    def run(self) -> None:
+        set_os_name(self.name)
+        super().run()
+
+
+class NamedTimer(threading.Timer):
+    """``threading.Timer`` whose thread has its ``name`` as its OS name."""
+
+    def run(self) -> None:
+        set_os_name(self.name)
+        super().run()
