@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import resource
 import selectors
 import socket
@@ -43,6 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from bench.registry import BenchContext, BenchError, Measurement
+from device_agents.platforms.threads import ThreadCpu
 
 MLP_IN, MLP_HIDDEN = 1024, 4096
 MAX_BATCH, MAX_WAIT_MS = 32, 2.0
@@ -83,31 +83,17 @@ def _package(ctx: BenchContext, model: Path, name: str, calib: dict[str, np.ndar
     return Path(result.bundles["cpu"])
 
 
-# The agent's thread roles by OS thread name (device_agents.platforms.threads names them)
-_ROLES = (("infer-", "batch workers"), ("rt-", "runtime threads"))
-_ENDED = "connections"  # http-conn threads, read as the process's CPU the surviving threads did not use
+# The agent's thread roles by OS thread name (device_agents.platforms.threads names them); the
+# CPU of threads that ended meanwhile is the connections' (their threads end as their clients close)
+_ROLES = (("infer-", "batch workers"), ("rt-", "runtime threads"), ("http-conn", "connections"))
 
 
-def thread_cpu_by_role(pid: int | None) -> dict[str, float]:
-    """CPU seconds the agent's live threads used, by role; {} where /proc has no thread names.
+def _role(thread_name: str) -> str:
+    from device_agents.platforms.threads import ENDED
 
-    ``http-conn`` threads are left out: they end when their clients close, before a second
-    reading, so a load's connection CPU is what the process used minus the roles read here."""
-    if pid is None:
-        return {}
-    tick = os.sysconf("SC_CLK_TCK")
-    roles: dict[str, float] = {}
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            comm = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the thread ended meanwhile
-        if comm == "http-conn":
-            continue
-        role = next((r for prefix, r in _ROLES if comm.startswith(prefix)), "other agent threads")
-        roles[role] = roles.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return roles
+    if thread_name == ENDED:
+        return "connections"
+    return next((role for prefix, role in _ROLES if thread_name.startswith(prefix)), "other agent threads")
 
 
 class Load:
@@ -196,21 +182,16 @@ class Load:
         start.wait()
         stop_at[0] = time.perf_counter() + seconds
         cpu0, server0, wall0 = time.process_time(), self._server_cpu(), time.perf_counter()
-        roles0 = thread_cpu_by_role(self.server_pid)
+        threads0 = ThreadCpu.read(self.server_pid) if self.server_pid is not None else None
         for t in threads:
             t.join(seconds + 60)
         self.client_cpu_s += time.process_time() - cpu0
-        server_s = self._server_cpu() - server0
-        self.server_cpu_s += server_s
-        roles = thread_cpu_by_role(self.server_pid)
-        if roles0 and roles:
-            named = 0.0
-            for role in roles.keys() - {_ENDED}:
-                spent = roles[role] - roles0.get(role, 0.0)
-                named += spent
+        self.server_cpu_s += self._server_cpu() - server0
+        threads1 = ThreadCpu.read(self.server_pid) if threads0 is not None and self.server_pid is not None else None
+        if threads0 is not None and threads1 is not None:
+            for thread, spent in threads1.since(threads0).items():
+                role = _role(thread)
                 self.thread_cpu_s[role] = self.thread_cpu_s.get(role, 0.0) + spent
-            # connection threads end as their clients close, before the second reading: the rest
-            self.thread_cpu_s[_ENDED] = self.thread_cpu_s.get(_ENDED, 0.0) + max(0.0, server_s - named)
         self.measured_s += time.perf_counter() - wall0
         flat = [v for lat in latencies for v in lat]
         self.answered += len(flat)

@@ -272,7 +272,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from device_agents.stats import snapshot, summarize, table
+    from device_agents.platforms.threads import ThreadCpu
+    from device_agents.stats import snapshot, summarize, table, thread_cpu_line
 
     config = load_config(args.config)
     with daemon_lock(config.store) as free:
@@ -287,9 +288,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             raise StoreError(f"cannot read {url}/metrics: {exc}") from exc
 
+    pid = _daemon_pid(config.store)
+    cpu = ThreadCpu.read(pid) if pid is not None else None  # Linux: the daemon's CPU by thread name
     previous, at = scrape(), time.monotonic()
     if args.count == 1:
         print(table(summarize(previous)))  # since the daemon started
+        if cpu is not None:
+            print(thread_cpu_line(cpu.since(ThreadCpu(0.0, {}))))
         return 0
     shown = 0
     while args.count == 0 or shown < args.count - 1:
@@ -297,7 +302,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
         current, now = scrape(), time.monotonic()
         print(time.strftime("%H:%M:%S"), f"last {now - at:.1f} s")
         print(table(summarize(current.minus(previous), now - at)), flush=True)
-        previous, at = current, now
+        later = ThreadCpu.read(pid) if cpu is not None and pid is not None else None
+        if cpu is not None and later is not None:
+            print(thread_cpu_line(later.since(cpu), now - at), flush=True)
+        cpu, previous, at = later, current, now
         shown += 1
     return 0
 

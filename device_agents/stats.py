@@ -174,6 +174,17 @@ def table(stats: dict[str, Any]) -> str:
     )
 
 
+def thread_cpu_line(spent: dict[str, float], seconds: float | None = None, shown: int = 8) -> str:
+    """The agent's CPU by OS thread name (``ThreadCpu.since``): cores over ``seconds``, or CPU
+    seconds when ``seconds`` is None (since the daemon started); the biggest ``shown`` by name."""
+    scale, unit = (1 / seconds, "cores") if seconds else (1.0, "CPU s")
+    ordered = sorted(spent.items(), key=lambda kv: -kv[1])
+    parts = [f"{name} {s * scale:.2f}" for name, s in ordered[:shown]]
+    if len(ordered) > shown:
+        parts.append(f"other {sum(s for _, s in ordered[shown:]) * scale:.2f}")
+    return f"agent {sum(spent.values()) * scale:.2f} {unit} by thread: " + (", ".join(parts) or "none")
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 4)
 

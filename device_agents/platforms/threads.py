@@ -13,18 +13,22 @@ then) creates with the session carry the model's name. The names the agent uses:
 - ``hung-<model>``, ``health-<model>``, ``mqtt``, ``updates``, ``update-<model>``,
   ``verify-at-rest``, ``systemd-watchdog``: watchdogs, timers and the update client
 
-Elsewhere (macOS, Windows) nothing is named: the calls do nothing.
+Elsewhere (macOS, Windows) nothing is named: the calls do nothing. ``ThreadCpu.read`` sums a
+process's CPU by thread name (``edgekit-agent stats`` prints it as cores by thread).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 _PR_SET_NAME = 15
 _PR_GET_NAME = 16
@@ -93,3 +97,48 @@ class NamedTimer(threading.Timer):
     def run(self) -> None:
         set_os_name(self.name)
         super().run()
+
+
+ENDED = "ended threads"  # CPU of threads that ended between two readings (mostly connections)
+
+
+@dataclass(frozen=True)
+class ThreadCpu:
+    """One reading of a process's CPU seconds (user + system): in all, and its live threads' by OS name."""
+
+    total_s: float  # the process's, threads that ended included
+    by_name: dict[str, float]
+
+    @classmethod
+    def read(cls, pid: int) -> ThreadCpu | None:
+        """Read ``/proc/<pid>``; None where there is no such thing (not Linux, the process is gone)."""
+        tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        try:
+            total = _cpu_ticks(Path(f"/proc/{pid}/stat").read_text()) / tick
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except (OSError, ValueError, IndexError):
+            return None
+        by_name: dict[str, float] = {}
+        for task in tasks:
+            try:
+                name = (task / "comm").read_text().strip()
+                spent = _cpu_ticks((task / "stat").read_text()) / tick
+            except (OSError, ValueError, IndexError):
+                continue  # it ended meanwhile
+            by_name[name] = by_name.get(name, 0.0) + spent
+        return cls(total, by_name)
+
+    def since(self, earlier: ThreadCpu) -> dict[str, float]:
+        """CPU seconds by thread name between ``earlier`` and this reading; what the threads alive
+        now do not account for (threads that ended meanwhile: connections, timers) as ``ENDED``."""
+        spent = {n: s - earlier.by_name.get(n, 0.0) for n, s in self.by_name.items()}
+        spent = {n: s for n, s in spent.items() if s > 0}
+        rest = self.total_s - earlier.total_s - sum(spent.values())
+        if rest > 0:
+            spent[ENDED] = rest
+        return spent
+
+
+def _cpu_ticks(stat: str) -> int:
+    fields = stat.rsplit(")", 1)[1].split()  # past the name, which may hold spaces and parentheses
+    return int(fields[11]) + int(fields[12])  # utime, stime

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -294,6 +296,9 @@ def test_stats_prints_a_table_of_the_running_daemon(agent: RunningAgent, client:
     assert int(row[2]) >= 1 and float(row[4]) > 0  # requests served, a p50 in ms
     live = agent_cli("stats", "--config", str(agent.config), "--count", "2", "--interval", "0.2")
     assert live.returncode == 0 and "last 0." in live.stdout, live.stderr
+    if sys.platform.startswith("linux"):  # the daemon's CPU by thread name, from /proc
+        assert re.search(r"^agent \d+\.\d\d CPU s by thread: \S+ \d+\.\d\d", done.stdout, re.M), done.stdout
+        assert re.search(r"^agent \d+\.\d\d cores by thread: ", live.stdout, re.M), live.stdout
 
 
 def test_malformed_json_outputs_are_never_written_as_invalid_json() -> None:

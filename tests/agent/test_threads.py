@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import http.client
+import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from device_agents.platforms.threads import NamedThread, os_name, os_named
+from device_agents.platforms.threads import ENDED, NamedThread, ThreadCpu, os_name, os_named
+from device_agents.stats import thread_cpu_line
 from tests.agent.conftest import AgentFactory, Bundles, agent_cli, write_config
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS thread names are read on Linux")
@@ -63,3 +66,39 @@ def test_a_running_agent_names_its_accept_loop_connections_batch_worker_and_runt
     names = sorted(_comm(pid, int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir())
     conn.close()
     assert {"http", "http-conn", "rt-tiny", "infer-tiny", "hung-tiny"} <= set(names), names
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_thread_cpu_is_summed_by_thread_name_and_threads_that_ended_are_the_rest() -> None:
+    before = ThreadCpu.read(os.getpid())
+    assert before is not None
+    stop = threading.Event()
+    live = NamedThread(target=lambda: (_burn(0.15), stop.wait(30)), name="infer-burner")
+    live.start()
+    ended = NamedThread(target=lambda: _burn(0.15), name="http-conn")
+    ended.start()
+    ended.join()
+    deadline = time.monotonic() + 30
+    while not _burned(live) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    after = ThreadCpu.read(os.getpid())
+    stop.set()
+    live.join()
+    assert after is not None
+    spent = after.since(before)
+    assert spent["infer-burner"] >= 0.1 and spent[ENDED] >= 0.1, spent  # the ended thread: not by name
+    assert "http-conn" not in spent
+    line = thread_cpu_line(spent, 2.0)
+    assert line.startswith("agent ") and " cores by thread: " in line and "infer-burner 0." in line, line
+
+
+def _burned(thread: threading.Thread) -> bool:
+    """Whether ``thread`` has used its 0.15 s of CPU (it then waits)."""
+    tid = thread.native_id
+    stat = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK") >= 0.14
