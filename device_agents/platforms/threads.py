@@ -20,7 +20,6 @@ process's CPU by thread name (``edgekit-agent stats`` prints it as cores by thre
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 import threading
@@ -41,10 +40,10 @@ def _prctl() -> Callable[..., int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
+        # the process's own symbols (libc's among them): no find_library, which runs ldconfig
+        fn: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
         return None
-    fn: Callable[..., int] = libc.prctl
     return fn
 
 
