@@ -8,7 +8,7 @@
   request (load generator + agent) of both at c=16, which bounds their throughput ratio when the
   clients share the agent's cores and both keep them full (less noisy than throughput), with the
   agent's share split by thread role where the OS names its threads (connections, batch workers,
-  the runtime's own threads: ``device_agents.platforms.threads``); then c=16
+  the runtime's own threads: ``device_agents.threads``); then c=16
   again in an agent with ``[runtimes.onnxruntime] spinning = false`` and in one with
   ``spin_between_runs = false`` (both models). Then the digits conv
   net example, batched vs unbatched at concurrency 16.
@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from bench.registry import BenchContext, BenchError, Measurement
-from device_agents.platforms.threads import ThreadCpu
+from device_agents.threads import ThreadCpu
 
 MLP_IN, MLP_HIDDEN = 1024, 4096
 MAX_BATCH, MAX_WAIT_MS = 32, 2.0
@@ -83,13 +83,13 @@ def _package(ctx: BenchContext, model: Path, name: str, calib: dict[str, np.ndar
     return Path(result.bundles["cpu"])
 
 
-# The agent's thread roles by OS thread name (device_agents.platforms.threads names them); the
+# The agent's thread roles by OS thread name (device_agents.threads names them); the
 # CPU of threads that ended meanwhile is the connections' (their threads end as their clients close)
 _ROLES = (("infer-", "batch workers"), ("rt-", "runtime threads"), ("http-conn", "connections"))
 
 
 def _role(thread_name: str) -> str:
-    from device_agents.platforms.threads import ENDED
+    from device_agents.threads import ENDED
 
     if thread_name == ENDED:
         return "connections"

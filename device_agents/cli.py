@@ -35,8 +35,8 @@ from device_agents import __version__
 from device_agents.command_line import Parser, os_error_message, os_error_parts
 from device_agents.config import AgentConfig, load_config
 from device_agents.platforms import systemd
-from device_agents.platforms.threads import NamedThread
 from device_agents.store import Store, atomic_write, flock
+from device_agents.threads import NamedThread
 from edgekit.bundle.errors import ConfigError, EdgekitError, StoreError
 
 log = logging.getLogger("edgekit.agent")
@@ -272,8 +272,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from device_agents.platforms.threads import ThreadCpu
     from device_agents.stats import snapshot, summarize, table, thread_cpu_line
+    from device_agents.threads import ThreadCpu
 
     config = load_config(args.config)
     with daemon_lock(config.store) as free:

@@ -18,8 +18,8 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from device_agents.platforms.threads import NamedThread
 from device_agents.store import Slot, Store
+from device_agents.threads import NamedThread
 from edgekit.bundle import TrustStore
 from edgekit.bundle.errors import BundleError, ManifestError, StoreError
 

@@ -38,11 +38,11 @@ from device_agents.faults import fault_point
 from device_agents.integrity import PeriodicCheck, check_slot, retry_delays
 from device_agents.metrics import AgentMetrics
 from device_agents.platforms.compatibility import check_compatible
-from device_agents.platforms.threads import NamedTimer
 from device_agents.registry import Registry
 from device_agents.runtimes import ServedModel, load_model
 from device_agents.selftest import REPORT_NAME, SelfTestReport, latency_verdict, run_selftest
 from device_agents.store import ModelState, Slot, Store, atomic_write
+from device_agents.threads import NamedTimer
 from device_agents.updates.trust import bundle_trust
 from device_agents.validation_mark import check_validation_mark
 from edgekit.bundle import TrustStore

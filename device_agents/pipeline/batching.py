@@ -68,9 +68,9 @@ import numpy as np
 from device_agents.config import BatchingConfig
 from device_agents.errors import DeadlineExceededError, OverloadedError, RuntimeFailure, UnavailableError
 from device_agents.faults import stall_armed, stall_point
-from device_agents.platforms.threads import NamedThread
 from device_agents.registry import Lease
 from device_agents.runtimes import ServedModel
+from device_agents.threads import NamedThread
 from edgekit.bundle.errors import EdgekitError, InferenceInputError
 
 log = logging.getLogger("edgekit.agent")

@@ -18,7 +18,7 @@ import threading
 import urllib.request
 from collections.abc import Callable, MutableMapping
 
-from device_agents.platforms.threads import NamedThread
+from device_agents.threads import NamedThread
 
 log = logging.getLogger("edgekit.agent.systemd")
 

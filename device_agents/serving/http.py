@@ -41,11 +41,11 @@ from device_agents.config import ServerConfig
 from device_agents.errors import AnsweredError, RequestTooLargeError, ServingError
 from device_agents.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from device_agents.pipeline import Decoded, RequestTiming
-from device_agents.platforms.threads import set_os_name
 from device_agents.runtimes import ServedModel
 from device_agents.service import AgentService
 from device_agents.serving.bodies import ByteBudget, Reservation, inflate
 from device_agents.serving.codec import HeaderCache, InferRequest, decode_request, encode_response, tensor_metadata
+from device_agents.threads import set_os_name
 from edgekit.bundle.codec import to_data
 from edgekit.bundle.errors import EdgekitError, InferenceInputError, ModelNotFoundError
 
@@ -156,7 +156,7 @@ class AgentServer(ThreadingHTTPServer):
         super().process_request(request, client_address)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
-        set_os_name("http-conn")  # a connection's thread, to top -H (device_agents.platforms.threads)
+        set_os_name("http-conn")  # a connection's thread, to top -H (device_agents.threads)
         super().process_request_thread(request, client_address)
 
     def connection(self, sock: socket.socket) -> _Connection | None:

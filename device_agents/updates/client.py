@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from device_agents.platforms import probe
-from device_agents.platforms.threads import NamedThread
+from device_agents.threads import NamedThread
 from device_agents.updates.backoff import Backoff
 from device_agents.updates.connection import BrokerAddress, new_client, session_properties
 from device_agents.updates.download import DownloadError, DownloadLimits, download

@@ -1,4 +1,4 @@
-"""The agent's threads carry OS names (``top -H``, ``/proc/<pid>/task/*/comm``): device_agents.platforms.threads."""
+"""The agent's threads carry OS names (``top -H``, ``/proc/<pid>/task/*/comm``): device_agents.threads."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device_agents.platforms.threads import ENDED, NamedThread, ThreadCpu, os_name, os_named
 from device_agents.stats import thread_cpu_line
+from device_agents.threads import ENDED, NamedThread, ThreadCpu, os_name, os_named
 from tests.agent.conftest import AgentFactory, Bundles, agent_cli, write_config
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS thread names are read on Linux")
@@ -77,14 +77,16 @@ def _burn(seconds: float) -> None:
 def test_thread_cpu_is_summed_by_thread_name_and_threads_that_ended_are_the_rest() -> None:
     before = ThreadCpu.read(os.getpid())
     assert before is not None
-    stop = threading.Event()
-    live = NamedThread(target=lambda: (_burn(0.15), stop.wait(30)), name="infer-burner")
+    burned, stop = threading.Event(), threading.Event()
+    live = NamedThread(target=lambda: (_burn(0.15), burned.set(), stop.wait(30)), name="infer-burner")
     live.start()
     ended = NamedThread(target=lambda: _burn(0.15), name="http-conn")
     ended.start()
     ended.join()
+    assert burned.wait(30)
     deadline = time.monotonic() + 30
-    while not _burned(live) and time.monotonic() < deadline:
+    # join() returns when the thread's Python part is done; its task leaves /proc a moment later
+    while Path(f"/proc/self/task/{ended.native_id}").exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     after = ThreadCpu.read(os.getpid())
     stop.set()
@@ -95,10 +97,3 @@ def test_thread_cpu_is_summed_by_thread_name_and_threads_that_ended_are_the_rest
     assert "http-conn" not in spent
     line = thread_cpu_line(spent, 2.0)
     assert line.startswith("agent ") and " cores by thread: " in line and "infer-burner 0." in line, line
-
-
-def _burned(thread: threading.Thread) -> bool:
-    """Whether ``thread`` has used its 0.15 s of CPU (it then waits)."""
-    tid = thread.native_id
-    stat = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK") >= 0.14
