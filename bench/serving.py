@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from bench.registry import BenchContext, BenchError, Measurement
-from device_agents.threads import ThreadCpu
+from device_agents.threads import ENDED, ThreadCpu
 
 MLP_IN, MLP_HIDDEN = 1024, 4096
 MAX_BATCH, MAX_WAIT_MS = 32, 2.0
@@ -89,8 +89,6 @@ _ROLES = (("infer-", "batch workers"), ("rt-", "runtime threads"), ("http-conn",
 
 
 def _role(thread_name: str) -> str:
-    from device_agents.threads import ENDED
-
     if thread_name == ENDED:
         return "connections"
     return next((role for prefix, role in _ROLES if thread_name.startswith(prefix)), "other agent threads")
