@@ -186,7 +186,7 @@ class Load:
         self.client_cpu_s += time.process_time() - cpu0
         self.server_cpu_s += self._server_cpu() - server0
         threads1 = ThreadCpu.read(self.server_pid) if threads0 is not None and self.server_pid is not None else None
-        if threads0 is not None and threads1 is not None:
+        if threads0 is not None and threads1 is not None:  # Linux: the agent's CPU by thread role
             for thread, spent in threads1.since(threads0).items():
                 role = _role(thread)
                 self.thread_cpu_s[role] = self.thread_cpu_s.get(role, 0.0) + spent
@@ -304,12 +304,12 @@ def _cpu_per_request(name: str, unbatched: Load, batched: Load, tag: str) -> Mea
     Less noisy than throughput on a shared machine, and what bounds the throughput ratio when the
     clients run on the agent's cores and both loads keep them full: about A/B."""
     (uc, ua), (bc, ba) = unbatched.cpu_per_request_ms(), batched.cpu_per_request_ms()
+    by_thread = (("unbatched", unbatched.thread_note()), ("batched", batched.thread_note()))
     return Measurement(name, f"CPU per request (clients + agent), c=16{tag}", "CPU", "ms", "unbatched",
                        f"max_batch_size {MAX_BATCH}", uc + ua, bc + ba,
                        f"unbatched clients {uc:.3f} + agent {ua:.3f} ms, batched clients {bc:.3f} + agent {ba:.3f} ms; "
                        f"cores kept full: throughput ratio ~ A/B = {(uc + ua) / (bc + ba):.2f}x"
-                       + "".join(f"; {label} {load.thread_note()}" for label, load in
-                                 (("unbatched", unbatched), ("batched", batched)) if load.thread_note()))  # fmt: skip
+                       + "".join(f"; {label} {note}" for label, note in by_thread if note))  # fmt: skip
 
 
 def _server_p99(name: str, snap: Any, live: dict[str, Any], tag: str) -> Measurement:

@@ -90,12 +90,8 @@ class NamedThread(threading.Thread):
         super().run()
 
 
-class NamedTimer(threading.Timer):
-    """``threading.Timer`` whose thread has its ``name`` as its OS name."""
-
-    def run(self) -> None:
-        set_os_name(self.name)
-        super().run()
+class NamedTimer(NamedThread, threading.Timer):
+    """``threading.Timer`` whose thread has its ``name`` as its OS name (``NamedThread.run``, then the timer's)."""
 
 
 ENDED = "ended threads"  # CPU of threads that ended between two readings (mostly connections)
