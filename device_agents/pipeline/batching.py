@@ -25,11 +25,19 @@ waits for more (the greedy policy of Triton's and TF-Serving's batchers, made ad
   after its head arrived (it could not run sooner on a free core anyway), and runs at once when
   every request in flight is in it (one client waiting for its answer cannot send the next).
 - When the model is idle, waiting would leave it idle: the batch runs at once, unless requests
-  for this model are still being decoded (on their way to the queue) and running them apart
-  would cost more than the wait. It then waits for them up to ``max_wait_ms`` and no longer than
-  the fixed cost of one call, measured at run time (``CallCost``: the part of a call's time that
-  does not grow with its rows, which is what batching saves). An idle model with nothing queued
-  and nothing on its way runs a request inline (above), as an unbatched model does.
+  for this model are coming and running them apart would cost more than the wait. Coming: being
+  decoded (on their way to the queue), or returning: the recent peak of requests present at
+  once (decoding, queued or running, the larger of the last two ``_PEAK_WINDOW_S`` windows) less
+  those present now. Clients in a closed loop send their next request when answered, so the
+  ones the last batch answered are on their way back; run at once with what queued meanwhile,
+  the batches split the clients into groups that alternate for good (one group comes back
+  while the other runs: at 16 clients, mean batches of 5 where 16 were possible). The batch then
+  waits for them up to ``max_wait_ms`` and no longer than the fixed cost of one call, measured
+  at run time (``CallCost``: the part of a call's time that does not grow with its rows, which
+  is what batching saves), both counted from when the model could take it (a head queued
+  behind a running call waited for the model, not for companions: the bound on a request's
+  queue + infer stays ``max_wait_ms`` + two calls). An idle model with nothing coming runs a
+  request inline (above), as an unbatched model does: a lone client's requests never wait.
 - When batching does not pay (a call's fixed cost under twice ``_HANDOFF_S``, what handing a
   request to a worker and back costs, or under ``_MIN_FIXED_SHARE`` of a single call: a model
   whose batch of n costs about n single calls, such as a small compute-bound conv net), the model
@@ -89,6 +97,8 @@ _MIN_FIXED_SHARE = 0.2
 _EXPLORE_EVERY = 16
 _EXPLORE_ROWS = 4
 _EXPLORE_MAX = 1024  # the longest interval exploring backs off to, in batches formed
+# The recent peak of requests present for a model is the larger of the last two windows this long.
+_PEAK_WINDOW_S = 0.25
 # A batch size counts as measured (``CallCost.cheapest_rows``) after about this many calls of it
 # (its decayed weight: 3 calls at decay 0.95 weigh 2.85).
 _MIN_SIZE_CALLS = 2.5
@@ -321,6 +331,11 @@ class Batcher:
         self._inline = 0  # inline calls running
         self._slot_waiters = 0  # threads waiting on _slot_free (notified only when there are some)
         self._waiting = 0  # submitted, not yet in a running batch
+        self._running = 0  # jobs in the workers' running calls (inline calls: _inline)
+        # The most requests present at once (decoding, queued or running) over the last
+        # _PEAK_WINDOW_S or two: how many clients are sending to this model (``returning``).
+        self._peak = self._peak_before = 0
+        self._peak_since = time.monotonic()
         self.arriving = 0  # being decoded for this model (batched models only): on their way to the queue
         self.inflight = 0  # submitted, not yet answered
         self._calls: dict[int, _Call] = {}  # thread id -> its running call (a worker's or an inline caller's)
@@ -348,6 +363,8 @@ class Batcher:
         """Count a request for this model entering (+1) or leaving (-1) its decode stage."""
         with self._lock:
             self.arriving += delta
+            if delta > 0:
+                self._note_present()
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; ``OverloadedError`` when the queue is full, ``UnavailableError`` when stopping."""
@@ -363,7 +380,25 @@ class Batcher:
                 )
             self._waiting += 1
             self.inflight += 1
+            self._note_present()
         self._incoming.put(job)
+
+    def _note_present(self) -> None:
+        """Under ``_lock``: fold the requests present now into the recent peak."""
+        present = self.arriving + self._waiting + self._running + self._inline
+        if present > self._peak:
+            self._peak = present
+
+    def returning(self, unseen: int = 0) -> int:
+        """Under ``_lock``: how many requests of the recent peak are not here now (answered and
+        not yet back, or not sent yet): in a closed loop, the clients whose next request is coming.
+        ``unseen``: requests here but not counted (a caller between its decode and its call)."""
+        now = time.monotonic()
+        if now - self._peak_since > _PEAK_WINDOW_S:
+            self._peak_before, self._peak, self._peak_since = self._peak, 0, now
+            self._note_present()
+        present = self.arriving + self._waiting + self._running + self._inline + unseen
+        return max(0, max(self._peak, self._peak_before) - present)
 
     def wait(self, job: Job) -> Job:
         """Block until ``job`` is done or its deadline passes (``DeadlineExceededError``)."""
@@ -390,11 +425,12 @@ class Batcher:
         with self._lock:
             if self._stopping or self._waiting or not self._free:
                 return False
-            if self.batching is not None and self.arriving and self.batching_pays():
+            if self.batching is not None and (self.arriving or self.returning(unseen=1)) and self.batching_pays():
                 return False  # a batch with the requests on their way may save a call
             self._free -= 1
             self._inline += 1
             self.inflight += 1
+            self._note_present()
             call = self._calls[me] = _Call(time.monotonic(), lease.model, [job], answer)
         self._run(call.jobs, lease, call)  # gives the slot and the counts back (or the watchdog does)
         if job.answered:
@@ -506,6 +542,9 @@ class Batcher:
                 if self._usable(head):  # its deadline may have passed while every slot was busy
                     break
                 self._release()
+            # the wait for companions counts from when the model could take this batch: a head
+            # queued behind a running call waited for the model, not for companions
+            opened = max(head.enqueued, time.monotonic())
             batch, rows = [head], head.rows
             cfg = self.batching
             if cfg is not None:
@@ -529,11 +568,12 @@ class Batcher:
                 limit = min(cfg.max_batch_size, limit)
                 if limit > head.rows:
                     # when batching does not pay, only what is queued now: no wait
-                    rows = self._gather(head, batch, rows, cfg, limit, wait=pays)
+                    rows = self._gather(head, batch, rows, cfg, limit, opened, wait=pays)
                 if explore and len(batch) > 1:
                     self._exploring = batch
             with self._lock:
                 self._waiting -= len(batch)
+                self._running += len(batch)
             return batch
 
     def batching_pays(self) -> bool:
@@ -563,23 +603,23 @@ class Batcher:
         else:
             self._explore_every = _EXPLORE_EVERY
 
-    def _wait_until(self, head: Job, batch: list[Job], rows: int, cfg: BatchingConfig) -> float | None:
+    def _wait_until(self, head: Job, batch: list[Job], rows: int, cfg: BatchingConfig, opened: float) -> float | None:
         """How long this batch may wait for more (a ``time.monotonic()``), None to run it now;
         the policy in the module docstring."""
         now = time.monotonic()
         with self._lock:
             busy = bool(self._calls)
-            arriving = self.arriving
+            coming = self.arriving + self.returning()
             everyone = self.inflight <= len(batch) + len(self._held)
         if rows >= cfg.min_batch_size:
             if busy:
-                if everyone and not arriving:
+                if everyone and not coming:
                     return None  # every request in flight is here: waiting could only add latency
                 until = head.enqueued + cfg.max_wait_ms / 1000
             else:
-                if not arriving:
+                if not coming:
                     return None  # idle model, nothing on its way: waiting would only leave it idle
-                until = head.enqueued + min(cfg.max_wait_ms / 1000, self.cost.fixed_s)
+                until = opened + min(cfg.max_wait_ms / 1000, self.cost.fixed_s)
             return until if now < until else None
         until = head.deadline - max(_DEADLINE_MARGIN_S, 2 * self.cost.mean_s)
         if now >= head.enqueued + cfg.max_wait_ms / 1000 and now >= until:
@@ -587,7 +627,7 @@ class Batcher:
         return max(until, head.enqueued + cfg.max_wait_ms / 1000)
 
     def _gather(
-        self, head: Job, batch: list[Job], rows: int, cfg: BatchingConfig, limit: int, wait: bool = True
+        self, head: Job, batch: list[Job], rows: int, cfg: BatchingConfig, limit: int, opened: float, wait: bool = True
     ) -> int:
         """Add queued jobs that can share ``head``'s batch, in queue order, until it holds
         ``limit`` rows or the wait is over (``wait=False``: only what is queued now); jobs that
@@ -608,7 +648,7 @@ class Batcher:
             try:
                 job = self._incoming.get_nowait()  # what is queued already joins whatever the wait
             except queue.Empty:
-                until = self._wait_until(head, batch, rows, cfg) if wait else None
+                until = self._wait_until(head, batch, rows, cfg, opened) if wait else None
                 if until is None:
                     break
                 try:
@@ -701,6 +741,8 @@ class Batcher:
                     if inline is not None:
                         self._inline -= 1
                         self.inflight -= 1
+                    else:
+                        self._running -= len(batch)
                     if self._slot_waiters:
                         self._slot_free.notify_all()
             if failed_version is not None and not hung:  # out of _calls: not a hang
@@ -756,6 +798,8 @@ class Batcher:
                     if call.answer is not None:
                         self._inline -= 1  # a drain does not wait for it
                         self.inflight -= 1
+                    else:
+                        self._running -= len(call.jobs)
                     if self._slot_waiters:
                         self._slot_free.notify_all()
             for _, call in hung:

@@ -675,3 +675,73 @@ def test_the_infer_stall_point_is_looked_up_when_the_batcher_is_built_not_per_ca
     finally:
         plain.stop(5)
         armed.stop(5)
+
+
+# -- closed loops: clients that send their next request when answered -----------------------------
+
+
+class _Slow:
+    """The real runner, each call ``seconds`` longer (a fixed cost batching saves)."""
+
+    def __init__(self, gate: Gate, seconds: float) -> None:
+        self.gate, self.seconds = gate, seconds
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        time.sleep(self.seconds)
+        return self.gate.run(inputs)
+
+    def describe(self) -> dict[str, Any]:
+        return self.gate.describe()
+
+    def close(self) -> None:
+        self.gate.close()
+
+
+def test_a_batch_waits_for_the_clients_its_last_batch_answered_in_a_closed_loop(
+    lifecycle: Lifecycle, gate: Gate
+) -> None:
+    """Six clients, each sending its next request 2 ms after its answer, to a model whose calls
+    cost 50 ms whatever their rows. Run at once with what is queued, the batches split into two
+    groups that alternate forever (one group comes back while the other runs); waiting (up to a
+    call's fixed cost) for the clients the last batch answered merges them into batches of six."""
+    gate.opened.set()
+    model = lifecycle.registry.get("tiny")
+    model.runner = _Slow(gate, 0.05)
+    batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=10_000.0))
+    errors: list[BaseException] = []
+
+    def client(seed: int) -> None:
+        time.sleep(0.06 * (seed % 2))  # two groups from the start: the second sent while the first runs
+        try:
+            for _ in range(10):
+                job = _job(1, seed=seed)
+                batcher.submit(job)
+                batcher.wait(job)
+                time.sleep(0.002)
+        except BaseException as exc:
+            errors.append(exc)
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    try:
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join(60)
+    finally:
+        batcher.stop(5)
+        model.runner = gate
+    assert not errors
+    assert gate.rows.count(6) >= 6, gate.rows  # of the 10 to 12 batches the 60 requests make
+
+
+def test_a_lone_client_of_a_batched_model_runs_inline_request_after_request(lifecycle: Lifecycle, gate: Gate) -> None:
+    gate.opened.set()
+    pipeline = _pipeline(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=10_000.0))
+    try:
+        for rows in (1, 2, 4, 1, 2, 4):
+            pipeline.batcher.cost.record(rows, 60.0)  # batching pays: a batch would wait for company
+        for seed in range(4):
+            _request(pipeline, [], seed=seed)  # the only client, answered each time: nobody else is coming
+        assert gate.threads == [threading.get_ident()] * 4
+    finally:
+        pipeline.stop(5)
