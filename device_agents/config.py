@@ -208,9 +208,10 @@ class BatchingConfig:
 
     Only for a model whose batch axis (axis 0 of every input) is dynamic. A batch is run when it
     holds ``max_batch_size`` samples or one of ``preferred_batch_sizes``, or when waiting for
-    more is over: ``max_wait_ms`` is the longest its first request waits for companions, and it
-    waits only while the model is busy or requests are still being decoded (and then no longer
-    than a call's measured fixed cost: see ``pipeline/batching.py``). A batch below
+    more is over: ``max_wait_ms`` is the longest its first request waits for companions (from
+    when the model could take it), and it waits only while the model is busy or requests are
+    coming: being decoded, or returning (clients of the recent peak not here now); then no
+    longer than a call's measured fixed cost: see ``pipeline/batching.py``. A batch below
     ``min_batch_size`` waits until its oldest request's deadline nears.
     """
 
