@@ -701,17 +701,17 @@ def test_a_batch_waits_for_the_clients_its_last_batch_answered_in_a_closed_loop(
     lifecycle: Lifecycle, gate: Gate
 ) -> None:
     """Six clients, each sending its next request 2 ms after its answer, to a model whose calls
-    cost 50 ms whatever their rows. Run at once with what is queued, the batches split into two
+    cost 80 ms whatever their rows. Run at once with what is queued, the batches split into two
     groups that alternate forever (one group comes back while the other runs); waiting (up to a
     call's fixed cost) for the clients the last batch answered merges them into batches of six."""
     gate.opened.set()
     model = lifecycle.registry.get("tiny")
-    model.runner = _Slow(gate, 0.05)
+    model.runner = _Slow(gate, 0.08)
     batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=10_000.0))
     errors: list[BaseException] = []
 
     def client(seed: int) -> None:
-        time.sleep(0.06 * (seed % 2))  # two groups from the start: the second sent while the first runs
+        time.sleep(0.09 * (seed % 2))  # two groups from the start: the second sent while the first runs
         try:
             for _ in range(10):
                 job = _job(1, seed=seed)
