@@ -383,11 +383,13 @@ class Batcher:
             self._note_present()
         self._incoming.put(job)
 
+    def _present(self) -> int:
+        """Under ``_lock``: the requests for this model decoding, queued or running now."""
+        return self.arriving + self._waiting + self._running + self._inline
+
     def _note_present(self) -> None:
         """Under ``_lock``: fold the requests present now into the recent peak."""
-        present = self.arriving + self._waiting + self._running + self._inline
-        if present > self._peak:
-            self._peak = present
+        self._peak = max(self._peak, self._present())
 
     def returning(self, unseen: int = 0) -> int:
         """Under ``_lock``: how many requests of the recent peak are not here now (answered and
@@ -397,8 +399,7 @@ class Batcher:
         if now - self._peak_since > _PEAK_WINDOW_S:
             self._peak_before, self._peak, self._peak_since = self._peak, 0, now
             self._note_present()
-        present = self.arriving + self._waiting + self._running + self._inline + unseen
-        return max(0, max(self._peak, self._peak_before) - present)
+        return max(0, max(self._peak, self._peak_before) - self._present() - unseen)
 
     def wait(self, job: Job) -> Job:
         """Block until ``job`` is done or its deadline passes (``DeadlineExceededError``)."""
@@ -542,12 +543,12 @@ class Batcher:
                 if self._usable(head):  # its deadline may have passed while every slot was busy
                     break
                 self._release()
-            # the wait for companions counts from when the model could take this batch: a head
-            # queued behind a running call waited for the model, not for companions
-            opened = max(head.enqueued, time.monotonic())
             batch, rows = [head], head.rows
             cfg = self.batching
             if cfg is not None:
+                # the wait for companions counts from now, when the model can take this batch: a
+                # head queued behind a running call waited for the model, not for companions
+                opened = time.monotonic()
                 self._formed += 1
                 pays = self.batching_pays()
                 # Up to the size measured cheapest per row; the whole max_batch_size while batching
