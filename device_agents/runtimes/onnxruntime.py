@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from device_agents.cpus import default_threads
 from device_agents.runtimes.options import OnnxRuntimeOptions
 from edgekit.bundle.errors import BundleError, MissingSDKError
 from edgekit.bundle.manifest import Manifest
@@ -38,8 +39,11 @@ class OnnxRuntimeRunner:
             raise BundleError(f"onnxruntime needs exactly one .onnx artifact, manifest lists {len(onnx_files)}")
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if options.threads:
-            so.intra_op_num_threads = options.threads
+        # 0: ORT's default pool (one thread per physical core of the machine) unless this process may
+        # use fewer CPUs (affinity, cgroup quota: device_agents.cpus), when that many
+        threads = options.threads or default_threads()
+        if threads:
+            so.intra_op_num_threads = threads
         if options.inter_op_threads:
             so.inter_op_num_threads = options.inter_op_threads
         if not options.spinning:

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from device_agents.cpus import default_threads
 from device_agents.runtimes.options import OpenVinoOptions
 from edgekit.bundle.errors import BundleError, IncompatibleError, MissingSDKError
 from edgekit.bundle.manifest import Manifest
@@ -74,8 +75,9 @@ class OpenVinoRunner:
             config["PERFORMANCE_HINT"] = options.performance_hint
         if options.num_streams:
             config["NUM_STREAMS"] = options.num_streams
-        if options.threads:
-            config["INFERENCE_NUM_THREADS"] = options.threads
+        threads = options.threads or default_threads()  # OpenVINO follows the affinity, not a cgroup quota
+        if threads:
+            config["INFERENCE_NUM_THREADS"] = threads
         self.compiled = self.core.compile_model(self.core.read_model(str(xml), str(weights)), self.device, config)
         wanted = {s.name for s in manifest.artifact_signature.outputs}
         self._outputs = [

@@ -24,7 +24,9 @@ def _check_non_negative(**numbers: int) -> None:
 class OnnxRuntimeOptions:
     """ONNX Runtime session settings."""
 
-    threads: int = 0  # intra-op threads; 0 = ONNX Runtime's default (one per core)
+    # intra-op threads; 0 = ONNX Runtime's default (one per physical core), or the CPUs this process
+    # may use where that is fewer (affinity, cgroup quota: device_agents.cpus)
+    threads: int = 0
     inter_op_threads: int = 0  # 0 = ONNX Runtime's default
     providers: tuple[str, ...] = ()  # execution providers in preference order; () = CPUExecutionProvider
     # session.intra_op.allow_spinning: idle intra-op threads spin for work (ORT's default) or sleep.
@@ -49,7 +51,7 @@ class OpenVinoOptions:
     """OpenVINO ``compile_model`` settings. Each field is one OpenVINO property."""
 
     device: str = ""  # CPU, GPU, NPU, AUTO, ...; "" = the bundle's device, else AUTO
-    threads: int = 0  # INFERENCE_NUM_THREADS; 0 = OpenVINO's default
+    threads: int = 0  # INFERENCE_NUM_THREADS; 0 = OpenVINO's default, capped by a cgroup CPU quota
     cache_dir: Path | None = None  # CACHE_DIR: compiled-model cache
     performance_hint: Literal["", "LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT"] = ""  # PERFORMANCE_HINT
     num_streams: int = 0  # NUM_STREAMS; 0 = OpenVINO's default

@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,24 @@ import pytest
 
 from tests.agent.bundles import rebundle, reshape_model, tamper
 from tests.factories import make_cpu_bundle, sample_inputs
+
+needs_two_cpus = pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs Linux CPU affinity and two CPUs",
+)
+
+
+@contextmanager
+def one_cpu() -> Iterator[int]:
+    """This thread on one of its CPUs (as ``taskset -c`` or systemd's ``CPUAffinity=`` leave a
+    process; threads and processes it starts meanwhile inherit it); yields that CPU."""
+    before = os.sched_getaffinity(0)
+    cpu = max(before)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield cpu
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ runtime module the agent uses, and one bundle is served by a real agent over the
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -278,3 +279,23 @@ def test_intel_accuracy_control_is_bounded_by_the_target_options(tmp_path: Path,
 def test_intel_options_reject_an_accuracy_control_bound_below_one() -> None:
     with pytest.raises(ConfigError, match=r"targets\.intel\.accuracy_control_max_layers: must be >= 1, got 0"):
         IntelOptions(accuracy_control_max_layers=0)
+
+
+def test_openvino_runner_sizes_its_default_threads_to_a_cgroup_cpu_quota(
+    int8_bundle: Path, open_bundle: Callable[[Path], tuple[Path, Manifest]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # OpenVINO follows the CPU affinity but not a quota: it took 2 threads under a 1-CPU cgroup quota here
+    from device_agents import cpus
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs two CPUs for a quota under the machine's count")
+    model_dir, manifest = open_bundle(int8_bundle)
+    monkeypatch.setattr(cpus, "cgroup_cpu_quota", lambda: 1.0)
+    quota = OpenVinoRunner(model_dir, manifest, OpenVinoOptions(device="CPU"))
+    configured = OpenVinoRunner(model_dir, manifest, OpenVinoOptions(device="CPU", threads=2))
+    try:
+        assert int(quota.compiled.get_property("INFERENCE_NUM_THREADS")) == 1
+        assert int(configured.compiled.get_property("INFERENCE_NUM_THREADS")) == 2  # the config wins
+    finally:
+        quota.close()
+        configured.close()
