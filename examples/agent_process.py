@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -29,6 +29,24 @@ AGENT_COMMAND = (sys.executable, "-m", "device_agents.cli")
 
 class AgentProcessError(EdgekitError):
     """The agent did not start, refused a bundle or did not get ready; the message quotes its log."""
+
+
+@contextlib.contextmanager
+def pinned(cpus: Collection[int] | None) -> Iterator[None]:
+    """Run the calling thread on ``cpus`` (None: as it is) and restore its CPUs after.
+
+    Threads and processes it starts meanwhile keep the CPUs they start with (Linux: a new thread or
+    process inherits its creator's affinity), so ``with pinned({0}): start_clients()`` keeps a load
+    generator off the cores an agent runs on. Other threads of this process are not touched."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, set(cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _toml_str(value: object) -> str:
@@ -46,6 +64,7 @@ class RunningAgent:
         threads: int = 0,
         extra_config: str = "",
         start_timeout_s: float = 60.0,
+        cpus: Collection[int] | None = None,
     ) -> None:
         self.workdir = Path(workdir).resolve()
         self.store = self.workdir / "store"
@@ -55,6 +74,9 @@ class RunningAgent:
         self.threads = threads
         self.extra_config = extra_config  # more TOML tables, e.g. an [updates] table
         self.start_timeout_s = start_timeout_s
+        # the CPUs the daemon runs on (Linux; None: this process's): its threads, the runtimes' thread
+        # pools (ONNX Runtime sizes its pool by the CPUs it may use) and its self-test children inherit them
+        self.cpus = None if cpus is None else frozenset(cpus)
         self.url = ""  # http://127.0.0.1:PORT once started
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -97,7 +119,7 @@ class RunningAgent:
     def start(self) -> None:
         self.write_config()
         (self.store / "daemon.json").unlink(missing_ok=True)
-        with open(self.log_path, "ab") as log:
+        with open(self.log_path, "ab") as log, pinned(self.cpus):
             self._proc = subprocess.Popen(
                 [*AGENT_COMMAND, "run", "--config", str(self.config)],
                 stdin=subprocess.DEVNULL,

@@ -129,6 +129,16 @@ def test_bench_models_option_adds_engine_entries_and_a_missing_file_is_a_skip_ro
     assert row["note"] == f"{registry.NOT_HERE}: model {tmp_path}/det.onnx does not exist"
 
 
+def test_serving_splits_the_cpus_between_load_generator_and_agent_and_needs_two() -> None:
+    from bench.serving import split_cpus
+
+    assert split_cpus({0, 1}) == ([0], [1])
+    assert split_cpus({0, 1, 2}) == ([0], [1, 2])
+    assert split_cpus(set(range(16))) == (list(range(8)), list(range(8, 16)))
+    assert split_cpus({5, 3}) == ([3], [5])
+    assert split_cpus({7}) is None
+
+
 def test_serving_load_generator_leaves_no_descriptors_behind_after_its_client_threads() -> None:
     """Each client thread's gevent hub (tritonclient.http runs on gevent) is destroyed with it: once
     a bench run's leaked hubs held over 1024 descriptors, every later load ran 2-3x slower."""
