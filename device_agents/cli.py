@@ -34,6 +34,7 @@ from typing import Any
 from device_agents import __version__
 from device_agents.command_line import Parser, os_error_message, os_error_parts
 from device_agents.config import AgentConfig, load_config
+from device_agents.cpus import default_threads
 from device_agents.platforms import systemd
 from device_agents.store import Store, atomic_write, flock
 from device_agents.threads import NamedThread
@@ -100,6 +101,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     raise_nofile_limit()
+    log_usable_cpus()
     # wait while a one-shot `install` holds the lock; refuse at once when another daemon does
     wait_s = 0.0 if _daemon_pid(config.store) is not None else _DAEMON_WAIT_S
     with daemon_lock(config.store, wait_s=wait_s) as held:
@@ -160,6 +162,20 @@ def on_ready(url: str, models: dict[str, int]) -> systemd.SystemdNotifier:
     served = ", ".join(f"{n} v{v}" for n, v in models.items()) or "no models"
     log.info("listening on %s; serving %s", url, served)
     return systemd.announce_serving(url, f"serving {served} on {url}")
+
+
+def log_usable_cpus() -> None:
+    """Say so where this agent may use fewer CPUs than the machine has (affinity, cgroup quota): the
+    runtimes whose ``threads`` is 0 then start that many threads (``device_agents.cpus``)."""
+    usable = default_threads()
+    if usable is not None:
+        log.info(
+            "CPUs: this agent may use %d of the machine's %d (CPU affinity or cgroup quota); runtimes with "
+            "threads = 0 start %d thread(s) each",
+            usable,
+            os.cpu_count() or usable,
+            usable,
+        )
 
 
 def raise_nofile_limit() -> None:

@@ -34,7 +34,7 @@ def test_pinned_with_none_changes_nothing() -> None:
 
 
 @needs_two_cpus
-def test_running_agent_runs_every_daemon_thread_on_the_cpus_given(tmp_path: Path) -> None:
+def test_running_agent_runs_every_daemon_thread_on_the_cpus_given_and_the_agent_logs_them(tmp_path: Path) -> None:
     _, pub = generate_keypair(tmp_path / "keys", "t")
     mine = os.sched_getaffinity(0)
     last = {max(mine)}
@@ -43,4 +43,6 @@ def test_running_agent_runs_every_daemon_thread_on_the_cpus_given(tmp_path: Path
         tasks = list(Path(f"/proc/{agent.pid}/task").iterdir())
         assert len(tasks) > 1  # the daemon's HTTP, watchdog and other threads, not only its main one
         assert {frozenset(os.sched_getaffinity(int(t.name))) for t in tasks} == {frozenset(last)}
+        # and it says so: its runtimes size their default thread pools to that one CPU (device_agents.cpus)
+        assert f"CPUs: this agent may use 1 of the machine's {os.cpu_count()}" in agent.log_tail()
     assert os.sched_getaffinity(0) == mine, "starting the agent left this thread's CPUs as they were"
