@@ -10,8 +10,9 @@ a quota. Measured here (2-core VM, the bench MLP, 8 rows a call): ORT's default 
 1.97 ms against 1.55 ms; OpenVINO took 2 threads under that quota.
 
 So where a runtime's ``threads`` is 0 (its default), the runner asks ``default_threads()``: None
-(keep the SDK's default) when this process may use every CPU of the machine, else the CPUs it may
-use, a quota rounded up. Stdlib only: the runtimes import it with nothing but their SDK installed.
+(keep the SDK's default) when this process may use every core of the machine, else the physical
+cores it may use (hyperthread siblings once, as the SDKs count), a quota rounded up. Stdlib
+only: the runtimes import it with nothing but their SDK installed.
 """
 
 from __future__ import annotations
@@ -22,14 +23,27 @@ from collections.abc import Callable
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+SYSFS_CPU = Path("/sys/devices/system/cpu")
 PROC_CGROUP = Path("/proc/self/cgroup")
 
 
-def affinity_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask; the machine's CPUs where there is none)."""
+def affinity_cpus() -> set[int]:
+    """The CPUs this process may run on (its affinity mask; every CPU of the machine where there is none)."""
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
+def physical_cores(cpus: set[int], sysfs: Path = SYSFS_CPU) -> int:
+    """How many physical cores ``cpus`` are on: hyperthread siblings (``topology/thread_siblings_list``)
+    count once, as the runtimes' defaults count cores; a CPU without topology counts as its own core."""
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add((sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip())
+        except OSError:
+            cores.add(f"cpu{cpu}")
+    return len(cores)
 
 
 def cgroup_cpu_quota(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> float | None:
@@ -56,19 +70,21 @@ def cgroup_cpu_quota(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) 
 
 
 def usable_cpus() -> int:
-    """The CPUs this process can keep busy: its affinity, capped by a cgroup quota (rounded up)."""
-    cpus = affinity_cpus()
+    """The cores this process can keep busy: the physical cores of its affinity, capped by a
+    cgroup quota (rounded up)."""
+    cores = physical_cores(affinity_cpus())
     quota = cgroup_cpu_quota()
     if quota is not None:
-        cpus = min(cpus, max(1, math.ceil(quota)))
-    return cpus
+        cores = min(cores, max(1, math.ceil(quota)))
+    return cores
 
 
 def default_threads() -> int | None:
     """A runtime's thread count where its config leaves it to the default: None (the SDK's own
-    default) when this process may use every CPU of the machine, else ``usable_cpus()``."""
+    default) when this process may use every core of the machine, else ``usable_cpus()``."""
     usable = usable_cpus()
-    return usable if usable < (os.cpu_count() or usable) else None
+    machine = physical_cores(set(range(os.cpu_count() or 1)))
+    return usable if usable < machine else None
 
 
 def _walk(mount: Path, path: str, read: Callable[[Path], float | None]) -> list[float]:

@@ -74,8 +74,8 @@ class RunningAgent:
         self.threads = threads
         self.extra_config = extra_config  # more TOML tables, e.g. an [updates] table
         self.start_timeout_s = start_timeout_s
-        # the CPUs the daemon runs on (Linux; None: this process's): its threads, the runtimes' thread
-        # pools (ONNX Runtime sizes its pool by the CPUs it may use) and its self-test children inherit them
+        # the CPUs the daemon runs on (Linux; None: this process's): its threads and self-test children
+        # inherit them, and it sizes its runtimes' default thread pools to them (device_agents.cpus)
         self.cpus = None if cpus is None else frozenset(cpus)
         self.url = ""  # http://127.0.0.1:PORT once started
         self._proc: subprocess.Popen[bytes] | None = None

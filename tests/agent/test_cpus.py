@@ -83,3 +83,12 @@ def test_a_process_in_a_cgroup_with_a_one_cpu_quota_sizes_its_threads_to_one() -
         assert out.stdout.split() == ["1.0", "1"], out.stderr
     finally:
         group.rmdir()  # its one process has exited
+
+
+def test_physical_cores_count_hyperthread_siblings_once(tmp_path: Path) -> None:
+    # 4 cores with 2 threads each: cpuN and cpuN+4 are siblings (a typical x86 numbering)
+    for cpu in range(8):
+        _tree(tmp_path, {f"cpu{cpu}/topology/thread_siblings_list": f"{cpu % 4},{cpu % 4 + 4}"})
+    assert cpus.physical_cores(set(range(8)), tmp_path) == 4
+    assert cpus.physical_cores({0, 4}, tmp_path) == 1
+    assert cpus.physical_cores({0, 1, 9}, tmp_path) == 3  # cpu9 has no topology: its own core
