@@ -361,7 +361,7 @@ def _separate_cores(
     On a device the clients are elsewhere; on this machine the 16 tritonclient threads take about
     a third of the CPU, on the cores the agent's runtime call needs, and the call's own tail (its
     p99 three times its p50) is then the scheduler's, not the batcher's. Here the agent runs on
-    the upper half of this process's CPUs (ONNX Runtime sizes its pool to them), the clients on
+    the upper half of this process's CPUs (it sizes its runtimes' pools to them), the clients on
     the lower half: the same batcher, measured without the load generator in its way."""
     from examples.agent_process import RunningAgent, pinned
 

@@ -34,7 +34,7 @@ from typing import Any
 from device_agents import __version__
 from device_agents.command_line import Parser, os_error_message, os_error_parts
 from device_agents.config import AgentConfig, load_config
-from device_agents.cpus import default_threads
+from device_agents.cpus import usable_cores
 from device_agents.platforms import systemd
 from device_agents.store import Store, atomic_write, flock
 from device_agents.threads import NamedThread
@@ -165,15 +165,15 @@ def on_ready(url: str, models: dict[str, int]) -> systemd.SystemdNotifier:
 
 
 def log_usable_cpus() -> None:
-    """Say so where this agent may use fewer CPUs than the machine has (affinity, cgroup quota): the
-    runtimes whose ``threads`` is 0 then start that many threads (``device_agents.cpus``)."""
-    usable = default_threads()
-    if usable is not None:
+    """Say so where this agent may use fewer cores than the machine has (affinity, cgroup quota): the
+    runtimes whose ``threads`` is 0 then start one thread per core it may use (``device_agents.cpus``)."""
+    usable, machine = usable_cores()
+    if usable < machine:
         log.info(
-            "CPUs: this agent may use %d of the machine's %d (CPU affinity or cgroup quota); runtimes with "
-            "threads = 0 start %d thread(s) each",
+            "CPUs: this agent may use %d of the machine's %d cores (CPU affinity or cgroup quota); runtimes "
+            "with threads = 0 start %d thread(s) each",
             usable,
-            os.cpu_count() or usable,
+            machine,
             usable,
         )
 

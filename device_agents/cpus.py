@@ -69,21 +69,20 @@ def cgroup_cpu_quota(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) 
     return min(quotas) if quotas else None
 
 
-def usable_cpus() -> int:
-    """The cores this process can keep busy: the physical cores of its affinity, capped by a
-    cgroup quota (rounded up)."""
+def usable_cores() -> tuple[int, int]:
+    """(the cores this process can keep busy, the machine's cores): the physical cores of its
+    affinity, capped by a cgroup quota (rounded up), against the physical cores of every CPU."""
     cores = physical_cores(affinity_cpus())
     quota = cgroup_cpu_quota()
     if quota is not None:
         cores = min(cores, max(1, math.ceil(quota)))
-    return cores
+    return cores, physical_cores(set(range(os.cpu_count() or 1)))
 
 
 def default_threads() -> int | None:
     """A runtime's thread count where its config leaves it to the default: None (the SDK's own
-    default) when this process may use every core of the machine, else ``usable_cpus()``."""
-    usable = usable_cpus()
-    machine = physical_cores(set(range(os.cpu_count() or 1)))
+    default) when this process may use every core of the machine, else the cores it may use."""
+    usable, machine = usable_cores()
     return usable if usable < machine else None
 
 

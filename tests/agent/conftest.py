@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from examples.agent_process import pinned
 from tests.agent.bundles import rebundle, reshape_model, tamper
 from tests.factories import make_cpu_bundle, sample_inputs
 
@@ -30,13 +31,9 @@ needs_two_cpus = pytest.mark.skipif(
 def one_cpu() -> Iterator[int]:
     """This thread on one of its CPUs (as ``taskset -c`` or systemd's ``CPUAffinity=`` leave a
     process; threads and processes it starts meanwhile inherit it); yields that CPU."""
-    before = os.sched_getaffinity(0)
-    cpu = max(before)
-    os.sched_setaffinity(0, {cpu})
-    try:
+    cpu = max(os.sched_getaffinity(0))
+    with pinned({cpu}):
         yield cpu
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 @dataclass(frozen=True)

@@ -58,11 +58,11 @@ def test_default_threads_leaves_the_sdk_default_unless_the_process_may_use_fewer
     if len(os.sched_getaffinity(0)) == os.cpu_count():
         assert cpus.default_threads() is None
     with one_cpu():
-        assert cpus.usable_cpus() == 1 and cpus.default_threads() == 1
-    monkeypatch.setattr(cpus, "cgroup_cpu_quota", lambda: 1.2)  # rounded up, never above the affinity
-    assert cpus.usable_cpus() == min(2, len(os.sched_getaffinity(0)))
+        assert cpus.usable_cores()[0] == 1 and cpus.default_threads() == 1
+    monkeypatch.setattr(cpus, "cgroup_cpu_quota", lambda: 1.2)  # rounded up, never above the affinity's cores
+    assert cpus.usable_cores()[0] == min(2, cpus.physical_cores(cpus.affinity_cpus()))
     monkeypatch.setattr(cpus, "cgroup_cpu_quota", lambda: 0.25)
-    assert cpus.usable_cpus() == 1
+    assert cpus.usable_cores()[0] == 1
 
 
 @pytest.mark.skipif(

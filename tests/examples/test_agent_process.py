@@ -7,6 +7,7 @@ import os
 import threading
 from pathlib import Path
 
+from device_agents.cpus import physical_cores
 from edgekit.bundle import generate_keypair
 from examples.agent_process import RunningAgent, pinned
 from tests.agent.conftest import needs_two_cpus
@@ -44,5 +45,6 @@ def test_running_agent_runs_every_daemon_thread_on_the_cpus_given_and_the_agent_
         assert len(tasks) > 1  # the daemon's HTTP, watchdog and other threads, not only its main one
         assert {frozenset(os.sched_getaffinity(int(t.name))) for t in tasks} == {frozenset(last)}
         # and it says so: its runtimes size their default thread pools to that one CPU (device_agents.cpus)
-        assert f"CPUs: this agent may use 1 of the machine's {os.cpu_count()}" in agent.log_tail()
+        machine = physical_cores(set(range(os.cpu_count() or 1)))
+        assert f"CPUs: this agent may use 1 of the machine's {machine} cores" in agent.log_tail()
     assert os.sched_getaffinity(0) == mine, "starting the agent left this thread's CPUs as they were"
