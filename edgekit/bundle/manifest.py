@@ -103,7 +103,7 @@ class Signature:
 
 
 PreOp = Literal["resize", "letterbox", "center_crop", "channel_order", "layout", "scale", "normalize", "cast"]
-PostOp = Literal["softmax", "sigmoid", "argmax", "topk", "cast"]
+PostOp = Literal["softmax", "sigmoid", "argmax", "topk", "cast", "boxes"]
 
 
 @dataclass(frozen=True)
@@ -120,10 +120,16 @@ class ProcessingStep:
     - ``layout``: ``layout`` of the result ("NCHW" / "NHWC");
     - ``scale``: x * ``value``; ``normalize``: (x - ``mean``) / ``std`` per channel;
     - ``cast``: to ``dtype``; ``softmax`` / ``sigmoid`` / ``argmax``: along ``axis``;
-      ``topk``: the ``k`` largest along ``axis``.
+      ``topk``: the ``k`` largest along ``axis`` (with ``labels_file``: their names too);
+    - ``boxes``: a detector's raw output into boxes in the original image's pixels: ``box_format``
+      ("yolo": per candidate cx, cy, w, h in input pixels then one score per class), ``axis`` of
+      the 4 + classes values (1: ``[1, 4+C, N]``, 2: ``[1, N, 4+C]``), ``score_threshold``,
+      ``iou_threshold`` (class-wise NMS), ``max_boxes``, ``labels_file``.
 
     ``tensor`` names the served tensor it applies to (None: the only input / output).
-    The host CLI's ``--preprocess`` syntax builds these; agent-side application is planned.
+    The host CLI's ``--preprocess`` / ``--postprocess`` build these; the agent applies them
+    (``device_agents.processing``) and then serves the processed signature: an encoded image in,
+    ``classes`` / ``scores`` / ``labels`` (and ``boxes``) out.
     """
 
     op: PreOp | PostOp
@@ -139,6 +145,12 @@ class ProcessingStep:
     dtype: str | None = None
     axis: int | None = None
     k: int | None = None
+    # additive: detectors' box decoding and the labels of classes
+    box_format: Literal["yolo"] | None = None
+    score_threshold: float | None = None
+    iou_threshold: float | None = None
+    max_boxes: int | None = None
+    labels_file: str | None = None  # a file of the bundle (role "labels"): one class name per line
 
     def __post_init__(self) -> None:
         needs: dict[str, tuple[str, ...]] = {
@@ -151,6 +163,7 @@ class ProcessingStep:
             "normalize": ("mean", "std"),
             "cast": ("dtype",),
             "topk": ("k",),
+            "boxes": ("box_format", "axis", "score_threshold", "iou_threshold"),
         }
         missing = [f for f in needs.get(self.op, ()) if getattr(self, f) in (None, ())]
         if missing:
@@ -159,6 +172,14 @@ class ProcessingStep:
             raise ValueError(f"normalize: mean has {len(self.mean)} values, std {len(self.std)}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        for name in ("score_threshold", "iou_threshold"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 1:
+                raise ValueError(f"{self.op}: {name} must be in [0, 1], got {value}")
+        for name in ("k", "max_boxes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{self.op}: {name} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True)
@@ -183,7 +204,7 @@ class FileEntry:
     path: str
     size_bytes: int
     sha256: str
-    role: Literal["artifact", "golden", "report", "calibration", "split_head", "split_tail"] = "artifact"
+    role: Literal["artifact", "golden", "report", "calibration", "split_head", "split_tail", "labels"] = "artifact"
 
 
 @dataclass(frozen=True)
@@ -469,6 +490,9 @@ class Manifest:
             ids = [c.id for c in self.split.cuts]
             if self.split.default_cut is not None and self.split.default_cut not in ids:
                 raise ValueError(f"split.default_cut {self.split.default_cut!r} is not one of {ids}")
+        for step in (*self.preprocess, *self.postprocess):
+            if step.labels_file is not None and step.labels_file not in paths:
+                raise ValueError(f"{step.op}: labels_file {step.labels_file!r} is not in files")
         if self.validation.passed and self.validation.failures:
             raise ValueError("validation.passed is true but validation.failures lists missed gates")
 
