@@ -3,9 +3,10 @@
 Classifiers (first output is one 1-D score vector per sample, i.e. rank 2) are judged by top-1
 agreement with FP32 and, with labels, by the drop in top-1 accuracy. Dense outputs (maps, boxes,
 embeddings) are judged by the mean per-sample cosine similarity and the relative error
-``mean|a - b| / mean|b|``, and, for outputs of rank >= 3, by the worst channel's cosine (one
+``mean|a - b| / mean|b|``, and, for outputs of rank >= 3, by the worst live channel's cosine (one
 value scale per channel: a YOLO head concatenating boxes in pixels with scores in 0-1 under one
-int8 scale keeps a global cosine near 1 while every score is 0). Every measure is recorded; only
+int8 scale keeps a global cosine near 1 while every score is 0; a channel that never fires,
+``LIVE_FLOOR``, does not count). Every measure is recorded; only
 the ones for the kind gate.
 """
 
@@ -181,10 +182,25 @@ def channel_axis(shape: tuple[int, ...]) -> int | None:
     return 1
 
 
+# A channel counts in the worst-channel cosine only where its reference is live: its peak |value|
+# at least this share of the tensor's peak |value|. Below it the channel never fires next to the
+# tensor's other channels (YOLOv8n class scores that stay ~1e-3 next to boxes in 640 pixels: 2e-6;
+# a class that fires at 0.9 is 1.4e-3, live) and its cosine is rounding noise, which must not veto a
+# candidate that keeps everything else; a live channel crushed to 0 (cosine 0) still fails.
+LIVE_FLOOR = 1e-4
+
+
+def live_channels(reference: np.ndarray, axis: int) -> np.ndarray:
+    """Per channel on ``axis``, whether the reference is live (``LIVE_FLOOR``)."""
+    peak = np.abs(np.moveaxis(np.asarray(reference), axis, -1)).reshape(-1, reference.shape[axis]).max(axis=0)
+    top = float(peak.max(initial=0.0))
+    return np.asarray((peak > 0) & (peak >= LIVE_FLOOR * top))
+
+
 def channel_cosines(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray | None:
     """Per channel (``channel_axis``), the cosine over all samples and positions; NaN for a
-    channel whose reference is numerically dead (RMS 0 or below 1e-9 x the largest channel's).
-    None when the output has no channel axis."""
+    channel whose reference is not live (peak |value| 0 or below ``LIVE_FLOOR`` x the tensor's
+    peak). None when the output has no channel axis."""
     axis = channel_axis(tuple(reference.shape))
     if axis is None or reference.shape != candidate.shape:
         return None
@@ -204,6 +220,7 @@ class ChannelStats:
         self.cc: np.ndarray | None = None
         self.rc: np.ndarray | None = None
         self.dd: np.ndarray | None = None  # sum of (candidate - reference)^2 per channel
+        self.peak: np.ndarray | None = None  # max |reference| per channel
         self.count = 0  # values per channel
         self.per_channel = False
 
@@ -219,21 +236,25 @@ class ChannelStats:
         sums = (np.einsum("ij,ij->j", r, r), np.einsum("ij,ij->j", c, c), np.einsum("ij,ij->j", r, c))
         d = c - r
         dd = np.einsum("ij,ij->j", d, d)
-        if self.rr is None or self.cc is None or self.rc is None or self.dd is None:
-            self.rr, self.cc, self.rc, self.dd = (*sums, dd)
+        peak = np.abs(r).max(axis=0, initial=0.0)
+        if self.rr is None or self.cc is None or self.rc is None or self.dd is None or self.peak is None:
+            self.rr, self.cc, self.rc, self.dd, self.peak = (*sums, dd, peak)
         else:
             if len(self.rr) != channels:
                 raise ValueError(f"a batch with {channels} channels after batches with {len(self.rr)}")
             self.rr, self.cc, self.rc, self.dd = self.rr + sums[0], self.cc + sums[1], self.rc + sums[2], self.dd + dd
+            self.peak = np.maximum(self.peak, peak)
         self.count += r.shape[0]
         self.per_channel = axis is not None
 
     def cosines(self) -> np.ndarray | None:
-        """Per channel, the cosine over everything added; NaN for a dead channel (as ``channel_cosines``)."""
-        if self.rr is None or self.cc is None or self.rc is None or not self.count:
+        """Per channel, the cosine over everything added; NaN for a channel that is not live (as
+        ``channel_cosines``)."""
+        if self.rr is None or self.cc is None or self.rc is None or self.peak is None or not self.count:
             return None
         rms = np.sqrt(self.rr / self.count)
-        dead = (rms == 0) | (rms < 1e-9 * float(rms.max(initial=0.0)))
+        top = float(self.peak.max(initial=0.0))
+        dead = (rms == 0) | (rms < 1e-9 * float(rms.max(initial=0.0))) | (self.peak < LIVE_FLOOR * top)
         na, nb = np.sqrt(self.rr), np.sqrt(self.cc)
         both_zero = (na == 0) & (nb == 0)
         with np.errstate(invalid="ignore", divide="ignore"):

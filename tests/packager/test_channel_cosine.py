@@ -86,3 +86,27 @@ def test_compare_records_no_channel_cosine_below_rank_3() -> None:
     ref = np.random.default_rng(6).normal(size=(8, 16)).astype(np.float32)
     got = compare({"e": ref[:, :1]}, {"e": ref[:, :1]}, "dense", Tolerance())
     assert got.channel_cosine is None and got.passed
+
+
+def test_compare_never_firing_channel_cannot_veto_when_every_live_channel_is_kept() -> None:
+    rng = np.random.default_rng(7)
+    ref = _yolov8_like(rng)
+    ref[:, 20] = rng.uniform(0, 1e-3, size=ref[:, 20].shape)  # a class that never fires: ~1e-3 next to pixels
+    cand = ref.copy()
+    cand[:, 20] = rng.uniform(0, 1e-3, size=cand[:, 20].shape)  # rounding noise: uncorrelated, cosine ~0.75
+    got = compare({"y": ref}, {"y": cand}, "dense", Tolerance())
+    assert got.passed, got.failures
+    assert got.channel_cosine is not None and got.channel_cosine > 0.99
+
+
+def test_compare_crushed_live_channel_still_fails_next_to_a_never_firing_one() -> None:
+    rng = np.random.default_rng(8)
+    ref = _yolov8_like(rng)
+    ref[:, 20] = rng.uniform(0, 1e-3, size=ref[:, 20].shape)  # never fires
+    ref[:, 30] = 0.0
+    ref[:2, 30, :5] = 0.9  # a class that fires on a few anchors: 0.9 next to 320 pixels is live
+    cand = ref.copy()
+    cand[:, 30] = 0.0  # crushed to 0
+    got = compare({"y": ref}, {"y": cand}, "dense", Tolerance())
+    assert not got.passed and got.channel_cosine == pytest.approx(0.0)
+    assert any("channel 30 cosine 0.00" in f for f in got.failures)
