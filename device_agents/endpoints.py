@@ -12,17 +12,14 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-import numpy as np
-
 from device_agents.config import AgentConfig
 from device_agents.metrics import AgentMetrics
-from device_agents.pipeline import Decoded, Pipeline
+from device_agents.pipeline import Pipeline, Request
 from device_agents.pipeline.slots import Slots
 from device_agents.registry import Registry
 from device_agents.runtimes import ServedModel
 
 T = TypeVar("T")
-R = TypeVar("R")
 
 
 class Endpoint(Protocol):
@@ -35,9 +32,8 @@ class Endpoint(Protocol):
     def infer(
         self,
         version: int | None,
-        decode: Callable[[ServedModel], Decoded[R]],
-        encode: Callable[[R, dict[str, np.ndarray], int], T],
-        timeout_s: float | None = None,
+        decode: Callable[[ServedModel], Request],
+        encode: Callable[[Request], T],
     ) -> T: ...
 
     def depth(self) -> tuple[int, int]:
@@ -61,11 +57,10 @@ class ModelEndpoint:
     def infer(
         self,
         version: int | None,
-        decode: Callable[[ServedModel], Decoded[R]],
-        encode: Callable[[R, dict[str, np.ndarray], int], T],
-        timeout_s: float | None = None,
+        decode: Callable[[ServedModel], Request],
+        encode: Callable[[Request], T],
     ) -> T:
-        return self.pipeline.run(version, decode, encode, timeout_s)
+        return self.pipeline.run(version, decode, encode)
 
     def depth(self) -> tuple[int, int]:
         return self.pipeline.batcher.depth(), self.pipeline.batcher.inflight

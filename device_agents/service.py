@@ -15,18 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
-
 from device_agents.config import AgentConfig
 from device_agents.endpoints import Endpoints
 from device_agents.errors import UnavailableError
 from device_agents.lifecycle import InstallResult, Lifecycle
-from device_agents.pipeline import Decoded
+from device_agents.pipeline import Request
 from device_agents.runtimes import ServedModel
 from device_agents.stats import exact_percentiles, serving_stats
 
 T = TypeVar("T")
-R = TypeVar("R")
 
 
 class AgentService:
@@ -80,16 +77,15 @@ class AgentService:
         self,
         name: str,
         version: int | None,
-        decode: Callable[[ServedModel], Decoded[R]],
-        encode: Callable[[R, dict[str, np.ndarray], int], T],
-        timeout_s: float | None = None,
+        decode: Callable[[ServedModel], Request],
+        encode: Callable[[Request], T],
     ) -> T:
         """Run one request through ``name``'s endpoint; raises the refusing stage's typed error."""
         if self.draining:
             raise UnavailableError(
                 "the agent is shutting down", reason="draining", retry_after_s=self.config.server.retry_after_s
             )
-        return self.endpoints.get(name).infer(version, decode, encode, timeout_s)
+        return self.endpoints.get(name).infer(version, decode, encode)
 
     def stats(self) -> dict[str, Any]:
         """``serving_stats``, plus per model ``server_overhead_exact``: exact percentiles of the

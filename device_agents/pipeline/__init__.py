@@ -1,13 +1,19 @@
 """The serving pipeline of one endpoint: its stages in order, and the one place that times them.
 
-    decode (front-end's, under the decode cap) -> queue (batcher) -> infer (runtime) -> encode (front-end's)
+    decode (front-end's, under the decode cap) -> [configured stages before infer] ->
+    queue (batcher) -> infer (runtime) -> [configured stages after infer] -> encode (front-end's)
+
+The configured stages (admission, cache, pre/post-processing, ...) are built once per endpoint
+from the stage table (``device_agents.pipeline.stage.STAGE_FACTORIES``: its docstring says how to
+add one); a model that configures none runs decode -> queue -> infer -> encode, and the empty
+chain costs two tuple tests per request. A stage before infer may answer the request early (a
+cache hit): the rest of the chain is skipped up to encode.
 
 A request to an idle model skips the queue: it runs in the calling thread (``Batcher.run_inline``)
-when the front-end can be answered from another thread (``Decoded.answer``), so that the
+when the front-end can be answered from another thread (``Request.answer``), so that the
 hung-call watchdog can still answer it; its queue stage is then ~0.
 
-Pre/post-processing, the result cache and budgets join as stages here when they exist. Every
-stage's time is measured by ``Pipeline.run`` and nowhere else, and a request's stages are
+Every stage's time is measured by ``Pipeline.run`` and nowhere else, and a request's stages are
 observed into ``edgekit_stage_seconds{model,stage}`` together, once: by ``Pipeline.run`` when it
 ends, or, when the front-end gave a ``RequestTiming``, by the front-end after it has written the
 answer (metrics work kept out of the request's received -> written time). A stage refuses a
@@ -17,25 +23,27 @@ maps to one status.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Generic, TypeVar
-
-import numpy as np
+from typing import TypeVar
 
 from device_agents.config import AgentConfig
 from device_agents.errors import AnsweredError, RuntimeFailure, UnavailableError
 from device_agents.metrics import AgentMetrics
+from device_agents.pipeline import stage as stage_table
 from device_agents.pipeline.batching import Batcher, Job
 from device_agents.pipeline.slots import Slots
-from device_agents.registry import Registry
+from device_agents.pipeline.stage import Request, Stage, StageContext
+from device_agents.registry import Lease, Registry
 from device_agents.runtimes import ServedModel
-from edgekit.bundle.errors import EdgekitError
+
+__all__ = ["DECODE_WAIT_S", "Pipeline", "Request", "RequestTiming", "Stage"]
+
+log = logging.getLogger("edgekit.agent")
 
 T = TypeVar("T")
-R = TypeVar("R")
 
 # How long a request waits for a decode slot before a 503 (a burst of big bodies, or gzip bombs).
 DECODE_WAIT_S = 1.0
@@ -66,24 +74,6 @@ class RequestTiming:
         return stages, rows
 
 
-@dataclass(slots=True)
-class Decoded(Generic[R]):
-    """What a front-end's decode returns: its own request object and the input tensors.
-
-    Not frozen: it is built once per request and read only by the pipeline, and a frozen
-    dataclass's ``__init__`` (``object.__setattr__`` per field) costs ~2 us more."""
-
-    request: R
-    inputs: dict[str, np.ndarray]
-    timeout_s: float | None = None  # the request's own deadline, if it sets one
-    # Answers the request from another thread (the hung-call watchdog's) with an error, when the
-    # caller's thread is stuck in a runtime call; given, an idle model runs the request inline.
-    answer: Callable[[EdgekitError], None] | None = None
-    # Given, the pipeline records the runtime call's time in it, and leaves the request's stage
-    # metrics in it for the front-end to record after its answer is written (``RequestTiming``).
-    timing: RequestTiming | None = None
-
-
 class Pipeline:
     """The stages of one served name. Thread-safe; one per endpoint."""
 
@@ -105,6 +95,11 @@ class Pipeline:
         server = config.server
         self.request_timeout_s = server.request_timeout_s
         self.retry_after_s = server.retry_after_s
+        # the configured stages (built before the batcher's threads start: a factory may refuse)
+        context = StageContext(name, config.model(name), config, registry.get(name).manifest, metrics)
+        self.before: tuple[Stage, ...]
+        self.after: tuple[Stage, ...]
+        self.before, self.after = stage_table.build_stages(context)
         self.batcher = Batcher(
             name,
             lambda version: registry.lease(name, version),
@@ -118,21 +113,17 @@ class Pipeline:
             on_failure=self._failed,
         )
 
-    def run(
-        self,
-        version: int | None,
-        decode: Callable[[ServedModel], Decoded[R]],
-        encode: Callable[[R, dict[str, np.ndarray], int], T],
-        timeout_s: float | None = None,
-    ) -> T:
-        """Decode, queue, infer and encode one request; raise the refusing stage's error."""
-        budget = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
+    def run(self, version: int | None, decode: Callable[[ServedModel], Request], encode: Callable[[Request], T]) -> T:
+        """Decode, run the chain (configured stages, queue + infer) and encode one request;
+        raise the refusing stage's error."""
         start = time.monotonic()
-        deadline = start + budget
+        deadline = start + self.request_timeout_s
         batcher = self.batcher
         batched = batcher.batching is not None
         stages: list[tuple[str, float]] = []  # observed together, once, whatever stage ends the request
         deferred: RequestTiming | None = None  # where the front-end takes them from, if it gave one
+        request: Request | None = None
+        before = self.before
         t0 = time.perf_counter()
         if batched:
             batcher.arrive(1)  # on its way (waiting for a decode slot, then decoding): a batch may wait for it
@@ -148,8 +139,9 @@ class Pipeline:
             try:
                 lease = self.registry.lease(self.name, version)
                 try:
-                    decoded = decode(lease.model)
-                    inputs = lease.model.check_inputs(decoded.inputs)
+                    request = decode(lease.model)
+                    if not before:  # else checked once the stages before infer made them the model's
+                        request.inputs = lease.model.check_inputs(request.inputs)
                 except BaseException:
                     lease.release()
                     raise
@@ -160,47 +152,104 @@ class Pipeline:
             finally:
                 self.decode_slots.release()
             stages.append(("decode", time.perf_counter() - t0))
-            deferred = decoded.timing
-            if decoded.timeout_s is not None:
-                deadline = min(deadline, start + decoded.timeout_s)
-            job = Job(inputs, version, deadline)
-            try:
+            deferred = request.timing
+            request.model = lease.model
+            if request.timeout_s is not None:
+                deadline = min(deadline, start + request.timeout_s)
+            request.deadline = deadline
+            if before and not self._run_before(request, lease, stages):
                 if batched:
                     batcher.arrive(-1)
-                if decoded.answer is None:
-                    inline = False
-                else:
-                    local = self._inline
-                    local.timing = deferred  # the call's batch size goes there (``_observe_batch``)
-                    try:
-                        inline = batcher.run_inline(job, lease, decoded.answer)
-                    finally:
-                        local.timing = None
-                if not inline:
-                    lease.release()  # (run_inline released it when it ran the job here)
-                    batcher.submit(job)
-                    batcher.wait(job)
-            finally:
-                if job.started:
-                    stages.append(("queue", job.started - job.enqueued))
-                    if job.finished:
-                        stages.append(("infer", job.finished - job.started))
-            if job.answered:
-                raise AnsweredError(f"model {self.name}: the hung-call watchdog answered this request")
-            if job.outputs is None:  # no error raised: the batcher set them
-                raise RuntimeFailure(f"model {self.name} returned no outputs")
-            if deferred is not None:
-                deferred.runtime_s = job.runtime_s
+                lease.release()  # answered early: no queue, no infer
+            else:
+                self._queue_infer(request, lease, stages, version, batched)
+                if self.after:
+                    self._chain(self.after, request, stages, early=False)
             t2 = time.perf_counter()
-            out = encode(decoded.request, job.outputs, job.served_version)
+            out = encode(request)
             stages.append(("encode", time.perf_counter() - t2))
             return out
         finally:
+            if request is not None and request.on_done:
+                self._done(request)
             if stages:
                 if deferred is not None:  # recorded by the front-end, after its answer is written
                     deferred.model, deferred.stages = self.name, stages
                 else:
                     self.metrics.observe_stages(self.name, stages)
+
+    def _run_before(self, request: Request, lease: Lease, stages: list[tuple[str, float]]) -> bool:
+        """The configured stages before the queue, timed; False when one answered the request
+        (the rest skipped). The inputs are checked against the model's signature after them."""
+        try:
+            if self._chain(self.before, request, stages, early=True):
+                return False
+            request.inputs = lease.model.check_inputs(request.inputs)
+        except BaseException:
+            lease.release()
+            if self.batcher.batching is not None:
+                self.batcher.arrive(-1)
+            raise
+        return True
+
+    @staticmethod
+    def _chain(chain: tuple[Stage, ...], request: Request, stages: list[tuple[str, float]], early: bool) -> bool:
+        """Run ``chain`` on ``request``, each stage timed into ``stages``; True when ``early`` and a
+        stage answered the request (the rest of the chain skipped)."""
+        t1 = time.perf_counter()
+        for stage in chain:
+            stage.process(request)
+            t2 = time.perf_counter()
+            stages.append((stage.name, t2 - t1))
+            t1 = t2
+            if early and request.outputs is not None:
+                return True
+        return False
+
+    def _queue_infer(
+        self, request: Request, lease: Lease, stages: list[tuple[str, float]], version: int | None, batched: bool
+    ) -> None:
+        """The batcher's stages: queue and infer (inline when the model is idle); ``lease`` released."""
+        batcher = self.batcher
+        deferred = request.timing
+        job = Job(request.inputs, version, request.deadline)
+        try:
+            if batched:
+                batcher.arrive(-1)
+            if request.answer is None:
+                inline = False
+            else:
+                local = self._inline
+                local.timing = deferred  # the call's batch size goes there (``_observe_batch``)
+                try:
+                    inline = batcher.run_inline(job, lease, request.answer)
+                finally:
+                    local.timing = None
+            if not inline:
+                lease.release()  # (run_inline released it when it ran the job here)
+                batcher.submit(job)
+                batcher.wait(job)
+        finally:
+            if job.started:
+                stages.append(("queue", job.started - job.enqueued))
+                if job.finished:
+                    stages.append(("infer", job.finished - job.started))
+        if job.answered:
+            raise AnsweredError(f"model {self.name}: the hung-call watchdog answered this request")
+        if job.outputs is None:  # no error raised: the batcher set them
+            raise RuntimeFailure(f"model {self.name} returned no outputs")
+        if deferred is not None:
+            deferred.runtime_s = job.runtime_s
+        request.outputs, request.served_version = job.outputs, job.served_version
+
+    def _done(self, request: Request) -> None:
+        """The stages' cleanups, once each, in reverse order; one that raises is logged."""
+        cleanups, request.on_done = request.on_done, []
+        for cleanup in reversed(cleanups):
+            try:
+                cleanup()
+            except Exception:  # a cleanup must never keep the request from its answer
+                log.exception("%s: a stage's cleanup failed", self.name)
 
     def _observe_batch(self, rows: int) -> None:
         """The batcher's ``on_batch``: a call of ``rows`` ran; left in the request's RequestTiming

@@ -34,17 +34,15 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote
 
-import numpy as np
-
 from device_agents import __version__
 from device_agents.config import ServerConfig
-from device_agents.errors import AnsweredError, RequestTooLargeError, ServingError
+from device_agents.errors import AnsweredError, RequestTooLargeError, RuntimeFailure, ServingError
 from device_agents.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from device_agents.pipeline import Decoded, RequestTiming
+from device_agents.pipeline import Request, RequestTiming
 from device_agents.runtimes import ServedModel
 from device_agents.service import AgentService
 from device_agents.serving.bodies import ByteBudget, Reservation, inflate
-from device_agents.serving.codec import HeaderCache, InferRequest, decode_request, encode_response, tensor_metadata
+from device_agents.serving.codec import HeaderCache, decode_request, encode_response, tensor_metadata
 from device_agents.threads import set_os_name
 from edgekit.bundle.codec import to_data
 from edgekit.bundle.errors import EdgekitError, InferenceInputError, ModelNotFoundError
@@ -531,7 +529,7 @@ class _Handler(BaseHTTPRequestHandler):
                 name, version, rest = _model_route(parts)
                 if rest != ["infer"]:
                     raise ModelNotFoundError(f"no route POST {self.path}")
-                decode, encode = self._codec(raw, name, reservation, timing)
+                decode, encode = self._codec(raw, name, version, reservation, timing)
                 try:
                     out, json_len = service.infer(name, version, decode, encode)
                 except EdgekitError:
@@ -580,11 +578,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._log_access()
 
     def _codec(
-        self, raw: bytes, name: str, reservation: Reservation, timing: RequestTiming
-    ) -> tuple[
-        Callable[[ServedModel], Decoded[InferRequest]],
-        Callable[[InferRequest, dict[str, np.ndarray], int], tuple[bytes, int | None]],
-    ]:
+        self, raw: bytes, name: str, version: int | None, reservation: Reservation, timing: RequestTiming
+    ) -> tuple[Callable[[ServedModel], Request], Callable[[Request], tuple[bytes, int | None]]]:
         """The decode and encode stages of this request (v2 JSON / binary extension)."""
         # a _Headers: lower-case keys, read with dict.get (no .lower() per look-up)
         headers: dict[str, str] = self.headers  # type: ignore[assignment]
@@ -592,16 +587,20 @@ class _Handler(BaseHTTPRequestHandler):
         encoding = dict.get(headers, "content-encoding")
         limit = self.server.max_request_bytes
         cache = self.server.header_cache
-        served: list[ServedModel] = []
 
-        def decode(model: ServedModel) -> Decoded[InferRequest]:
-            served.append(model)
+        def decode(model: ServedModel) -> Request:
             body = raw if encoding is None else inflate(raw, encoding, limit, reservation)
-            request = decode_request(body, header_length, model.inputs, model.outputs, max_bytes=limit, cache=cache)
-            return Decoded(request, request.inputs, request.timeout_s, lambda exc: self._answer_hung(name, exc), timing)
+            wire = decode_request(body, header_length, model.inputs, model.outputs, max_bytes=limit, cache=cache)
+            return Request(
+                name, wire.inputs, version, wire, wire.timeout_s, lambda exc: self._answer_hung(name, exc), timing
+            )
 
-        def encode(request: InferRequest, results: dict[str, np.ndarray], version: int) -> tuple[bytes, int | None]:
-            return encode_response(name, version, request, results, served[0].outputs, cache)
+        def encode(request: Request) -> tuple[bytes, int | None]:
+            model = request.model
+            outputs = request.outputs
+            if model is None or outputs is None:  # the pipeline sets both before it encodes
+                raise RuntimeFailure(f"model {name}: no outputs to encode")
+            return encode_response(name, request.served_version, request.wire, outputs, model.outputs, cache)
 
         return decode, encode
 

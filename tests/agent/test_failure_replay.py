@@ -11,7 +11,7 @@ import pytest
 from device_agents.config import load_config
 from device_agents.errors import RuntimeFailure
 from device_agents.lifecycle import Lifecycle
-from device_agents.pipeline import Decoded
+from device_agents.pipeline import Request
 from device_agents.service import AgentService
 from tests.agent.conftest import write_config
 from tests.factories import make_cpu_bundle, sample_inputs, tiny_classifier
@@ -73,7 +73,7 @@ def test_a_runtime_failure_in_the_pipeline_is_replayed_and_counted(
     service = AgentService(m.config, m)
     try:
         with pytest.raises(RuntimeFailure):  # an HTTP 500
-            service.infer("tiny", None, lambda model: Decoded(None, dict(FIELD)), lambda r, out, v: out)
+            service.infer("tiny", None, lambda model: Request("tiny", dict(FIELD)), lambda r: r.outputs)
         assert m.metrics.model_failures.labels("tiny")._value.get() == counted
     finally:
         service.drain()

@@ -26,7 +26,7 @@ from device_agents.errors import (
     UnavailableError,
 )
 from device_agents.lifecycle import Lifecycle
-from device_agents.pipeline import Decoded, Pipeline
+from device_agents.pipeline import Pipeline, Request
 from device_agents.pipeline.batching import Batcher, CallCost, Job
 from edgekit.bundle.errors import ConfigError, EdgekitError
 from tests.agent.bundles import read_manifest, rebundle
@@ -223,7 +223,7 @@ def test_a_hung_runtime_call_fails_its_request_and_the_model_is_reloaded(lifecyc
     x = sample_inputs(1, seed=4)
 
     def call() -> tuple[dict[str, np.ndarray], int]:
-        return pipeline.run(None, lambda model: Decoded(None, {"input": x}), lambda req, out, v: (out, v))
+        return pipeline.run(None, lambda model: Request("tiny", {"input": x}), lambda r: (r.outputs, r.served_version))
 
     with pytest.raises(RuntimeFailure, match=r"hung: its runtime call ran over server.hung_call_s \(0.3 s\)"):
         call()  # the gate never opens: the call hangs
@@ -324,7 +324,7 @@ def _request(pipeline: Pipeline, answers: list[EdgekitError] | None, seed: int =
     x = sample_inputs(1, seed=seed)
     answer = None if answers is None else answers.append
     out: dict[str, np.ndarray] = pipeline.run(
-        None, lambda model: Decoded(None, {"input": x}, answer=answer), lambda req, out, v: out
+        None, lambda model: Request("tiny", {"input": x}, answer=answer), lambda r: r.outputs
     )
     return out
 

@@ -13,7 +13,7 @@ import pytest
 
 from device_agents.config import load_config
 from device_agents.lifecycle import Lifecycle
-from device_agents.pipeline import Decoded
+from device_agents.pipeline import Request
 from device_agents.runtimes.latency import LatencyWindow
 from device_agents.selftest import SelfTestReport
 from device_agents.service import AgentService
@@ -46,7 +46,7 @@ def test_live_requests_over_the_window_are_the_baseline_when_not_side_by_side(
     try:
         for _ in range(10):
             service.infer(
-                "tiny", None, lambda model: Decoded(None, {"input": sample_inputs(1, seed=3)}), lambda r, out, v: out
+                "tiny", None, lambda model: Request("tiny", {"input": sample_inputs(1, seed=3)}), lambda r: r.outputs
             )
     finally:
         service.drain()
