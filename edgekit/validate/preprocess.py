@@ -7,6 +7,10 @@ in a manifest's pre-processing (DESIGN.md: "pre- and post-processing described a
 Order: decode -> channels (RGB / BGR / GRAY) -> resize to ``size`` (``stretch``, ``letterbox``
 keeping the aspect ratio with ``pad`` around it, or ``center-crop``) -> divide by ``scale`` ->
 subtract ``mean``, divide by ``std`` (per channel) -> ``layout`` (NCHW or NHWC).
+
+This module is the host's side only (parsing the flag, reading image folders); the pixels are
+computed by the device's own pre-processing (``device_agents.processing``), from the same
+manifest steps ``to_steps`` writes.
 """
 
 from __future__ import annotations
@@ -114,7 +118,14 @@ class Preprocess:
         return tuple(steps)
 
     def apply(self, paths: Sequence[Path], spec: TensorSpec) -> np.ndarray:
-        """Samples for ``spec`` (rank 4, NCHW or NHWC as ``layout``) from ``paths``, stacked on axis 0."""
+        """Samples for ``spec`` (rank 4, NCHW or NHWC as ``layout``) from ``paths``, stacked on axis 0.
+
+        Each image goes through the device's own pre-processing (``device_agents.processing``)
+        with the steps ``to_steps`` records in the manifest: the agent serving an image request
+        computes exactly what was calibrated and validated here."""
+        from device_agents.processing.images import ImageDecoderMissingError, ImageInputError
+        from device_agents.processing.pre import Preprocessor
+
         channels, (h, w) = self._target(spec)
         mode = self.channels or ("GRAY" if channels == 1 else "RGB")
         if (mode == "GRAY") != (channels == 1):
@@ -127,24 +138,21 @@ class Preprocess:
                 raise ConfigError(
                     f"--preprocess {label}: {len(values)} values for {channels} channels; give 1 or {channels}"
                 )
-        Image = _pil()
-        out = np.empty((len(paths), h, w, channels), dtype=np.float32)
+        pre = Preprocessor(self.to_steps(spec), _fixed(spec, self.layout, channels, (h, w)))
+        out: np.ndarray | None = None
         for i, path in enumerate(paths):
             try:
-                with Image.open(path) as img:
-                    img = img.convert("L" if mode == "GRAY" else "RGB")
-                    pixels = np.asarray(self._resize(img, (h, w), Image), dtype=np.float32)
-            except OSError as exc:
+                sample, _ = pre.from_bytes(Path(path).read_bytes())
+            except ImageDecoderMissingError:
+                raise MissingSDKError("Pillow", "host", "reading calibration images") from None
+            except (ImageInputError, OSError) as exc:
                 raise CalibrationDataError(f"image {path} cannot be read ({exc}); remove it or fix it") from exc
-            if mode == "GRAY":
-                pixels = pixels[..., None]
-            elif mode == "BGR":
-                pixels = pixels[..., ::-1]
-            out[i] = pixels
-        norm = (out / np.float32(self.scale) - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
-        if self.layout == "NCHW":
-            norm = norm.transpose(0, 3, 1, 2)
-        return np.ascontiguousarray(norm.astype(np.dtype(spec.dtype)))
+            if out is None:
+                out = np.empty((len(paths), *sample.shape[1:]), dtype=sample.dtype)
+            out[i] = sample[0]
+        if out is None:
+            raise CalibrationDataError("no images to read")
+        return out
 
     def _target(self, spec: TensorSpec) -> tuple[int, tuple[int, int]]:
         if len(spec.shape) != 4:
@@ -172,19 +180,6 @@ class Preprocess:
                 f"input {spec.name!r} {list(spec.shape)} has a dynamic height or width: give --preprocess size=HxW"
             )
         return c, (int(dims[0]), int(dims[1]))
-
-    def _resize(self, img: Any, size: tuple[int, int], Image: Any) -> Any:
-        h, w = size
-        if self.fit == "stretch":
-            return img.resize((w, h), Image.BILINEAR)
-        ratio = (min if self.fit == "letterbox" else max)(w / img.width, h / img.height)
-        scaled = img.resize((max(1, round(img.width * ratio)), max(1, round(img.height * ratio))), Image.BILINEAR)
-        if self.fit == "center-crop":
-            left, top = (scaled.width - w) // 2, (scaled.height - h) // 2
-            return scaled.crop((left, top, left + w, top + h))
-        canvas = Image.new(img.mode, (w, h), self.pad if img.mode == "L" else (self.pad,) * 3)
-        canvas.paste(scaled, ((w - scaled.width) // 2, (h - scaled.height) // 2))
-        return canvas
 
 
 def image_files(source: str | Path) -> list[Path] | None:
@@ -223,9 +218,7 @@ def _parse_value(key: str, raw: str) -> Any:
     raise ConfigError(f"--preprocess {key}={raw}: choose from {', '.join(choices)}{hint}")
 
 
-def _pil() -> Any:
-    try:
-        from PIL import Image
-    except ImportError:
-        raise MissingSDKError("Pillow", "host", "reading calibration images") from None
-    return Image
+def _fixed(spec: TensorSpec, layout: Layout, channels: int, size: tuple[int, int]) -> TensorSpec:
+    """``spec`` with its batch of one and its image axes fixed (dynamic H / W take ``size``)."""
+    shape = (1, channels, *size) if layout == "NCHW" else (1, *size, channels)
+    return dataclasses.replace(spec, shape=shape)
