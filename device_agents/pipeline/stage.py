@@ -15,7 +15,9 @@ Adding a stage
 1. A module under ``device_agents/`` with a class that has a ``name`` (its label in
    ``edgekit_stage_seconds{model,stage}``) and a ``process(request)`` method. It imports no other
    stage module; what it needs from the model comes from the ``StageContext``.
-2. One entry in ``STAGE_FACTORIES``, at its place in the chain: ``"<name>": factory``, where
+2. One entry in ``STAGE_FACTORIES``, at its place in the chain: ``"<name>": "module:factory"``
+   (imported when the first pipeline is built: a stage's SDK never loads with ``import
+   device_agents``, and no import cycle runs through this module) or the factory itself, where
    ``factory(context)`` returns the stage, or None when ``[models.<name>]`` config and the
    manifest do not ask for it (the chain then has no such member: it costs nothing).
 3. Its config section under ``[models.<name>]`` (a frozen dataclass in ``device_agents/config.py``),
@@ -44,9 +46,12 @@ per-request state on itself (put it on the request).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from edgekit.bundle.errors import ConfigError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -153,6 +158,8 @@ class StageContext:
 
 
 StageFactory = Callable[[StageContext], "Stage | None"]
+# A factory, or where to import it from: "package.module:function"
+StageFactoryRef = StageFactory | str
 
 # The batcher's place in the chain (queue + infer): built by the pipeline, not by a factory.
 INFER = "infer"
@@ -161,13 +168,13 @@ INFER = "infer"
 # listed before it run before the queue, those after it on its outputs). A factory returns None when
 # its stage is not configured for that model. Read when a pipeline is built, so an entry added
 # at run time (a test's) applies to pipelines built after it.
-STAGE_FACTORIES: dict[str, StageFactory | None] = {
-    # "admission": budgets
-    # "cache_lookup": result cache
-    # "preprocess": pre-processing ops from the manifest
+STAGE_FACTORIES: dict[str, StageFactoryRef | None] = {
+    # "admission": "device_agents.budgets.stage:admission",
+    # "cache_lookup": "device_agents.cache.stage:lookup",
+    # "preprocess": "device_agents.processing.stage:preprocess",
     INFER: None,
-    # "postprocess": post-processing ops from the manifest
-    # "cache_store": result cache
+    # "postprocess": "device_agents.processing.stage:postprocess",
+    # "cache_store": "device_agents.cache.stage:store",
 }
 
 
@@ -180,7 +187,21 @@ def build_stages(context: StageContext) -> tuple[tuple[Stage, ...], tuple[Stage,
         if name == INFER or factory is None:
             into = after
             continue
-        stage = factory(context)
+        stage = resolve(name, factory)(context)
         if stage is not None:
             into.append(stage)
     return tuple(before), tuple(after)
+
+
+def resolve(name: str, factory: StageFactoryRef) -> StageFactory:
+    """The factory of table entry ``name``: imported when given as "package.module:function"."""
+    if not isinstance(factory, str):
+        return factory
+    module, _, attr = factory.partition(":")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"stage {name!r}: cannot load its factory {factory!r}: {exc}") from exc
+    if not callable(found):
+        raise ConfigError(f"stage {name!r}: {factory!r} is not a factory (a function of a StageContext)")
+    return cast(StageFactory, found)

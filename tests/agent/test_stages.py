@@ -17,7 +17,8 @@ from device_agents.errors import OverloadedError
 from device_agents.lifecycle import Lifecycle
 from device_agents.pipeline import Pipeline, Request, stage
 from device_agents.pipeline.slots import Slots
-from device_agents.pipeline.stage import INFER, StageContext, StageFactory
+from device_agents.pipeline.stage import INFER, StageContext, StageFactoryRef
+from edgekit.bundle.errors import ConfigError
 from tests.agent.conftest import Bundles, write_config
 from tests.factories import sample_inputs
 
@@ -79,7 +80,9 @@ class Double:
         request.outputs = {k: v * 2 for k, v in request.outputs.items()}
 
 
-def _table(monkeypatch: pytest.MonkeyPatch, before: dict[str, StageFactory], after: dict[str, StageFactory]) -> None:
+def _table(
+    monkeypatch: pytest.MonkeyPatch, before: dict[str, StageFactoryRef], after: dict[str, StageFactoryRef]
+) -> None:
     monkeypatch.setattr(stage, "STAGE_FACTORIES", {**before, INFER: None, **after})
 
 
@@ -207,3 +210,29 @@ def test_stage_is_shared_by_concurrent_requests(lifecycle: Lifecycle, monkeypatc
     finally:
         pipeline.stop(5)
     assert errors == [] and len(seen) == 8
+
+
+def answer_factory(context: StageContext) -> Answer:
+    """A factory the stage table names by its import path."""
+    return Answer()
+
+
+def test_stage_table_entry_named_by_import_path_is_imported_when_a_pipeline_is_built(
+    lifecycle: Lifecycle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _table(monkeypatch, {"answer": f"{__name__}:answer_factory"}, {})
+    pipeline = _pipeline(lifecycle)
+    try:
+        request = _run(pipeline, sample_inputs(1, seed=15))
+    finally:
+        pipeline.stop(5)
+    assert request.served_version == 99
+
+
+@pytest.mark.parametrize("path", ["device_agents.no_such_module:f", "device_agents.pipeline.stage:no_such_factory"])
+def test_stage_table_entry_that_cannot_be_imported_is_a_config_error_naming_it(
+    lifecycle: Lifecycle, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    _table(monkeypatch, {"broken": path}, {})
+    with pytest.raises(ConfigError, match=f"stage 'broken': cannot load its factory '{path}'"):
+        _pipeline(lifecycle)
