@@ -81,6 +81,9 @@ def build_parser() -> Parser:
     from edgekit.fleet import commands as fleet_commands  # lazy: pulls in the MQTT client only for `edgekit`
 
     fleet_commands.register(sub)
+    from edgekit.split import commands as split_commands  # `edgekit split plan`, `edgekit serve-tail`
+
+    split_commands.register(sub)
     from edgekit import doctor  # `edgekit doctor`: this machine's device class, SDKs, buildable targets, runtimes
 
     doctor.register(sub)

@@ -323,6 +323,7 @@ class SplitCut:
     cut_bytes_per_sample: int
     head_flops_fraction: float | None = None
     head_latency_ms: float | None = None
+    tail_latency_ms: float | None = None  # the tail on the server, as planned (profiled or assumed)
 
 
 @dataclass(frozen=True)
@@ -331,6 +332,8 @@ class SplitPlan:
 
     cuts: tuple[SplitCut, ...]
     default_cut: str | None = None  # id of the cut to use when no budget says otherwise
+    local_latency_ms: float | None = None  # the full model on the device, as planned
+    output_bytes_per_sample: int | None = None  # what the tail sends back per sample
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,190 @@
+"""What each cut costs here: head and tail latency under ONNX Runtime (interleaved, medians),
+bytes per sample on the link, and what compressing the cut tensor costs in accuracy.
+
+Head and tail composed must give the full model's outputs: checked on every sample before
+anything is timed (``SplitCompositionError`` otherwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edgekit.errors import ValidationFailedError
+from edgekit.split import compression
+from edgekit.split.graph import CutPoint
+from edgekit.validate.latency import stats_side_by_side
+from edgekit.validate.ort_runner import ort_cpu_runner
+
+Feed = dict[str, np.ndarray]
+Runner = Callable[[Feed], dict[str, np.ndarray]]
+# head∘tail against the full model: FP32 re-association inside ONNX Runtime's fused kernels only
+COMPOSE_RTOL = 1e-3
+COMPOSE_ATOL = 1e-4
+
+
+class SplitCompositionError(ValidationFailedError):
+    """A head and its tail composed do not reproduce the full model's outputs."""
+
+
+@dataclass(frozen=True)
+class CompressionCost:
+    """One compression mode of a cut tensor, over the samples: mean bytes on the link per sample,
+    and the model outputs computed from the decoded tensor against the full model's."""
+
+    mode: compression.Mode
+    bytes_per_sample: int
+    max_abs_error: float
+    mean_cosine: float
+    top1_agreement: float | None  # for a 2-D (batch, scores) first output
+
+
+@dataclass(frozen=True)
+class CutMeasurement:
+    cut: CutPoint
+    head_path: Path
+    tail_path: Path
+    bytes_per_sample: int  # raw tensors as the head returns them
+    max_abs_error: float  # head∘tail vs the full model
+    head_ms: float
+    tail_ms: float
+    compression: tuple[CompressionCost, ...] = ()
+
+
+@dataclass(frozen=True)
+class Measurements:
+    full_ms: float
+    input_bytes_per_sample: int
+    output_bytes_per_sample: int
+    cuts: tuple[CutMeasurement, ...]
+    samples: int
+    calls_per_function: int
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def rows(feed: Mapping[str, np.ndarray]) -> int:
+    first = next(iter(feed.values()))
+    return int(first.shape[0]) if first.ndim else 1
+
+
+def per_sample_bytes(tensors: Mapping[str, np.ndarray], samples: int) -> int:
+    return round(sum(t.nbytes for t in tensors.values()) / max(1, samples))
+
+
+def measure(
+    full_path: Path,
+    cuts: Sequence[tuple[CutPoint, Path, Path]],
+    feeds: Sequence[Feed],
+    *,
+    repeats: int = 7,
+    block: int = 3,
+    budget_s: float = 20.0,
+    compress: bool = True,
+) -> Measurements:
+    """Check every head∘tail against the full model on ``feeds``, then time the full model and
+    every head and tail side by side on the first feed."""
+    full = ort_cpu_runner(full_path)
+    references = [full(f) for f in feeds]
+    n = sum(rows(f) for f in feeds)
+    runners: list[tuple[CutPoint, Runner, Runner]] = []
+    checked: list[tuple[int, float, tuple[CompressionCost, ...]]] = []
+    for cut, head_path, tail_path in cuts:
+        head, tail = ort_cpu_runner(head_path), ort_cpu_runner(tail_path)
+        runners.append((cut, head, tail))
+        worst, sent = 0.0, 0
+        mids: list[dict[str, np.ndarray]] = []
+        for feed, ref in zip(feeds, references, strict=True):
+            mid = head(feed)
+            mids.append(mid)
+            sent += sum(t.nbytes for t in mid.values())
+            out = tail(mid)
+            for name, want in ref.items():
+                got = out[name]
+                if got.shape != want.shape or not np.allclose(got, want, rtol=COMPOSE_RTOL, atol=COMPOSE_ATOL):
+                    raise SplitCompositionError(
+                        f"{cut.id} ({', '.join(cut.tensors)}): head and tail composed give {name} off by "
+                        f"{_max_abs(got, want):.3g} from the full model; this cut cannot be used"
+                    )
+                worst = max(worst, _max_abs(got, want))
+        costs = _compression_costs(tail, mids, references, n) if compress else ()
+        checked.append((round(sent / max(1, n)), worst, costs))
+    fns: dict[str, Callable[[], object]] = {"full": _bind(full, feeds[0])}
+    for cut, head, tail in runners:
+        mid = head(feeds[0])
+        fns[f"head:{cut.id}"] = _bind(head, feeds[0])
+        fns[f"tail:{cut.id}"] = _bind(tail, mid)
+    stats = stats_side_by_side(fns, repeats=repeats, warmup=1, budget_s=budget_s, min_repeats=3, block=block)
+    per_call = rows(feeds[0])
+    cut_rows = tuple(
+        CutMeasurement(
+            cut=cut,
+            head_path=head_path,
+            tail_path=tail_path,
+            bytes_per_sample=sent,
+            max_abs_error=worst,
+            head_ms=stats[f"head:{cut.id}"].p50_ms / per_call,
+            tail_ms=stats[f"tail:{cut.id}"].p50_ms / per_call,
+            compression=costs,
+        )
+        for (cut, head_path, tail_path), (sent, worst, costs) in zip(cuts, checked, strict=True)
+    )
+    return Measurements(
+        full_ms=stats["full"].p50_ms / per_call,
+        input_bytes_per_sample=sum(per_sample_bytes(f, rows(f)) for f in feeds[:1]),
+        output_bytes_per_sample=per_sample_bytes(references[0], rows(feeds[0])),
+        cuts=cut_rows,
+        samples=n,
+        calls_per_function=stats["full"].calls,
+    )
+
+
+def _compression_costs(
+    tail: Runner, mids: Sequence[dict[str, np.ndarray]], references: Sequence[dict[str, np.ndarray]], n: int
+) -> tuple[CompressionCost, ...]:
+    out: list[CompressionCost] = []
+    for mode in compression.MODES:
+        size, worst, cosines, agree, total = 0, 0.0, [], 0, 0
+        for mid, ref in zip(mids, references, strict=True):
+            decoded = {}
+            for name, t in mid.items():
+                data = compression.encode(t, mode)
+                size += len(data)
+                decoded[name] = compression.decode(data, mode, t.shape, t.dtype)
+            got = tail(decoded)
+            name = next(iter(ref))
+            want = ref[name]
+            worst = max(worst, _max_abs(got[name], want))
+            for g, w in zip(got[name].reshape(len(want), -1), want.reshape(len(want), -1), strict=True):
+                cosines.append(_cosine(g, w))
+            if want.ndim == 2:
+                agree += int((got[name].argmax(axis=1) == want.argmax(axis=1)).sum())
+                total += want.shape[0]
+        out.append(
+            CompressionCost(
+                mode=mode,
+                bytes_per_sample=round(size / max(1, n)),
+                max_abs_error=worst,
+                mean_cosine=float(np.mean(cosines)) if cosines else 1.0,
+                top1_agreement=agree / total if total else None,
+            )
+        )
+    return tuple(out)
+
+
+def _bind(fn: Runner, feed: Feed) -> Callable[[], object]:
+    return lambda: fn(feed)
+
+
+def _max_abs(a: np.ndarray, b: np.ndarray) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a64, b64 = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    denom = float(np.linalg.norm(a64) * np.linalg.norm(b64))
+    return float(a64 @ b64 / denom) if denom else float(np.array_equal(a64, b64))

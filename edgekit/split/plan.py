@@ -1,0 +1,261 @@
+"""The end-to-end cost of each way to run a model, and the best one per bandwidth.
+
+Ways: ``local`` (the whole model on the device), ``remote`` (the input goes to the server, which
+runs the whole model) and every cut (head on the device, the cut tensors over the link, the
+tail on the server). One request costs::
+
+    device_ms + (up_bytes + down_bytes) * 8 / bandwidth + rtt_ms + server_ms      (local: device_ms)
+
+with the same bandwidth both ways. ``device_ms`` comes from a device profile, else from this
+host; ``server_ms`` from a server profile, else this host's time divided by ``server_speedup``
+(an assumption the plan states).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from edgekit.bundle.manifest import SplitCut, SplitPlan
+from edgekit.errors import ConfigError
+from edgekit.split import compression
+from edgekit.split.measure import CutMeasurement, Measurements
+from edgekit.split.profile import Profile
+
+LOCAL = "local"
+REMOTE = "remote"
+
+
+@dataclass(frozen=True)
+class Option:
+    id: str  # LOCAL, REMOTE or a cut id
+    tensors: tuple[str, ...]
+    device_ms: float
+    server_ms: float
+    up_bytes: int  # per sample, device -> server
+    down_bytes: int  # per sample, server -> device
+
+    def latency_ms(self, bandwidth_mbps: float, rtt_ms: float) -> float:
+        if self.id == LOCAL:
+            return self.device_ms
+        return self.device_ms + transfer_ms(self.up_bytes + self.down_bytes, bandwidth_mbps) + rtt_ms + self.server_ms
+
+
+@dataclass(frozen=True)
+class Choice:
+    bandwidth_mbps: float
+    rtt_ms: float
+    best: str  # the option with the lowest latency
+    best_ms: float
+    local_ms: float
+    remote_ms: float
+    best_cut: str | None  # the best of the cuts alone (None when the model has none)
+    best_cut_ms: float | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    options: tuple[Option, ...]  # local, remote, then the cuts in graph order
+    choices: tuple[Choice, ...]
+    compress: compression.Mode
+    assumptions: tuple[str, ...]
+
+    def option(self, option_id: str) -> Option:
+        for o in self.options:
+            if o.id == option_id:
+                return o
+        raise KeyError(option_id)
+
+    @property
+    def cuts(self) -> tuple[Option, ...]:
+        return tuple(o for o in self.options if o.id not in (LOCAL, REMOTE))
+
+
+def transfer_ms(size_bytes: int, bandwidth_mbps: float) -> float:
+    return size_bytes * 8.0 / (bandwidth_mbps * 1000.0)
+
+
+def parse_bandwidths(text: str) -> tuple[float, ...]:
+    """``"1,10,100"`` -> (1.0, 10.0, 100.0) Mbit/s."""
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or any(v <= 0 for v in values):
+        raise ConfigError(f"--bandwidth-mbps {text!r}: expected positive Mbit/s separated by commas, such as 1,10,100")
+    return values
+
+
+def build_options(
+    measured: Measurements,
+    *,
+    device: Profile | None = None,
+    server: Profile | None = None,
+    server_speedup: float = 10.0,
+    compress: compression.Mode = "none",
+) -> tuple[tuple[Option, ...], tuple[str, ...]]:
+    """Every option with its device and server milliseconds and bytes; and the assumptions made."""
+    if server_speedup <= 0:
+        raise ConfigError(f"--server-speedup {server_speedup}: must be > 0")
+    notes: list[str] = []
+    if device is None:
+        notes.append("device times: measured on this host with ONNX Runtime (no --device-profile)")
+    else:
+        notes.append(f"device times: {device.source}")
+    if server is None:
+        notes.append(
+            f"server times: ASSUMED {server_speedup:g}x faster than this host (no --server-profile; "
+            "record one on the server with `edgekit split plan --save-profile`)"
+        )
+    else:
+        notes.append(f"server times: {server.source}")
+    if compress != "none":
+        notes.append(f"cut tensors sent as {compress} + {compression.CODEC}")
+
+    def device_ms(host_ms: float, profiled: float | None) -> float:
+        return profiled if profiled is not None else host_ms
+
+    def server_ms(host_ms: float, profiled: float | None) -> float:
+        return profiled if profiled is not None else host_ms / server_speedup
+
+    down = measured.output_bytes_per_sample
+    options = [
+        Option(LOCAL, (), device.full_ms if device else measured.full_ms, 0.0, 0, 0),
+        Option(
+            REMOTE,
+            (),
+            0.0,
+            server.full_ms if server else measured.full_ms / server_speedup,
+            measured.input_bytes_per_sample,
+            down,
+        ),
+    ]
+    for m in measured.cuts:
+        options.append(
+            Option(
+                m.cut.id,
+                m.cut.tensors,
+                device_ms(m.head_ms, device.head_ms(m.cut) if device else None),
+                server_ms(m.tail_ms, server.tail_ms(m.cut) if server else None),
+                _sent_bytes(m, compress),
+                down,
+            )
+        )
+    return tuple(options), tuple(notes)
+
+
+def choose(options: Sequence[Option], bandwidths_mbps: Sequence[float], rtt_ms: float) -> tuple[Choice, ...]:
+    out = []
+    local = next(o for o in options if o.id == LOCAL)
+    remote = next(o for o in options if o.id == REMOTE)
+    cuts = [o for o in options if o.id not in (LOCAL, REMOTE)]
+    for bw in bandwidths_mbps:
+        best = min(options, key=lambda o: o.latency_ms(bw, rtt_ms))
+        best_cut = min(cuts, key=lambda o: o.latency_ms(bw, rtt_ms)) if cuts else None
+        out.append(
+            Choice(
+                bandwidth_mbps=bw,
+                rtt_ms=rtt_ms,
+                best=best.id,
+                best_ms=best.latency_ms(bw, rtt_ms),
+                local_ms=local.latency_ms(bw, rtt_ms),
+                remote_ms=remote.latency_ms(bw, rtt_ms),
+                best_cut=best_cut.id if best_cut else None,
+                best_cut_ms=best_cut.latency_ms(bw, rtt_ms) if best_cut else None,
+            )
+        )
+    return tuple(out)
+
+
+def make_plan(
+    measured: Measurements,
+    bandwidths_mbps: Sequence[float],
+    rtt_ms: float = 20.0,
+    *,
+    device: Profile | None = None,
+    server: Profile | None = None,
+    server_speedup: float = 10.0,
+    compress: compression.Mode = "none",
+) -> Plan:
+    if rtt_ms < 0:
+        raise ConfigError(f"--rtt-ms {rtt_ms}: must be >= 0")
+    options, notes = build_options(
+        measured, device=device, server=server, server_speedup=server_speedup, compress=compress
+    )
+    return Plan(options, choose(options, bandwidths_mbps, rtt_ms), compress, notes)
+
+
+def useful_cuts(plan: Plan) -> list[str]:
+    """The cuts chosen at one of the planned bandwidths, in graph order."""
+    chosen = {c.best for c in plan.choices}
+    return [o.id for o in plan.cuts if o.id in chosen]
+
+
+def to_manifest(plan: Plan, cut_ids: Sequence[str], head_files: dict[str, str], tail_model: str) -> SplitPlan | None:
+    """The manifest's ``split`` for ``cut_ids`` (None when empty); tails are served as
+    ``<tail_model>-<cut id>``; the default cut is the one chosen most often among them."""
+    if not cut_ids:
+        return None
+    cuts = []
+    for cut_id in cut_ids:
+        o = plan.option(cut_id)
+        cuts.append(
+            SplitCut(
+                id=cut_id,
+                tensors=o.tensors,
+                head_file=head_files[cut_id],
+                tail_model=f"{tail_model}-{cut_id}",
+                cut_bytes_per_sample=o.up_bytes,
+                head_latency_ms=round(o.device_ms, 4),
+                tail_latency_ms=round(o.server_ms, 4),
+            )
+        )
+    counts = {cut_id: sum(1 for c in plan.choices if c.best == cut_id) for cut_id in cut_ids}
+    return SplitPlan(
+        cuts=tuple(cuts),
+        default_cut=max(cut_ids, key=lambda c: counts[c]),
+        local_latency_ms=round(plan.option(LOCAL).device_ms, 4),
+        output_bytes_per_sample=plan.option(LOCAL).down_bytes or plan.option(REMOTE).down_bytes,
+    )
+
+
+def table(plan: Plan, measured: Measurements) -> str:
+    """The cuts (times, bytes, compression cost) and the choice per bandwidth, as text."""
+    by_id = {m.cut.id: m for m in measured.cuts}
+    lines = [*(f"# {n}" for n in plan.assumptions)]
+    lines.append(
+        f"{'option':<10} {'tensors':<24} {'device ms':>10} {'server ms':>10} {'bytes/sample':>13} "
+        f"{'zlib B':>9} {'fp16+zlib B':>12} {'int8+zlib B (cos)':>20}"
+    )
+    for o in plan.options:
+        m = by_id.get(o.id)
+        raw = m.bytes_per_sample if m else o.up_bytes
+        comp = {c.mode: c for c in m.compression} if m else {}
+        z = f"{comp['none'].bytes_per_sample}" if "none" in comp else "-"
+        f16 = f"{comp['fp16'].bytes_per_sample}" if "fp16" in comp else "-"
+        i8 = f"{comp['int8'].bytes_per_sample} ({comp['int8'].mean_cosine:.4f})" if "int8" in comp else "-"
+        tensors = ",".join(o.tensors) if o.tensors else ("(input)" if o.id == REMOTE else "-")
+        lines.append(
+            f"{o.id:<10} {tensors[:24]:<24} {o.device_ms:>10.3f} {o.server_ms:>10.3f} {raw:>13} "
+            f"{z:>9} {f16:>12} {i8:>20}"
+        )
+    lines.append("")
+    lines.append(
+        f"{'Mbit/s':>9} {'rtt ms':>7} {'local ms':>10} {'remote ms':>10} {'best cut ms':>12} {'chosen':<10} {'ms':>9}"
+    )
+    for c in plan.choices:
+        cut = f"{c.best_cut_ms:.2f} {c.best_cut}" if c.best_cut_ms is not None else "-"
+        lines.append(
+            f"{c.bandwidth_mbps:>9g} {c.rtt_ms:>7g} {c.local_ms:>10.2f} {c.remote_ms:>10.2f} {cut:>12} "
+            f"{c.best:<10} {c.best_ms:>9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _sent_bytes(m: CutMeasurement, compress: compression.Mode) -> int:
+    if compress == "none":
+        return m.bytes_per_sample
+    for c in m.compression:
+        if c.mode == compress:
+            return c.bytes_per_sample
+    raise ConfigError(f"--compress {compress}: not measured for {m.cut.id}")
