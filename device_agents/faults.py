@@ -16,10 +16,15 @@ import time
 FAULT_ENV = "EDGEKIT_FAULT"
 STALL_ENV = "EDGEKIT_FAULT_STALL_S"  # how long a stall point blocks (default 3600 s: a hang)
 STALL_ONCE_ENV = "EDGEKIT_FAULT_STALL_ONCE"  # "1": only the first pass through the point stalls
+# With a counted point (``FaultCounter``): die on the Nth pass through it (default 1).
+FAULT_AT_ENV = "EDGEKIT_FAULT_AT"
 
 # Where each point sits: see Lifecycle.install (stage..cleanup), the self-test child
 # (selftest_child) and the update client (download).
 FAULT_POINTS = ("verify", "stage", "selftest", "selftest_child", "switch", "commit", "cleanup", "download")
+# Counted points: one name covers many places that write (``FaultCounter``); ``cache_write`` is
+# every step of a result-cache write (device_agents/cache/store.py).
+COUNTED_POINTS = ("cache_write",)
 # Stall points block instead of killing: ``infer_stall`` sits just before the runtime call of a
 # batch (pipeline/batching.py), to make a call slow (drain tests) or hang (hung-call detection).
 STALL_POINTS = ("infer_stall",)
@@ -37,6 +42,30 @@ def fault_point(name: str) -> None:
         raise ValueError(f"unknown fault point {name!r}; add it to FAULT_POINTS ({', '.join(FAULT_POINTS)})")
     if os.environ.get(FAULT_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FaultCounter:
+    """A counted fault point: ``EDGEKIT_FAULT=<name> EDGEKIT_FAULT_AT=N`` SIGKILLs the process on
+    the Nth pass through any place that calls ``hit()``, so a test can stop a writer after each
+    of its write steps in turn (N = 1, 2, ...), counted, never timed. Built once per object that
+    writes (the environment is read then); ``armed`` is False when the variable names another point,
+    and ``hit`` is then never worth calling."""
+
+    def __init__(self, name: str) -> None:
+        if name not in COUNTED_POINTS:
+            known = ", ".join(COUNTED_POINTS)
+            raise ValueError(f"unknown counted fault point {name!r}; add it to COUNTED_POINTS ({known})")
+        self.armed = os.environ.get(FAULT_ENV) == name
+        self.left = int(os.environ.get(FAULT_AT_ENV, "1")) if self.armed else 0
+        self._lock = threading.Lock()
+
+    def hit(self) -> None:
+        if not self.armed:
+            return
+        with self._lock:
+            self.left -= 1
+            if self.left <= 0:
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 def stall_point(name: str) -> None:

@@ -232,6 +232,132 @@ class RequestSeries(Collector):
         )
 
 
+class CacheSeries(Collector):
+    """The result cache's series (device_agents/cache): ``edgekit_cache_lookups_total{model,result}``
+    (hit, miss, bypass), ``edgekit_cache_hit_seconds{model}`` (a hit's lookup, key included),
+    ``edgekit_cache_saved_seconds_total{model}`` (the recorded inference time of each hit minus its
+    lookup: an estimate of the time saved), ``edgekit_cache_evictions_total{tier}``,
+    ``edgekit_cache_entries{tier}`` and ``edgekit_cache_bytes{tier}`` (memory, disk),
+    ``edgekit_cache_paused`` (1 while writing to disk is off: a full disk), ``edgekit_cache_pauses_total``,
+    ``edgekit_cache_corrupt_total`` (files moved aside) and ``edgekit_cache_write_drops_total``
+    (entries not written: the writer was behind). Plain counts under one lock, as ``RequestSeries``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lookups: dict[tuple[str, str], int] = {}
+        self._hit_s: dict[str, _Series] = {}
+        self._saved_s: dict[str, float] = {}
+        self._evictions: dict[str, int] = {}
+        self._paused = 0
+        self._pauses = 0
+        self._corrupt = 0
+        self._drops = 0
+        self._sizes: list[Callable[[], tuple[int, int, int, int]]] = []
+
+    def lookup(self, model: str, result: str, seconds: float = 0.0, saved_s: float = 0.0) -> None:
+        key = (model, result)
+        with self._lock:
+            self._lookups[key] = self._lookups.get(key, 0) + 1
+            if result == "hit":
+                series = self._hit_s.get(model)
+                if series is None:
+                    series = self._hit_s[model] = _Series(len(_LATENCY_BUCKETS_S))
+                series.counts[bisect_left(_LATENCY_BUCKETS_S, seconds)] += 1
+                series.total += seconds
+                self._saved_s[model] = self._saved_s.get(model, 0.0) + max(0.0, saved_s - seconds)
+
+    def evicted(self, tier: str, n: int) -> None:
+        with self._lock:
+            self._evictions[tier] = self._evictions.get(tier, 0) + n
+
+    def paused(self, on: bool) -> None:
+        with self._lock:
+            self._pauses += int(on and not self._paused)
+            self._paused = int(on)
+
+    def corrupt(self) -> None:
+        with self._lock:
+            self._corrupt += 1
+
+    def write_dropped(self) -> None:
+        with self._lock:
+            self._drops += 1
+
+    def watch(self, sizes: Callable[[], tuple[int, int, int, int]]) -> None:
+        """Read (memory entries, memory bytes, disk entries, disk bytes) from ``sizes`` when scraped."""
+        with self._lock:
+            self._sizes.append(sizes)
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            lookups = list(self._lookups.items())
+            hit_s = [((m,), list(v.counts), v.total) for m, v in self._hit_s.items()]
+            saved = list(self._saved_s.items())
+            evictions = list(self._evictions.items())
+            paused, pauses, corrupt, drops = self._paused, self._pauses, self._corrupt, self._drops
+            sources = list(self._sizes)
+        yield _counter(
+            "edgekit_cache_lookups",
+            "Result-cache lookups by model and result (hit, miss, bypass)",
+            ["model", "result"],
+            lookups,
+        )
+        yield _histogram(
+            "edgekit_cache_hit_seconds",
+            "Time of a result-cache hit (key, look-up, compare)",
+            ["model"],
+            hit_s,
+            _LATENCY_BUCKETS_S,
+        )
+        yield _counter(
+            "edgekit_cache_saved_seconds",
+            "Estimated inference time saved by result-cache hits (recorded inference time minus the hit's time)",
+            ["model"],
+            [((m,), v) for m, v in saved],
+        )
+        yield _counter(
+            "edgekit_cache_evictions",
+            "Result-cache entries evicted, by tier",
+            ["tier"],
+            [((t,), n) for t, n in evictions],
+        )
+        entries = GaugeMetricFamily("edgekit_cache_entries", "Result-cache entries, by tier", labels=["tier"])
+        size = GaugeMetricFamily(
+            "edgekit_cache_bytes", "Result-cache bytes (keys and values), by tier", labels=["tier"]
+        )
+        totals = [0, 0, 0, 0]
+        for source in sources:
+            totals = [a + b for a, b in zip(totals, source(), strict=True)]
+        if sources:
+            entries.add_metric(["memory"], totals[0])
+            size.add_metric(["memory"], totals[1])
+            entries.add_metric(["disk"], totals[2])
+            size.add_metric(["disk"], totals[3])
+        yield entries
+        yield size
+        yield GaugeMetricFamily(
+            "edgekit_cache_paused", "1 while the result cache does not write to disk (disk full)", value=paused
+        )
+        yield CounterMetricFamily(
+            "edgekit_cache_pauses", "Times the result cache stopped writing to disk", value=pauses
+        )
+        yield CounterMetricFamily(
+            "edgekit_cache_corrupt", "Result-cache files found corrupt and moved aside", value=corrupt
+        )
+        yield CounterMetricFamily(
+            "edgekit_cache_write_drops", "Result-cache entries not written to disk (the writer was behind)", value=drops
+        )
+
+
+def _counter(
+    name: str, doc: str, labels: list[str], values: Iterable[tuple[tuple[str, ...], float]]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for label_values, value in values:
+        family.add_metric(list(label_values), value)
+    return family
+
+
 def _histogram(
     name: str,
     doc: str,
@@ -263,6 +389,8 @@ class AgentMetrics:
         ProcessCollector(registry=r)
         self.series = RequestSeries()
         r.register(self.series)
+        self.cache = CacheSeries()
+        r.register(self.cache)
         self.rejects = Counter(
             "edgekit_rejects", "Requests refused for lack of capacity, by reason", ["model", "reason"], registry=r
         )

@@ -14,29 +14,13 @@ import urllib.request
 from pathlib import Path
 
 from tests.agent.conftest import Bundles, agent_cli, write_config
-from tests.updates.tmpfs import small_tmpfs
+from tests.updates.tmpfs import fill, small_tmpfs
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _fill(disk: Path) -> None:
-    with open(disk / "filler", "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
-    probe = disk / "probe"
-    try:
-        probe.write_bytes(b"x" * 8192)
-        raise AssertionError("the disk is not full")
-    except OSError:
-        probe.unlink(missing_ok=True)
 
 
 def _served(url: str) -> list[str] | None:
@@ -56,7 +40,7 @@ def test_a_full_disk_at_start_serves_the_active_version(
         for b in (bundles.v1, bundles.v2):
             done = agent_cli("install", str(b), "--config", str(config))
             assert done.returncode == 0, done.stderr
-        _fill(disk)
+        fill(disk)
         log = tmp_path / "agent.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(

@@ -30,3 +30,20 @@ def small_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
 
 def resize(mount_point: Path, size: str) -> None:
     subprocess.run(["mount", "-o", f"remount,size={size}", str(mount_point)], check=True)
+
+
+def fill(disk: Path) -> None:
+    """Write zeros to ``disk/filler`` until the file system is full (a later write of 8 KiB fails)."""
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    probe = disk / "probe"
+    try:
+        probe.write_bytes(b"x" * 8192)
+        raise AssertionError("the disk is not full")
+    except OSError:
+        probe.unlink(missing_ok=True)

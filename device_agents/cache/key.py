@@ -1,0 +1,140 @@
+"""Exact result-cache keys: what makes two requests the same question to the same model.
+
+A key is, in order: the served name, the model's name, version and artifact digest (the sha256 of
+its artifact files, from the signed manifest), every input's name, dtype, shape and byte count
+(sorted by name), the request parameters that can change the answer, and then every input's
+bytes after decoding (C order, little-endian; so a JSON and a binary request of one tensor are one
+key, and the same bytes under another shape are another). The index is the xxh3-128 of all of it;
+the whole key is stored with the entry and compared byte for byte on a hit, so a hash collision
+is a miss, never another request's answer.
+
+Parameters: every v2 request parameter is part of the key except those that only say how to
+carry or schedule the request (``IGNORED_PARAMETERS``): an unknown parameter may change the
+answer, so it keys. Requested outputs key by name (their binary/JSON choice does not).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from device_agents.cache.tensors import UncacheableError, little_endian
+from edgekit.bundle.manifest import Manifest
+
+# Request parameters that never change an answer: transport (binary data), scheduling (priority,
+# deadlines, timeouts) and the cache's own switch.
+IGNORED_PARAMETERS = frozenset(
+    {
+        "cache",
+        "binary_data_output",
+        "binary_data_size",
+        "timeout",
+        "timeout_ms",
+        "deadline_ms",
+        "priority",
+        "droppable",
+        "sequence_id",
+        "headers",
+    }
+)
+
+
+def artifact_digest(manifest: Manifest) -> str:
+    """sha256 over the artifact files' paths and sha256s (as the signed manifest lists them)."""
+    h = hashlib.sha256()
+    for f in sorted(manifest.artifact_files(), key=lambda f: f.path):
+        h.update(f"{f.path}\0{f.sha256}\n".encode())
+    return h.hexdigest()
+
+
+class CacheKey:
+    """One request's key: ``digest`` (xxh3-128, the index), ``header`` (everything but the
+    tensor bytes) and ``buffers`` (each input's bytes, no copy). ``full()`` builds the stored form;
+    ``matches(stored)`` compares without building it."""
+
+    __slots__ = ("buffers", "digest", "header", "nbytes")
+
+    def __init__(self, digest: bytes, header: bytes, buffers: tuple[memoryview, ...]) -> None:
+        self.digest = digest
+        self.header = header
+        self.buffers = buffers
+        self.nbytes = len(header) + sum(b.nbytes for b in buffers)
+
+    def full(self) -> bytes:
+        return b"".join((self.header, *self.buffers))
+
+    def matches(self, stored: bytes) -> bool:
+        """True if ``stored`` is this key's ``full()``, byte for byte (memcmp, no copy)."""
+        if len(stored) != self.nbytes or not stored.startswith(self.header):
+            return False
+        pos = len(self.header)
+        for buf in self.buffers:
+            if not stored.startswith(buf, pos):
+                return False
+            pos += buf.nbytes
+        return True
+
+
+class KeyMaker:
+    """Builds the keys of one served name and model version (the model's part is built once)."""
+
+    __slots__ = ("model", "prefix", "version")
+
+    def __init__(self, endpoint: str, model: str, version: int, digest: str) -> None:
+        self.model = model
+        self.version = version
+        self.prefix = [endpoint, model, version, digest]
+
+    @classmethod
+    def for_model(cls, endpoint: str, manifest: Manifest) -> KeyMaker:
+        """The keys of ``manifest``'s model served as ``endpoint``."""
+        return cls(endpoint, manifest.name, manifest.version, artifact_digest(manifest))
+
+    def key(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        requested_outputs: Iterable[str] | None = None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> CacheKey:
+        """The key of a request (``UncacheableError`` for an input that is not plain bytes or
+        parameters that are not JSON)."""
+        described = []
+        buffers = []
+        for name in sorted(inputs):
+            dtype, shape, buf = _tensor_bytes(name, inputs[name])
+            described.append([name, dtype, shape, buf.nbytes])
+            buffers.append(buf)
+        asked = None if requested_outputs is None else sorted(set(requested_outputs))
+        params = {k: v for k, v in (parameters or {}).items() if k not in IGNORED_PARAMETERS}
+        try:
+            header = json.dumps([self.prefix, described, asked, params], separators=(",", ":"), sort_keys=True)
+        except (TypeError, ValueError) as exc:
+            raise UncacheableError(f"request parameters are not plain JSON: {exc}") from exc
+        raw_header = header.encode()
+        h = xxhash.xxh3_128(raw_header)
+        for buf in buffers:
+            h.update(buf)
+        return CacheKey(h.digest(), raw_header, tuple(buffers))
+
+
+def _tensor_bytes(name: str, value: Any) -> tuple[str, list[int], memoryview]:
+    """(dtype string, shape, bytes) of one input: numbers as their little-endian C-order bytes;
+    BYTES tensors (e.g. encoded images before pre-processing) as length-prefixed items."""
+    arr = np.asarray(value)
+    if arr.dtype.kind in "biufc":
+        arr = little_endian(arr)
+        return arr.dtype.str, list(arr.shape), arr.reshape(-1).data.cast("B")
+    if arr.dtype.kind in "OSU":
+        items = []
+        for item in arr.ravel():
+            raw = item if isinstance(item, bytes) else item.encode() if isinstance(item, str) else None
+            if raw is None:
+                raise UncacheableError(f"input {name!r} holds a {type(item).__name__}, not bytes")
+            items += [len(raw).to_bytes(8, "little"), raw]
+        return "BYTES", list(arr.shape), memoryview(b"".join(items))
+    raise UncacheableError(f"input {name!r} has dtype {arr.dtype}; it cannot be a cache key")

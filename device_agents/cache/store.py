@@ -1,0 +1,575 @@
+"""The result cache's two tiers: a hot in-memory LRU (bounded by bytes) in front of a durable
+SQLite file (``<store>/cache/results.db``, WAL, ``synchronous=NORMAL``).
+
+    get(key)  memory tier, else the file; the stored key is compared byte for byte (``CacheKey.matches``)
+    put(...)  into memory now; into the file by one writer thread, several entries per transaction
+
+Durability: an entry is *acknowledged* when its transaction has committed (``put(wait=True)``
+returns True, or ``flush()`` after it). WAL with ``synchronous=NORMAL`` keeps every committed
+transaction across a killed process (the WAL is in the OS's page cache) and the file consistent
+across a power cut (the last transactions may be lost then, never half of one). Every step of a
+write passes the counted fault point ``cache_write`` (``device_agents.faults.FaultCounter``).
+
+Bad conditions never stop serving; each is one log line and a metric:
+- a file that is corrupt (or not a cache file of this format) at open, or whose reads or writes
+  say so later, is moved aside (``results.db.corrupt-<time>``) and a fresh one starts;
+- a full disk (``SQLITE_FULL``, or an I/O error with the disk nearly full) pauses writing to the
+  file (the memory tier goes on); after ``retry_s`` the next write tries again, and writing
+  resumes when it succeeds;
+- a directory that cannot hold the file (not writable, a file in its place) leaves the memory
+  tier only.
+
+Budgets: the file holds at most ``max_bytes`` (and each model at most its own budget, where set),
+oldest entries evicted first; entries expire ``ttl_s`` after they were stored (wall clock, so the
+age survives a restart). ``sweep(model, version)`` drops the entries of a model's other versions
+(unreachable already: the version and artifact digest are part of every key).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import shutil
+import sqlite3
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from device_agents.cache.key import CacheKey
+from device_agents.cache.tensors import CacheFormatError, decode_tensors, encode_tensors
+from device_agents.faults import FaultCounter
+from device_agents.metrics import CacheSeries
+
+log = logging.getLogger("edgekit.agent")
+
+DB_NAME = "results.db"
+FORMAT_VERSION = 1  # PRAGMA user_version of a file this code wrote; another value is moved aside
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS entries ("
+    " digest BLOB NOT NULL UNIQUE, model TEXT NOT NULL, version INTEGER NOT NULL,"
+    " key BLOB NOT NULL, value BLOB NOT NULL, size_bytes INTEGER NOT NULL,"
+    " created_s REAL NOT NULL, expires_s REAL NOT NULL, cost_s REAL NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS entries_created ON entries(created_s)",
+    "CREATE INDEX IF NOT EXISTS entries_model ON entries(model, created_s)",
+)
+# SQLite primary result codes (the low byte of ``sqlite_errorcode``)
+_SQLITE_IOERR, _SQLITE_CORRUPT, _SQLITE_FULL, _SQLITE_NOTADB = 10, 11, 13, 26
+_LOW_SPACE_BYTES = 1 << 20  # an I/O error with less free than this is a full disk
+_EXPIRED_SWEEP_S = 60.0  # expired entries are deleted from the file at most this often
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A cached answer: the outputs (read-only arrays), the version that produced them, what its
+    inference took (``cost_s``) and the tier it came from (``memory`` or ``disk``)."""
+
+    outputs: dict[str, np.ndarray]
+    version: int
+    cost_s: float
+    tier: str
+
+
+class _Entry:
+    __slots__ = ("cost_s", "expires_s", "key", "model", "outputs", "size", "version")
+
+    def __init__(
+        self, key: bytes, outputs: dict[str, np.ndarray], size: int, expires_s: float, model: str, version: int,
+        cost_s: float,
+    ) -> None:  # fmt: skip
+        self.key, self.outputs, self.size, self.expires_s = key, outputs, size, expires_s
+        self.model, self.version, self.cost_s = model, version, cost_s
+
+
+class _Write:
+    __slots__ = ("cost_s", "created_s", "digest", "done", "expires_s", "key", "model", "ok", "value", "version")
+
+    def __init__(
+        self, digest: bytes, model: str, version: int, key: bytes, value: bytes, created_s: float,
+        expires_s: float, cost_s: float, done: threading.Event | None,
+    ) -> None:  # fmt: skip
+        self.digest, self.model, self.version, self.key, self.value = digest, model, version, key, value
+        self.created_s, self.expires_s, self.cost_s, self.done = created_s, expires_s, cost_s, done
+        self.ok = False
+
+    @property
+    def size(self) -> int:
+        return len(self.key) + len(self.value)
+
+
+class _Sweep:
+    __slots__ = ("model", "version")
+
+    def __init__(self, model: str, version: int) -> None:
+        self.model, self.version = model, version
+
+
+class ResultCache:
+    """One agent's result cache, shared by every model's cache stages. Thread-safe."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        max_bytes: int,
+        memory_max_bytes: int,
+        series: CacheSeries | None = None,
+        clock: Callable[[], float] = time.time,
+        retry_s: float = 5.0,
+        max_pending: int = 256,
+    ) -> None:
+        self.directory = Path(directory)
+        self.path = self.directory / DB_NAME
+        self.max_bytes = max_bytes
+        self.memory_max_bytes = memory_max_bytes
+        self.series = series or CacheSeries()
+        self.clock = clock
+        self.retry_s = retry_s
+        self.max_pending = max_pending
+        self.model_max_bytes: dict[str, int] = {}
+        self._fault = FaultCounter("cache_write")
+        # memory tier
+        self._hot: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._hot_bytes = 0
+        self._hot_lock = threading.Lock()
+        # file tier: one connection for reads (under _read_lock), one for the writer thread
+        self._read_lock = threading.Lock()
+        self._reader: sqlite3.Connection | None = None
+        self._writer: sqlite3.Connection | None = None
+        self._disk_bytes: dict[str, int] = {}
+        self._disk_entries = 0
+        self.state = "off"  # "ok", "paused" (a full disk: writes wait for retry_at), "off" (no file)
+        self.pause_reason = ""
+        self._retry_at = 0.0
+        self._last_expiry_sweep = 0.0
+        self._cond = threading.Condition()
+        self._pending: list[_Write | _Sweep] = []
+        self._busy = False
+        self._closing = False
+        self._open()
+        self.series.watch(self._sizes)
+        self._thread = threading.Thread(target=self._writer_loop, name="cache-writer", daemon=True)
+        self._thread.start()
+
+    # -- the API --------------------------------------------------------------------------
+    def get(self, key: CacheKey, model: str) -> Hit | None:
+        """The cached answer of ``key``, or None (absent, expired, another key with its hash)."""
+        now = self.clock()
+        digest = key.digest
+        with self._hot_lock:
+            entry = self._hot.get(digest)
+            if entry is not None:
+                if entry.expires_s > now and key.matches(entry.key):
+                    self._hot.move_to_end(digest)
+                    return Hit(entry.outputs, entry.version, entry.cost_s, "memory")
+                if entry.expires_s <= now:
+                    self._drop_hot(digest)
+                return None
+        return self._get_disk(key, model, now)
+
+    def put(
+        self,
+        key: CacheKey,
+        outputs: Mapping[str, np.ndarray],
+        *,
+        model: str,
+        version: int,
+        ttl_s: float,
+        cost_s: float = 0.0,
+        wait: bool = False,
+    ) -> bool:
+        """Store ``outputs`` under ``key``; in memory now, in the file by the writer. ``wait``:
+        return once the file's transaction committed (True) or failed (False). Without ``wait``,
+        True when queued. ``UncacheableError`` for outputs that are not plain numbers."""
+        value = encode_tensors(outputs)
+        full = key.full()
+        now = self.clock()
+        expires_s = now + ttl_s
+        decoded = decode_tensors(value)  # read-only views: what a hit hands out, whatever the caller does next
+        self._put_hot(key.digest, _Entry(full, decoded, len(full) + len(value), expires_s, model, version, cost_s))
+        if self.state == "off" or len(full) + len(value) > self._budget(model):
+            return False
+        if self.state == "paused" and now < self._retry_at:
+            return False
+        write = _Write(
+            key.digest, model, version, full, value, now, expires_s, cost_s, threading.Event() if wait else None
+        )
+        with self._cond:
+            if len(self._pending) >= self.max_pending:
+                self.series.write_dropped()
+                return False
+            self._pending.append(write)
+            self._cond.notify()
+        if write.done is None:
+            return True
+        write.done.wait()
+        return write.ok
+
+    def sweep(self, model: str, version: int) -> None:
+        """Drop the entries of ``model``'s versions other than ``version`` (after an update)."""
+        with self._hot_lock:
+            for digest in [d for d, e in self._hot.items() if e.model == model and e.version != version]:
+                self._drop_hot(digest)
+        with self._cond:
+            self._pending.append(_Sweep(model, version))
+            self._cond.notify()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued write is committed (or failed); True if done in time."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self) -> None:
+        self.flush(timeout_s=5.0)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5.0)
+        with self._read_lock:
+            for conn in (self._reader, self._writer):
+                if conn is not None:
+                    conn.close()
+            self._reader = self._writer = None
+
+    def entries(self) -> int:
+        """Entries in the file (as this process counts them)."""
+        return self._disk_entries
+
+    def disk_bytes(self) -> int:
+        return sum(self._disk_bytes.values())
+
+    def memory_bytes(self) -> int:
+        return self._hot_bytes
+
+    # -- memory tier ----------------------------------------------------------------------
+    def _put_hot(self, digest: bytes, entry: _Entry) -> None:
+        if entry.size > self.memory_max_bytes:
+            return
+        evicted = 0
+        with self._hot_lock:
+            if digest in self._hot:
+                self._drop_hot(digest)
+            self._hot[digest] = entry
+            self._hot_bytes += entry.size
+            while self._hot_bytes > self.memory_max_bytes:
+                _, old = self._hot.popitem(last=False)
+                self._hot_bytes -= old.size
+                evicted += 1
+        if evicted:
+            self.series.evicted("memory", evicted)
+
+    def _drop_hot(self, digest: bytes) -> None:
+        """(under _hot_lock)"""
+        old = self._hot.pop(digest, None)
+        if old is not None:
+            self._hot_bytes -= old.size
+
+    # -- file tier ------------------------------------------------------------------------
+    def _get_disk(self, key: CacheKey, model: str, now: float) -> Hit | None:
+        if self._reader is None:
+            return None
+        try:
+            with self._read_lock:
+                if self._reader is None:
+                    return None
+                row = self._reader.execute(
+                    "SELECT key, value, version, expires_s, cost_s FROM entries WHERE digest = ?", (key.digest,)
+                ).fetchone()
+        except sqlite3.Error as exc:
+            self._read_failed(exc)
+            return None
+        if row is None:
+            return None
+        stored, value, version, expires_s, cost_s = row
+        if expires_s <= now or not key.matches(stored):
+            return None
+        try:
+            outputs = decode_tensors(value)
+        except CacheFormatError as exc:
+            log.warning("result cache: an entry of %s does not parse (%s); it is ignored", model, exc)
+            return None
+        self._put_hot(key.digest, _Entry(stored, outputs, len(stored) + len(value), expires_s, model, version, cost_s))
+        return Hit(outputs, int(version), float(cost_s), "disk")
+
+    def _read_failed(self, exc: sqlite3.Error) -> None:
+        code = _code(exc)
+        if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
+            with self._cond:  # the writer thread moves it aside (it owns the write connection)
+                self._pending.append(_Sweep("", -1))
+                self._cond.notify()
+        else:
+            log.warning("result cache: a read failed (%s); answered as a miss", exc)
+
+    def _budget(self, model: str) -> int:
+        return min(self.max_bytes, self.model_max_bytes.get(model, self.max_bytes))
+
+    def _open(self) -> None:
+        """Open (or create) the file; move a corrupt or foreign one aside; without a usable
+        directory, stay in memory only (state ``off``)."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            log.warning("result cache: cannot create %s (%s); caching in memory only", self.directory, exc)
+            self.state = "off"
+            return
+        for attempt in (1, 2):
+            try:
+                self._connect()
+                self.state = "ok"
+                return
+            except sqlite3.Error as exc:
+                self._close_connections()
+                if attempt == 1 and _code(exc) in (_SQLITE_CORRUPT, _SQLITE_NOTADB, -1) and self.path.exists():
+                    self._move_aside(str(exc))
+                    continue
+                log.warning("result cache: cannot open %s (%s); caching in memory only", self.path, exc)
+            except OSError as exc:
+                self._close_connections()
+                log.warning("result cache: cannot open %s (%s); caching in memory only", self.path, exc)
+            self.state = "off"
+            return
+
+    def _connect(self) -> None:
+        writer = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5.0)
+        self._writer = writer
+        check = writer.execute("PRAGMA quick_check").fetchone()
+        if check is None or check[0] != "ok":
+            raise _Corrupt(f"quick_check says {check[0] if check else 'nothing'}")
+        (user_version,) = writer.execute("PRAGMA user_version").fetchone()
+        has_tables = writer.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+        if has_tables and user_version != FORMAT_VERSION:
+            raise _Corrupt(f"format version {user_version}, this agent writes {FORMAT_VERSION}")
+        writer.execute("PRAGMA journal_mode=WAL")
+        writer.execute("PRAGMA synchronous=NORMAL")
+        for statement in _SCHEMA:
+            writer.execute(statement)
+        writer.execute(f"PRAGMA user_version={FORMAT_VERSION}")
+        self._disk_bytes = {
+            model: int(size)
+            for model, size in writer.execute("SELECT model, sum(size_bytes) FROM entries GROUP BY model")
+        }
+        self._disk_entries = int(writer.execute("SELECT count(*) FROM entries").fetchone()[0])
+        reader = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5.0)
+        reader.execute("PRAGMA synchronous=NORMAL")
+        self._reader = reader
+
+    def _close_connections(self) -> None:
+        with self._read_lock:
+            for conn in (self._reader, self._writer):
+                if conn is not None:
+                    try:
+                        conn.close()
+                    except sqlite3.Error:
+                        pass  # closing a broken connection: nothing left to keep
+            self._reader = self._writer = None
+
+    def _move_aside(self, why: str) -> None:
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        target = self.path.with_name(f"{DB_NAME}.corrupt-{stamp}")
+        log.warning("result cache: %s is unusable (%s); moved to %s, starting an empty cache", self.path, why, target)
+        self.series.corrupt()
+        for suffix in ("", "-wal", "-shm"):
+            src = Path(f"{self.path}{suffix}")
+            if src.exists():
+                try:
+                    src.replace(Path(f"{target}{suffix}"))
+                except OSError:
+                    src.unlink(missing_ok=True)
+        self._disk_bytes, self._disk_entries = {}, 0
+
+    def _reopen_fresh(self, why: str) -> None:
+        self._close_connections()
+        self._move_aside(why)
+        self._open()
+
+    # -- the writer thread ----------------------------------------------------------------
+    def _writer_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                batch, self._pending = self._pending, []
+                self._busy = True
+            try:
+                self._write(batch)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+                for item in batch:
+                    if isinstance(item, _Write) and item.done is not None:
+                        item.done.set()
+
+    def _write(self, batch: list[_Write | _Sweep]) -> None:
+        if any(isinstance(i, _Sweep) and i.version < 0 for i in batch):  # a reader found the file corrupt
+            self._reopen_fresh("a read said the file is corrupt")
+            batch = [i for i in batch if not (isinstance(i, _Sweep) and i.version < 0)]
+        db = self._writer
+        if db is None or self.state == "off":
+            return
+        now = self.clock()
+        if self.state == "paused" and now < self._retry_at:
+            return
+        sizes = dict(self._disk_bytes)
+        entries = self._disk_entries
+        evicted = 0
+        try:
+            self._fault.hit()
+            db.execute("BEGIN IMMEDIATE")
+            for item in batch:
+                if isinstance(item, _Sweep):
+                    gone = db.execute(
+                        "SELECT count(*), coalesce(sum(size_bytes), 0) FROM entries WHERE model = ? AND version != ?",
+                        (item.model, item.version),
+                    ).fetchone()
+                    db.execute("DELETE FROM entries WHERE model = ? AND version != ?", (item.model, item.version))
+                    entries -= int(gone[0])
+                    sizes[item.model] = sizes.get(item.model, 0) - int(gone[1])
+                    self._fault.hit()
+                    continue
+                old = db.execute("SELECT model, size_bytes FROM entries WHERE digest = ?", (item.digest,)).fetchone()
+                if old is not None:
+                    sizes[old[0]] = sizes.get(old[0], 0) - int(old[1])
+                    entries -= 1
+                db.execute(
+                    "INSERT OR REPLACE INTO entries"
+                    " (digest, model, version, key, value, size_bytes, created_s, expires_s, cost_s)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        item.digest, item.model, item.version, item.key, item.value, item.size,
+                        item.created_s, item.expires_s, item.cost_s,
+                    ),
+                )  # fmt: skip
+                sizes[item.model] = sizes.get(item.model, 0) + item.size
+                entries += 1
+                self._fault.hit()
+            if now - self._last_expiry_sweep > _EXPIRED_SWEEP_S:
+                entries, evicted = self._delete(db, "expires_s <= ?", (now,), sizes, entries, 1 << 62)
+                self._fault.hit()
+            for model in {i.model for i in batch if isinstance(i, _Write)}:
+                budget = self._budget(model)
+                if sizes.get(model, 0) > budget:
+                    entries, n = self._delete(db, "model = ?", (model,), sizes, entries, sizes[model] - budget)
+                    evicted += n
+                    self._fault.hit()
+            total = sum(sizes.values())
+            if total > self.max_bytes:
+                entries, n = self._delete(db, "1", (), sizes, entries, total - self.max_bytes)
+                evicted += n
+                self._fault.hit()
+            db.execute("COMMIT")
+            self._fault.hit()
+        except sqlite3.Error as exc:
+            self._rollback(db)
+            self._write_failed(exc)
+            return
+        except OSError as exc:
+            self._rollback(db)
+            self._write_failed(exc)
+            return
+        if now - self._last_expiry_sweep > _EXPIRED_SWEEP_S:
+            self._last_expiry_sweep = now
+        self._disk_bytes, self._disk_entries = {m: s for m, s in sizes.items() if s > 0}, entries
+        if evicted:
+            self.series.evicted("disk", evicted)
+        for item in batch:
+            if isinstance(item, _Write):
+                item.ok = True
+        if self.state == "paused":
+            self.state, self.pause_reason = "ok", ""
+            self.series.paused(False)
+            log.warning("result cache: writing to %s again", self.path)
+
+    def _delete(
+        self,
+        db: sqlite3.Connection,
+        where: str,
+        args: tuple[object, ...],
+        sizes: dict[str, int],
+        entries: int,
+        free_bytes: int,
+    ) -> tuple[int, int]:
+        """Delete the oldest entries matching ``where`` until ``free_bytes`` are freed; (entries, deleted)."""
+        freed = deleted = 0
+        while freed < free_bytes:
+            rows = db.execute(
+                f"SELECT rowid, model, size_bytes FROM entries WHERE {where} ORDER BY created_s LIMIT 64", args
+            ).fetchall()
+            if not rows:
+                break
+            for rowid, model, size in rows:
+                if freed >= free_bytes:
+                    break
+                db.execute("DELETE FROM entries WHERE rowid = ?", (rowid,))
+                sizes[model] = sizes.get(model, 0) - int(size)
+                freed += int(size)
+                deleted += 1
+                entries -= 1
+        return entries, deleted
+
+    def _rollback(self, db: sqlite3.Connection) -> None:
+        if db.in_transaction:
+            try:
+                db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # the transaction is gone already (SQLite rolls back on some errors by itself)
+
+    def _write_failed(self, exc: sqlite3.Error | OSError) -> None:
+        code = _code(exc) if isinstance(exc, sqlite3.Error) else -1
+        no_space = (
+            code == _SQLITE_FULL
+            or (isinstance(exc, OSError) and exc.errno == errno.ENOSPC)
+            or (code == _SQLITE_IOERR and _free_bytes(self.directory) < _LOW_SPACE_BYTES)
+        )
+        if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
+            self._reopen_fresh(str(exc))
+            return
+        self._retry_at = self.clock() + self.retry_s
+        if self.state != "paused":
+            self.state, self.pause_reason = "paused", "disk_full" if no_space else "write_error"
+            self.series.paused(True)
+            log.warning(
+                "result cache: %s writing %s (%s); writing to disk is off (memory tier only), retried every %.0f s",
+                "the disk is full" if no_space else "an error",
+                self.path,
+                exc,
+                self.retry_s,
+            )
+
+    def _sizes(self) -> tuple[int, int, int, int]:
+        """(memory entries, memory bytes, file entries, file bytes), for /metrics."""
+        return len(self._hot), self._hot_bytes, self._disk_entries, sum(self._disk_bytes.values())
+
+
+class _Corrupt(sqlite3.DatabaseError):
+    """The file opened but is not a usable cache file (quick_check or the format version)."""
+
+    sqlite_errorcode = _SQLITE_CORRUPT
+
+
+def _code(exc: sqlite3.Error) -> int:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF
+    if isinstance(exc, sqlite3.DatabaseError) and "not a database" in str(exc):
+        return _SQLITE_NOTADB
+    return -1
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
