@@ -121,9 +121,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"listen = {config.listen!r} ({args.config}): cannot listen there ({reason}); {advice}"
             ) from exc
         updater: Any = None
+        console: Any = None
         notifier: systemd.SystemdNotifier | None = None
         try:
             _publish_address(config.store / DAEMON_INFO, server.url)
+            if config.console is not None:  # its tty open before the API answers ready
+                from device_agents.serving.console import start_console
+
+                console = start_console(config, service, on_restart=stop.set)  # restart: a clean stop
             NamedThread(target=server.serve_forever, name="http", daemon=True).start()
             notifier = on_ready(server.url, service.models())
             if config.updates is not None:
@@ -147,6 +152,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 notifier.stopping()
             if updater is not None:
                 updater.stop()
+            if console is not None:
+                console.close()
             server.shutdown()
             server.server_close()
             service.stop()

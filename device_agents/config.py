@@ -39,6 +39,9 @@ directory of the config file. A format change bumps ``CONFIG_VERSION`` and adds 
     notice_keys = ["keys/fleet.pub"]   # required: who signs the desired state
     root_keys = ["keys/root.pub"]      # optional: who may add and revoke keys over MQTT
 
+    [console]                      # optional: the serial console (ConsoleConfig)
+    device = "/dev/ttyGS0"
+
 A version 1 file (no ``config_version``) migrates: ``[runtime]`` spreads over the
 ``[runtimes.*]`` tables it applied to, ``max_request_mb`` moves to ``[server]``, and tables new in
 version 2 (``[models]``, ``[budgets]``, ``[server]``) are kept. Planned settings (a model's
@@ -198,6 +201,23 @@ class UpdatesConfig:
         return start <= t < end if start <= end else (t >= start or t < end)
 
 
+@dataclass(frozen=True)
+class ConsoleConfig:
+    """``[console]``: the serial console (device_agents.serving.console), a second front-end over the
+    same service as the loopback API: status, stats, infer, install, logs, restart."""
+
+    device: Path  # any tty: a USB gadget serial port (/dev/ttyGS0), a UART (/dev/ttyS0, /dev/ttyAMA0), a pty
+    baud: int = 115200  # ignored by ttys without a baud rate (USB gadgets, ptys)
+    # Chunks of a bundle sent over the console; None in the file = <store>/uploads after loading. Not
+    # <store>/tmp (the lifecycle empties it at start): a partial upload resumes after a restart.
+    upload_dir: Path | None = None
+    log_lines: int = 500  # recent log lines kept for the `logs` message
+
+    def __post_init__(self) -> None:
+        if self.baud <= 0 or self.log_lines <= 0:
+            raise ValueError(f"baud and log_lines must be > 0, got {self.baud} and {self.log_lines}")
+
+
 def _planned(path: str) -> str:
     return f"{path} is planned, not in this agent version; remove it (or upgrade edgekit-agent)"
 
@@ -352,6 +372,7 @@ class AgentConfig:
     allow_failed_validation: bool = False
     selftest: SelfTestConfig = field(default_factory=SelfTestConfig)
     updates: UpdatesConfig | None = None
+    console: ConsoleConfig | None = None  # the serial console, off unless configured
     trusted: tuple[TrustedKey, ...] = ()  # keys limited to model name patterns
     # Installed models are verified at rest (signature with today's keys, every file's hash) at
     # start and every verify_interval_s while serving; 0 checks only at start.
@@ -423,6 +444,10 @@ def config_from_data(data: dict[str, Any], base: Path) -> AgentConfig:
     if config.updates is not None and config.updates.download_dir is None:
         config = dataclasses.replace(
             config, updates=dataclasses.replace(config.updates, download_dir=config.store / "downloads")
+        )
+    if config.console is not None and config.console.upload_dir is None:
+        config = dataclasses.replace(
+            config, console=dataclasses.replace(config.console, upload_dir=config.store / "uploads")
         )
     return config
 
