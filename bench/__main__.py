@@ -2,13 +2,16 @@
 
 Prints the machine, then one table of A vs B measured side by side in this run, and writes
 ``bench/results/latest.json`` (+ ``latest.png`` with matplotlib). ``--quick`` lowers the repeats
-for a fast look; numbers from a quick run are noisier.
+for a fast look; numbers from a quick run are noisier. ``--markdown docs/benchmarks.md`` also
+writes the run as the benchmark page, stamped with its date, machine, CPU flags and command; with
+``--plot-only`` the page (and plot) are written again from ``latest.json`` without measuring.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -41,11 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--plot-only",
         action="store_true",
-        help="measure nothing: redraw OUT/latest.png from OUT/latest.json (after a change to the plot)",
+        help="measure nothing: redraw OUT/latest.png (and the --markdown page) from OUT/latest.json",
+    )
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        metavar="PAGE.md",
+        help="also write the results as a Markdown page (e.g. docs/benchmarks.md), stamped with date, machine, "
+        "CPU flags and command",
     )
     args = parser.parse_args(argv)
     if args.plot_only:
-        return _replot(args.out)
+        return _replot(args.out, args.markdown)
     try:
         extra = model_entries(args.models)
         entries = select(args.only, extra)
@@ -85,23 +95,28 @@ def main(argv: list[str] | None = None) -> int:
     duration = time.perf_counter() - t0
     print()
     print(report.format_table(rows))
-    doc = report.to_json(info, rows, started, duration)
+    command = shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)])
+    doc = report.to_json(info, rows, started, duration, command)
     json_path = report.write_json(args.out / "latest.json", doc)
     title = f"python -m bench, {started}\n{machine.short_line(info)}"
     png = report.write_plot(args.out / "latest.png", rows, title)
     print(f"\n{len(rows)} rows ({sum(m.note.startswith(NOT_HERE) for m in rows)} {NOT_HERE}) in {duration:.0f} s")
     print(f"wrote {json_path}" + (f" and {png}" if png else " (no plot: matplotlib is not installed)"))
+    if args.markdown is not None:
+        print(f"wrote {report.write_markdown(args.markdown, doc, png)}")
     return 1 if any(m.note.startswith("failed") for m in rows) else 0
 
 
-def _replot(out: Path) -> int:
+def _replot(out: Path, markdown: Path | None) -> int:
     import json
 
     doc = json.loads((out / "latest.json").read_text())
-    rows = report.load_rows(out / "latest.json")
+    rows = report.load_doc_rows(doc)
     title = f"python -m bench, {doc['started']}\n{machine.short_line(doc['machine'])}"
     png = report.write_plot(out / "latest.png", rows, title)
     print(f"wrote {png}" if png else "no plot: matplotlib is not installed")
+    if markdown is not None:
+        print(f"wrote {report.write_markdown(markdown, doc, png)}")
     return 0 if png else 1
 
 

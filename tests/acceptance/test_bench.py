@@ -164,3 +164,57 @@ def test_serving_load_generator_leaves_no_descriptors_behind_after_its_client_th
     finally:
         null.terminate()
         null.wait(10)
+
+
+def test_bench_markdown_page_stamps_date_machine_flags_command_and_every_row(tmp_path: Path) -> None:
+    from bench.registry import Measurement
+    from bench.report import load_doc_rows, to_json, to_markdown
+
+    machine = {
+        "cpu": "Some CPU", "cores": 4, "cores_usable": 2, "machine": "x86_64", "os": "Linux 6.1",
+        "python": "3.11.7", "cpu_flags": ["avx2", "avx512_vnni"], "versions": {"onnxruntime": "1.32.0"},
+    }  # fmt: skip
+    rows = [
+        Measurement("quant.cpu", "int8 vs fp32", "artifact size", "bytes", "fp32", "int8", 2048.0, 512.0),
+        Measurement("quant.cpu", "int8 vs fp32", "p50 latency, batch 1", "ms", "fp32", "int8", 0.5, 0.25,
+                    note="a|b"),
+        Measurement("quant.jetson", "int8 vs fp32", "p50 latency", "ms", "fp32", "int8",
+                    note="not measured here: no GPU"),
+    ]  # fmt: skip
+    doc = json.loads(json.dumps(to_json(machine, rows, "2026-12-02T17:00:00+00:00", 12.3, "python -m bench --quick")))
+    assert load_doc_rows(doc) == rows
+    page = to_markdown(doc, Path("../bench/results/latest.png")).splitlines()
+    assert "- **Date**: 2026-12-02T17:00:00+00:00 (UTC), 12.3 s" in page
+    assert "- **Command**: `python -m bench --quick`" in page
+    assert any(line.startswith("A `--quick` run: fewer repeats") for line in page)
+    assert "- **Machine**: Some CPU, 4 logical CPUs (2 usable), x86_64, Linux 6.1, Python 3.11.7" in page
+    assert "- **CPU flags**: `avx2`, `avx512_vnni`" in page
+    assert "- **Runtimes**: onnxruntime 1.32.0" in page
+    assert "![python -m bench: one panel per kind of number](../bench/results/latest.png)" in page
+    assert page.index("## quant.cpu") < page.index("## quant.jetson")
+    assert "| int8 vs fp32 | artifact size | fp32 2.0 KB | int8 0.5 KB | 0.25x |  |" in page
+    assert "| int8 vs fp32 | p50 latency, batch 1 | fp32 0.500 ms | int8 0.250 ms | 0.50x | a\\|b |" in page
+    assert "| int8 vs fp32 | p50 latency | fp32 | int8 | - | not measured here: no GPU |" in page
+
+
+def test_bench_markdown_from_recorded_results_says_what_was_not_recorded(tmp_path: Path) -> None:
+    """``--plot-only --markdown`` on a results file written before the command and the CPU flags
+    were recorded: the page is written from it, says "not recorded" for both, and links the plot."""
+    from bench.__main__ import main
+
+    recorded = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results" / "latest.json").read_text())
+    recorded.pop("command", None)
+    recorded["machine"].pop("cpu_flags", None)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "latest.json").write_text(json.dumps(recorded))
+    page_path = tmp_path / "docs" / "benchmarks.md"
+    code = main(["--plot-only", "--out", str(tmp_path / "results"), "--markdown", str(page_path)])
+    page = page_path.read_text()
+    assert "- **Command**: not recorded" in page and "- **CPU flags**: not recorded" in page
+    assert f"- **Date**: {recorded['started']} (UTC)" in page
+    table_rows = [
+        line for line in page.splitlines() if line.startswith("| ") and not line.startswith(("| case", "| ---"))
+    ]
+    assert len(table_rows) == len(recorded["measurements"])
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert code == 0 and "](../results/latest.png)" in page
