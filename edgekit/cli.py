@@ -87,6 +87,9 @@ def build_parser() -> Parser:
     from edgekit import doctor  # `edgekit doctor`: this machine's device class, SDKs, buildable targets, runtimes
 
     doctor.register(sub)
+    from edgekit import board_commands  # `edgekit board ...`: pyserial is imported only when one runs
+
+    board_commands.register(sub)
     for command in sub.choices.values():  # also after the subcommand; SUPPRESS keeps one given before it
         command.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser

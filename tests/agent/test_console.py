@@ -163,3 +163,28 @@ def test_console_config_defaults_uploads_under_the_store_and_names_unknown_keys(
     assert config.console is not None and config.console.upload_dir == tmp_path / "store" / "uploads"
     with pytest.raises(ConfigError, match=r"agent\.console: unknown key 'devcie'.*did you mean 'device'"):
         config_from_data({**base, "console": {"devcie": "/dev/ttyGS0"}}, tmp_path)
+
+
+def test_edgekit_board_cli_installs_shows_status_and_infers(
+    console_agent: RunningAgent,
+    link: NullModem,
+    bundles: Bundles,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from edgekit.cli import main
+
+    port = ["--port", link.host_port]
+    assert main(["board", "status", *port]) == 0
+    assert capsys.readouterr().out == "agent: ready\nno models installed\n"
+    assert main(["board", "install", str(bundles.v1), *port]) == 0
+    assert capsys.readouterr().out == "installed tiny v1\n"
+    assert main(["board", "status", *port]) == 0
+    assert capsys.readouterr().out == "agent: ready\ntiny: serving (active v1)\n"
+    x = sample_inputs(3, seed=5)
+    np.savez(tmp_path / "x.npz", input=x)
+    assert main(["board", "infer", *port, "--model", "tiny", "--input", str(tmp_path / "x.npz")]) == 0
+    assert capsys.readouterr().out.startswith("probs: float32 [3, 10] top-1 [")
+    assert main(["board", "infer", *port, "--model", "nope", "--input", str(tmp_path / "x.npz")]) == 1
+    assert "nope" in capsys.readouterr().err
+    assert main(["board", "status"]) == 2  # no --port and no EDGEKIT_BOARD_PORT
