@@ -33,7 +33,8 @@ from device_agents.config import AgentConfig
 from device_agents.errors import AnsweredError, RuntimeFailure, UnavailableError
 from device_agents.metrics import AgentMetrics
 from device_agents.pipeline import stage as stage_table
-from device_agents.pipeline.batching import Batcher, Job
+from device_agents.pipeline.batching import Batcher
+from device_agents.pipeline.jobs import Job
 from device_agents.pipeline.slots import Slots
 from device_agents.pipeline.stage import Request, Stage, StageContext
 from device_agents.registry import Lease, Registry

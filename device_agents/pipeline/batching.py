@@ -1,5 +1,10 @@
 """One model's request queue, worker pool and dynamic batcher.
 
+This module is the queue and the workers that act; what size a batch may grow to and how long it
+waits is decided by ``policy`` (a function of the recorded call times: ``CallCost``,
+``BatchPolicy``, ``wait_until``), and hung calls are handled by ``watchdog``. The whole policy is
+described here, once.
+
 Every served name has one ``Batcher``: a bounded FIFO queue (full -> ``OverloadedError``, a 429),
 ``workers`` threads that run the runtime (one more for a batched model: it forms the next batch
 while every slot is busy), and ``workers`` call slots: the model's concurrency limit, shared by
@@ -16,7 +21,7 @@ Batching. Without ``[models.<name>.batching]`` each job runs alone. With it, one
 time forms a batch from the head of the queue: jobs whose inputs agree on everything but axis 0
 are concatenated (different batch sizes coalesce) until the batch holds ``max_batch_size``
 samples or a preferred size, or the size measured cheapest per row where a bigger size measured clearly
-dearer (``CallCost.measured_sizes``; an exploring batch now and then goes further); the head is
+dearer (``policy.CallCost.measured_sizes``; an exploring batch now and then goes further); the head is
 always in the batch, so no job starves; the results are split back by rows. How long a batch
 waits for more (the greedy policy of Triton's and TF-Serving's batchers, made adaptive):
 
@@ -38,15 +43,15 @@ waits for more (the greedy policy of Triton's and TF-Serving's batchers, made ad
   behind a running call waited for the model, not for companions: the bound on a request's
   queue + infer stays ``max_wait_ms`` + two calls). An idle model with nothing coming runs a
   request inline (above), as an unbatched model does: a lone client's requests never wait.
-- When batching does not pay (a call's fixed cost under twice ``_HANDOFF_S``, what handing a
-  request to a worker and back costs, or under ``_MIN_FIXED_SHARE`` of a single call: a model
+- When batching does not pay (a call's fixed cost under twice ``policy.HANDOFF_S``, what handing a
+  request to a worker and back costs, or under ``MIN_FIXED_SHARE`` of a single call: a model
   whose batch of n costs about n single calls, such as a small compute-bound conv net), the model
   is run as if unbatched: requests run inline whenever a slot
   is free, and workers take what is queued (no wait) up to the batch size measured cheapest
   per row (``CallCost.cheapest_rows``: 1, one at a time, unless a small batch measured cheaper),
-  except an exploring batch that may take twice that (at least ``_EXPLORE_ROWS`` rows), so
-  the cost model sees when batching starts to pay: one in ``_EXPLORE_EVERY`` batches formed,
-  half as often after each one that cost more per row (down to one in ``_EXPLORE_MAX``).
+  except an exploring batch that may take twice that (at least ``EXPLORE_ROWS`` rows), so
+  the cost model sees when batching starts to pay: one in ``EXPLORE_EVERY`` batches formed,
+  half as often after each one that cost more per row (down to one in ``EXPLORE_MAX``).
   Batching therefore never costs more than not batching, beyond those few small batches.
 - ``min_batch_size``: a batch below it waits (past ``max_wait_ms``) until its head's deadline
   nears; a batch still runs before that deadline.
@@ -54,7 +59,7 @@ waits for more (the greedy policy of Triton's and TF-Serving's batchers, made ad
 So ``max_wait_ms`` is the longest a request waits for companions, never a wait imposed on every
 batch.
 
-A runtime call running longer than ``hung_call_s`` is hung: its jobs fail with a 500, the
+A runtime call running longer than ``hung_call_s`` is hung (``watchdog``): its jobs fail with a 500, the
 model is dropped from the registry (the next call loads it again from the store; the hung one
 is closed if its call ever returns) and a fresh worker replaces the stuck thread (a stuck
 inline caller is answered through its hook and its slot freed).
@@ -68,14 +73,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from device_agents.config import BatchingConfig
 from device_agents.errors import DeadlineExceededError, OverloadedError, RuntimeFailure, UnavailableError
 from device_agents.faults import stall_armed, stall_point
+from device_agents.pipeline.jobs import Job
+from device_agents.pipeline.policy import BatchPolicy, wait_until
+from device_agents.pipeline.watchdog import Call, Watchdog
 from device_agents.registry import Lease
 from device_agents.runtimes import ServedModel
 from device_agents.threads import NamedThread
@@ -83,215 +89,8 @@ from edgekit.bundle.errors import EdgekitError, InferenceInputError
 
 log = logging.getLogger("edgekit.agent")
 
-# A batch below min_batch_size still runs this long (or twice its recent run time) before its
-# head's deadline.
-_DEADLINE_MARGIN_S = 0.02
-# What handing a request to a worker and back costs (~40 us measured here, see ``Done``). A batch of
-# n saves n - 1 calls' fixed part and costs n hand-offs (and the wait for its companions): it pays
-# only when the fixed part is over twice that and at least _MIN_FIXED_SHARE of a single call.
-_HANDOFF_S = 0.00005
-_MIN_FIXED_SHARE = 0.2
-# While batching does not pay, one batch in this many takes what is queued up to twice the size
-# measured cheapest per row (at least _EXPLORE_ROWS rows), so that the cost model keeps seeing
-# other batch sizes and notices when batching starts to pay.
-_EXPLORE_EVERY = 16
-_EXPLORE_ROWS = 4
-_EXPLORE_MAX = 1024  # the longest interval exploring backs off to, in batches formed
 # The recent peak of requests present for a model is the larger of the last two windows this long.
 _PEAK_WINDOW_S = 0.25
-# A batch size counts as measured (``CallCost.cheapest_rows``) after about this many calls of it
-# (its decayed weight: 3 calls at decay 0.95 weigh 2.85).
-_MIN_SIZE_CALLS = 2.5
-# A bigger batch size measured up to this much dearer per row than the cheapest counts as no dearer
-# (``CallCost.cheapest_rows``): measured means under load are that noisy.
-_SIZE_TOLERANCE = 0.2
-
-
-class Done:
-    """A one-shot completion flag that a thread can wait on with a timeout.
-
-    Built on ``queue.SimpleQueue`` (C): a hand-off through it costs ~8 us here, through a
-    ``threading.Event`` (a Python ``Condition``) ~57 us, which is most of a small model's budget.
-    """
-
-    __slots__ = ("_flag", "_q")
-
-    def __init__(self) -> None:
-        self._flag = False
-        self._q: queue.SimpleQueue[None] = queue.SimpleQueue()
-
-    def set(self) -> None:
-        if not self._flag:
-            self._flag = True
-            self._q.put(None)
-
-    def is_set(self) -> bool:
-        return self._flag
-
-    def wait(self, timeout: float | None = None) -> bool:
-        if self._flag:
-            return True
-        try:
-            self._q.get(timeout=timeout)
-        except queue.Empty:
-            return self._flag
-        self._q.put(None)  # leave it set for another wait
-        return True
-
-
-@dataclass(eq=False)
-class Job:
-    """One request's inputs (checked against the served signature) and, when done, its result."""
-
-    inputs: dict[str, np.ndarray]
-    version: int | None  # a version the request asked for, else None (the served one)
-    deadline: float  # time.monotonic()
-    rows: int = 1
-    enqueued: float = field(default_factory=time.monotonic)
-    started: float = 0.0
-    finished: float = 0.0
-    runtime_s: float = 0.0  # the runtime call alone (``ServedModel.infer_timed``), of the batch it ran in
-    batch_rows: int = 0
-    served_version: int = 0
-    outputs: dict[str, np.ndarray] | None = None
-    error: EdgekitError | None = None
-    cancelled: bool = False
-    answered: bool = False  # the watchdog answered it through the caller's hook (an inline call hung)
-    done: Done = field(default_factory=Done)
-    _key: tuple[Any, ...] | None = None
-
-    def __post_init__(self) -> None:
-        first = next(iter(self.inputs.values()), None)
-        self.rows = int(first.shape[0]) if first is not None and first.ndim else 1
-
-    @property
-    def key(self) -> tuple[Any, ...]:
-        """What jobs sharing a batch agree on: the version asked for, every input's name, shape
-        past axis 0 and dtype (computed when a batch is formed: unbatched jobs never need it)."""
-        if self._key is None:
-            self._key = (self.version, *((n, a.shape[1:], a.dtype.str) for n, a in sorted(self.inputs.items())))
-        return self._key
-
-
-class CallCost:
-    """A runtime call's time as ``fixed_s + per_row_s * rows``, fitted at run time.
-
-    Each batch size seen keeps its own mean call time (exponentially weighted over that size's
-    calls, weight ``1 - decay`` for the newest); the line is a least-squares fit through those
-    means, each weighted by how many calls it holds and how recently it was seen. Until calls
-    of two sizes were seen the split is unknown, and ``fixed_s`` is the whole mean call time (as
-    if batching saved everything: the batcher then waits up to ``max_wait_ms``, as a plain
-    dynamic batcher would); once seen, it stays known.
-
-    Why per size, not one regression over the stream of calls: a model run as if unbatched makes
-    mostly single calls and a rare small exploring batch. One stream-wide regression forgot the
-    exploring batches within a few dozen single calls (their share of the weights fell until the
-    sizes could not be told apart), fell back to "all fixed", decided batching paid, and formed
-    full batches of a model that batching slows down (the digits conv net: 0.74x-0.90x unbatched
-    under load). A size's mean is forgotten only as that size is measured again.
-    """
-
-    __slots__ = ("_calls", "_fit", "_mean_t", "_mean_w", "_sizes", "age_decay", "decay")
-
-    def __init__(self, decay: float = 0.95, age_decay: float = 0.995) -> None:
-        self.decay = decay  # per size: weight of a size's older calls against its newest
-        self.age_decay = age_decay  # per call of any size: how a size seen long ago loses weight in the fit
-        self._sizes: dict[int, list[float]] = {}  # rows -> [sum of weighted seconds, sum of weights, last call]
-        self._calls = 0
-        self._mean_t = self._mean_w = 0.0  # every call, decay 0.95: the recent mean call time
-        self._fit: tuple[float, float] | None = None  # (fixed_s, per_row_s), until the next record
-
-    def record(self, rows: int, seconds: float) -> None:
-        self._calls += 1
-        size = self._sizes.get(rows)
-        if size is None:
-            self._sizes[rows] = [seconds, 1.0, float(self._calls)]
-        else:
-            d = self.decay
-            size[0] = d * size[0] + seconds
-            size[1] = d * size[1] + 1.0
-            size[2] = float(self._calls)
-        self._mean_t = 0.95 * self._mean_t + seconds
-        self._mean_w = 0.95 * self._mean_w + 1.0
-        self._fit = None
-
-    @property
-    def measured(self) -> bool:
-        return self._calls > 0
-
-    @property
-    def mean_s(self) -> float:
-        return self._mean_t / self._mean_w if self._mean_w else 0.0
-
-    def cheapest_rows(self, up_to: int) -> int | None:
-        """The biggest batch size of at most ``up_to`` rows measured (over at least
-        ``_MIN_SIZE_CALLS`` calls) no dearer per row than the cheapest, within ``_SIZE_TOLERANCE``;
-        None while none is. A call's time need not be linear in its rows: the digits conv net
-        (2 intra-op threads) measured 0.69 ms for 1 row, 1.17 ms for 2 and 5.5 ms for 4, so
-        batches of 2 pay where the line through 1 and 4 says nothing does, and batches of 4 or more
-        cost more than single calls. The tolerance is for noise: an MLP reading its weights once
-        a call measured 1.81 ms for 3 rows and 2.46 ms for 4 under load (0.60 and 0.62 ms a row);
-        a strict "cheapest" would cap its batches at 3 rows until exploring saw otherwise."""
-        return self.measured_sizes(up_to)[0]
-
-    def measured_sizes(self, up_to: int) -> tuple[int | None, int | None]:
-        """(``cheapest_rows(up_to)``, the largest size of at most ``up_to`` rows measured)."""
-        per_row: dict[int, float] = {
-            rows: total / weight / rows
-            for rows, (total, weight, _) in self._sizes.items()
-            if rows <= up_to and weight >= _MIN_SIZE_CALLS
-        }
-        if not per_row:
-            return None, None
-        best = min(per_row.values()) * (1 + _SIZE_TOLERANCE)
-        return max(rows for rows, s in per_row.items() if s <= best), max(per_row)
-
-    @property
-    def fixed_s(self) -> float:
-        return self._line()[0]
-
-    @property
-    def per_row_s(self) -> float:
-        """The part of a call's time that grows with each row (0 until two sizes were seen)."""
-        return self._line()[1]
-
-    def _line(self) -> tuple[float, float]:
-        if self._fit is not None:
-            return self._fit
-        if not self._sizes:
-            return 0.0, 0.0
-        if len(self._sizes) == 1:
-            ((total, weight, _),) = self._sizes.values()
-            self._fit = (total / weight, 0.0)  # one size: the fixed part cannot be told apart
-            return self._fit
-        sw = sx = sy = sxx = sxy = 0.0
-        for rows, (total, weight, last) in self._sizes.items():
-            # floored: a size seen once keeps the split known (it only counts less and less)
-            w = weight * max(1e-6, self.age_decay ** (self._calls - last))
-            y = total / weight
-            sw += w
-            sx += w * rows
-            sy += w * y
-            sxx += w * rows * rows
-            sxy += w * rows * y
-        mean_x, mean_y = sx / sw, sy / sw
-        var = sxx / sw - mean_x * mean_x
-        if var <= 0.0:  # rounding: sizes seen long ago weigh 1e-6 of the rest
-            self._fit = (mean_y, 0.0)
-            return self._fit
-        slope = (sxy / sw - mean_x * mean_y) / var
-        intercept = mean_y - slope * mean_x
-        self._fit = (max(0.0, intercept), max(0.0, slope if intercept >= 0 else mean_y / mean_x))
-        return self._fit
-
-
-@dataclass(eq=False)
-class _Call:
-    started: float
-    model: ServedModel
-    jobs: list[Job]
-    answer: Callable[[EdgekitError], None] | None = None  # set for an inline call: how to answer its caller
-    hung: bool = False
 
 
 class Batcher:
@@ -338,14 +137,11 @@ class Batcher:
         self._peak_since = time.monotonic()
         self.arriving = 0  # being decoded for this model (batched models only): on their way to the queue
         self.inflight = 0  # submitted, not yet answered
-        self._calls: dict[int, _Call] = {}  # thread id -> its running call (a worker's or an inline caller's)
+        self._calls: dict[int, Call] = {}  # thread id -> its running call (a worker's or an inline caller's)
         self._abandoned: set[int] = set()
         self._stopping = False
-        self.cost = CallCost()
+        self.policy = BatchPolicy()  # the batch sizes and waits, from the recorded call times
         self._stall = stall_armed("infer_stall")  # the fault point, armed when this model's batcher is built
-        self._formed = 0  # batches formed (for exploring)
-        self._explore_every = _EXPLORE_EVERY  # doubles after each exploring batch that cost more per row
-        self._next_explore = _EXPLORE_EVERY  # the _formed count of the next exploring batch
         self._exploring: list[Job] | None = None  # the exploring batch formed last, until it has run
         self._threads: list[threading.Thread] = []
         # A batched model gets one thread more than its call slots: that one forms the next batch
@@ -355,7 +151,14 @@ class Batcher:
         # it, while the woken callers took the GIL: the model stood idle between batches.
         for _ in range(workers + (1 if batching is not None else 0)):
             self._spawn()
-        self._watchdog = NamedThread(target=self._watch, name=f"hung-{name}", daemon=True)
+        self._watchdog = Watchdog(
+            name,
+            hung_call_s,
+            self._collect_hung,
+            on_hung=lambda model: self.on_hung(model),
+            on_failure=self._count_failure,
+            replace=self._spawn,
+        )
         self._watchdog.start()
 
     # -- the request side ------------------------------------------------------------------
@@ -426,13 +229,13 @@ class Batcher:
         with self._lock:
             if self._stopping or self._waiting or not self._free:
                 return False
-            if self.batching is not None and (self.arriving or self.returning(unseen=1)) and self.batching_pays():
+            if self.batching is not None and (self.arriving or self.returning(unseen=1)) and self.policy.pays():
                 return False  # a batch with the requests on their way may save a call
             self._free -= 1
             self._inline += 1
             self.inflight += 1
             self._note_present()
-            call = self._calls[me] = _Call(time.monotonic(), lease.model, [job], answer)
+            call = self._calls[me] = Call(time.monotonic(), lease.model, [job], answer)
         self._run(call.jobs, lease, call)  # gives the slot and the counts back (or the watchdog does)
         if job.answered:
             job.done.wait()  # the watchdog's answer has been written
@@ -549,24 +352,8 @@ class Batcher:
                 # the wait for companions counts from now, when the model can take this batch: a
                 # head queued behind a running call waited for the model, not for companions
                 opened = time.monotonic()
-                self._formed += 1
-                pays = self.batching_pays()
-                # Up to the size measured cheapest per row; the whole max_batch_size while batching
-                # pays and no bigger size measured dearer per row (none measured yet, or the
-                # biggest measured is the cheapest: bigger may be cheaper still); an exploring batch
-                # further, for the cost model to see more sizes. So batches never grow past a size
-                # measured cheaper per row than bigger ones, whatever the line through the sizes
-                # says: a model that bigger batches slow down never gets big ones.
-                cheapest, largest = self.cost.measured_sizes(cfg.max_batch_size)
-                if cheapest is None or (pays and cheapest == largest):
-                    limit = cfg.max_batch_size if pays else head.rows
-                else:
-                    limit = max(head.rows, cheapest)
-                explore = self._formed >= self._next_explore
-                if explore:
-                    self._next_explore = self._formed + self._explore_every
-                    limit = max(limit * 2, _EXPLORE_ROWS)
-                limit = min(cfg.max_batch_size, limit)
+                pays = self.policy.pays()
+                limit, explore = self.policy.limit(head.rows, cfg.max_batch_size, pays)
                 if limit > head.rows:
                     # when batching does not pay, only what is queued now: no wait
                     rows = self._gather(head, batch, rows, cfg, limit, opened, wait=pays)
@@ -577,55 +364,26 @@ class Batcher:
                 self._running += len(batch)
             return batch
 
-    def batching_pays(self) -> bool:
-        """Whether batching saves more than it costs: a call's fixed part over twice
-        ``_HANDOFF_S`` and at least ``_MIN_FIXED_SHARE`` of a single call, or not measured yet
-        (assumed to, as a plain batcher would).
-        When not, jobs run one at a time like an unbatched model's (inline when a slot is free),
-        except the exploring batches."""
-        cost = self.cost
-        if not cost.measured:
-            return True
-        fixed = cost.fixed_s
-        return fixed >= 2 * _HANDOFF_S and fixed >= _MIN_FIXED_SHARE * (fixed + cost.per_row_s)
-
-    def _explored(self, rows: int) -> None:
-        """After an exploring batch of ``rows``: explore half as often if that size is not the
-        cheapest per row (up to ``_EXPLORE_MAX`` batches apart: a model whose bigger batches cost
-        more, such as the digits conv net's 4 rows at 8 single calls' time, pays for each one),
-        as often as at first if it is."""
-        self._exploring = None
-        cfg = self.batching
-        if cfg is None:
-            return
-        cheapest = self.cost.cheapest_rows(cfg.max_batch_size)
-        if cheapest is not None and cheapest < rows:
-            self._explore_every = min(_EXPLORE_MAX, self._explore_every * 2)
-        else:
-            self._explore_every = _EXPLORE_EVERY
-
     def _wait_until(self, head: Job, batch: list[Job], rows: int, cfg: BatchingConfig, opened: float) -> float | None:
-        """How long this batch may wait for more (a ``time.monotonic()``), None to run it now;
-        the policy in the module docstring."""
+        """How long this batch may wait for more (a ``time.monotonic()``), None to run it now:
+        ``policy.wait_until`` over this model's state now."""
         now = time.monotonic()
         with self._lock:
             busy = bool(self._calls)
             coming = self.arriving + self.returning()
             everyone = self.inflight <= len(batch) + len(self._held)
-        if rows >= cfg.min_batch_size:
-            if busy:
-                if everyone and not coming:
-                    return None  # every request in flight is here: waiting could only add latency
-                until = head.enqueued + cfg.max_wait_ms / 1000
-            else:
-                if not coming:
-                    return None  # idle model, nothing on its way: waiting would only leave it idle
-                until = opened + min(cfg.max_wait_ms / 1000, self.cost.fixed_s)
-            return until if now < until else None
-        until = head.deadline - max(_DEADLINE_MARGIN_S, 2 * self.cost.mean_s)
-        if now >= head.enqueued + cfg.max_wait_ms / 1000 and now >= until:
-            return None
-        return max(until, head.enqueued + cfg.max_wait_ms / 1000)
+        return wait_until(
+            cfg,
+            self.policy.cost,
+            now,
+            rows=rows,
+            head_enqueued=head.enqueued,
+            head_deadline=head.deadline,
+            opened=opened,
+            busy=busy,
+            coming=coming,
+            everyone=everyone,
+        )
 
     def _gather(
         self, head: Job, batch: list[Job], rows: int, cfg: BatchingConfig, limit: int, opened: float, wait: bool = True
@@ -670,10 +428,10 @@ class Batcher:
                 self._held.append(job)
         return rows
 
-    def _run(self, batch: list[Job], lease: Lease | None = None, inline: _Call | None = None) -> None:
+    def _run(self, batch: list[Job], lease: Lease | None = None, inline: Call | None = None) -> None:
         """Run ``batch`` holding a call slot (given back here); ``lease``: the caller's, released
         here; ``inline``: the caller's own call, registered already (``run_inline``)."""
-        call: _Call | None = inline
+        call: Call | None = inline
         start = inline.started if inline is not None else time.monotonic()
         if len(batch) == 1:
             rows = batch[0].rows
@@ -694,7 +452,7 @@ class Batcher:
             lease = None
             with held:
                 if call is None:
-                    call = _Call(start, held.model, batch)
+                    call = Call(start, held.model, batch)
                     with self._lock:
                         self._calls[me] = call
                 if self._stall:
@@ -703,10 +461,12 @@ class Batcher:
                 version = held.version
             if call.hung:
                 return  # its jobs were answered by the watchdog
-            if self.batching is not None:  # the cost model is for the batcher's decisions only
-                self.cost.record(rows, time.monotonic() - start)
+            cfg = self.batching
+            if cfg is not None:  # the cost model is for the batcher's decisions only
+                self.policy.cost.record(rows, time.monotonic() - start)
                 if batch is self._exploring:
-                    self._explored(rows)
+                    self._exploring = None
+                    self.policy.explored(rows, cfg.max_batch_size)
             self.on_batch(rows)
             self._split(batch, outputs, rows, version)
             for job in batch:
@@ -778,57 +538,29 @@ class Batcher:
             log.exception("%s: could not count a failed request", self.name)
 
     # -- hung calls ------------------------------------------------------------------------
-    def _watch(self) -> None:
-        period = min(1.0, self.hung_call_s / 4)
-        while True:
-            time.sleep(period)
-            now = time.monotonic()
-            with self._lock:
-                if self._stopping and not self._calls:
-                    return
-                hung = [(tid, c) for tid, c in self._calls.items() if not c.hung and now - c.started > self.hung_call_s]
-                for tid, call in hung:
-                    call.hung = True
-                    if call.answer is None:
-                        self._abandoned.add(tid)  # a worker: it ends if its call ever returns
-                    else:
-                        for job in call.jobs:
-                            job.answered = True  # set with the hung mark: the caller, back, writes nothing
-                    del self._calls[tid]
-                    self._free += 1  # the stuck call no longer counts against the model's concurrency
-                    if call.answer is not None:
-                        self._inline -= 1  # a drain does not wait for it
-                        self.inflight -= 1
-                    else:
-                        self._running -= len(call.jobs)
-                    if self._slot_waiters:
-                        self._slot_free.notify_all()
-            for _, call in hung:
-                log.error(
-                    "%s: a runtime call has run %.1f s (over server.hung_call_s = %g); reloading the model",
-                    self.name,
-                    now - call.started,
-                    self.hung_call_s,
-                )
-                # Drop the hung model before anyone hears of the hang: a caller told "being reloaded"
-                # that retries at once must reach a fresh load, never the stuck session.
-                try:
-                    self.on_hung(call.model)
-                except Exception:  # the callers must still hear of the hang
-                    log.exception("%s: could not drop the hung model", self.name)
-                failure = RuntimeFailure(
-                    f"model {self.name} hung: its runtime call ran over server.hung_call_s ({self.hung_call_s:g} s); "
-                    "the model is being reloaded"
-                )
-                for job in call.jobs:
-                    job.error = failure
-                    job.finished = now
-                    if call.answer is not None:
-                        try:
-                            call.answer(failure)
-                        except Exception:  # the caller's connection may be gone: nothing else to tell
-                            log.exception("%s: could not answer a hung inline call", self.name)
-                    job.done.set()
-                    self._count_failure(call.model.manifest.version, None)  # a hang is not replayed
+    def _collect_hung(self, now: float) -> list[Call] | None:
+        """The watchdog's ``collect``: the calls running past ``hung_call_s``, marked hung, out of
+        ``_calls``, their slots and counts given back (a stuck worker is abandoned: it ends if its
+        call ever returns; an inline caller's job is marked answered: back, it writes nothing);
+        None once stopping with nothing running."""
+        with self._lock:
+            if self._stopping and not self._calls:
+                return None
+            hung = [(tid, c) for tid, c in self._calls.items() if not c.hung and now - c.started > self.hung_call_s]
+            for tid, call in hung:
+                call.hung = True
                 if call.answer is None:
-                    self._spawn()
+                    self._abandoned.add(tid)  # a worker: it ends if its call ever returns
+                else:
+                    for job in call.jobs:
+                        job.answered = True  # set with the hung mark: the caller, back, writes nothing
+                del self._calls[tid]
+                self._free += 1  # the stuck call no longer counts against the model's concurrency
+                if call.answer is not None:
+                    self._inline -= 1  # a drain does not wait for it
+                    self.inflight -= 1
+                else:
+                    self._running -= len(call.jobs)
+                if self._slot_waiters:
+                    self._slot_free.notify_all()
+        return [call for _, call in hung]

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -20,6 +21,9 @@ import pytest
 from examples.agent_process import pinned
 from tests.agent.bundles import rebundle, reshape_model, tamper
 from tests.factories import make_cpu_bundle, sample_inputs
+
+if TYPE_CHECKING:
+    from device_agents.lifecycle import Lifecycle
 
 needs_two_cpus = pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
@@ -83,6 +87,21 @@ def bundles(
             d / "reshape-1.ekb", reshape_onnx, key, name="reshape", golden_inputs=np.ones((1, 4), np.float32)
         ),
     )
+
+
+@pytest.fixture(scope="module")
+def installed(
+    tmp_path_factory: pytest.TempPathFactory, keypair: tuple[Path, Path], bundles: Bundles
+) -> Iterator[Lifecycle]:
+    """A started lifecycle with ``tiny`` v1 installed, one per test module (in-process: no agent)."""
+    from device_agents.config import load_config
+    from device_agents.lifecycle import Lifecycle
+
+    lc = Lifecycle(load_config(write_config(tmp_path_factory.mktemp("installed"), keypair[1])))
+    lc.start()
+    lc.install(bundles.v1)
+    yield lc
+    lc.stop()
 
 
 def write_config(directory: Path, pub: Path, extra: str = "", *, listen: str = "127.0.0.1:0") -> Path:

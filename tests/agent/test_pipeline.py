@@ -27,7 +27,9 @@ from device_agents.errors import (
 )
 from device_agents.lifecycle import Lifecycle
 from device_agents.pipeline import Pipeline, Request
-from device_agents.pipeline.batching import Batcher, CallCost, Job
+from device_agents.pipeline.batching import Batcher
+from device_agents.pipeline.jobs import Job
+from device_agents.pipeline.policy import CallCost
 from edgekit.bundle.errors import ConfigError, EdgekitError
 from tests.agent.bundles import read_manifest, rebundle
 from tests.agent.conftest import Bundles, write_config
@@ -59,15 +61,8 @@ class Gate:
 
 
 @pytest.fixture(scope="module")
-def lifecycle(
-    tmp_path_factory: pytest.TempPathFactory, keypair: tuple[Path, Path], bundles: Bundles
-) -> Iterator[Lifecycle]:
-    config = write_config(tmp_path_factory.mktemp("pipeline"), keypair[1])
-    lc = Lifecycle(load_config(config))
-    lc.start()
-    lc.install(bundles.v1)
-    yield lc
-    lc.stop()
+def lifecycle(installed: Lifecycle) -> Lifecycle:
+    return installed
 
 
 @pytest.fixture()
@@ -422,8 +417,8 @@ def test_a_batch_waits_for_requests_being_decoded_when_a_call_s_fixed_cost_is_wo
     gate.opened.set()
     batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=10_000.0))
     for rows in (1, 2, 4, 1, 2, 4):
-        batcher.cost.record(rows, 60.0)  # every call 60 s whatever its rows: all of it is saved by batching
-    assert batcher.cost.fixed_s == pytest.approx(60.0)
+        batcher.policy.cost.record(rows, 60.0)  # every call 60 s whatever its rows: all of it is saved by batching
+    assert batcher.policy.cost.fixed_s == pytest.approx(60.0)
     batcher.arrive(1)  # a request is being decoded
     head = _job(1)
     batcher.submit(head)
@@ -442,8 +437,8 @@ def test_a_batch_does_not_wait_when_a_call_has_no_fixed_cost(lifecycle: Lifecycl
     gate.opened.set()
     batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=10_000.0))
     for rows in (1, 2, 4, 1, 2, 4):
-        batcher.cost.record(rows, 0.001 * rows)  # a batch of n costs n single calls: nothing to save
-    assert batcher.cost.fixed_s == pytest.approx(0.0, abs=1e-9)
+        batcher.policy.cost.record(rows, 0.001 * rows)  # a batch of n costs n single calls: nothing to save
+    assert batcher.policy.cost.fixed_s == pytest.approx(0.0, abs=1e-9)
     batcher.arrive(1)  # a request is being decoded, but waiting for it would save nothing
     head = _job(1)
     batcher.submit(head)
@@ -453,119 +448,43 @@ def test_a_batch_does_not_wait_when_a_call_has_no_fixed_cost(lifecycle: Lifecycl
     batcher.stop(5)
 
 
-def test_call_cost_splits_a_call_s_time_into_fixed_and_per_row_parts() -> None:
-    cost = CallCost()
-    assert cost.fixed_s == 0.0
-    cost.record(4, 0.005)
-    assert cost.fixed_s == pytest.approx(0.005)  # one size seen: the split is unknown, all counted fixed
-    for rows in (1, 8, 16, 2, 32):
-        cost.record(rows, 0.003 + 0.0005 * rows)
-    assert cost.fixed_s == pytest.approx(0.003, rel=0.05)
-    assert cost.per_row_s == pytest.approx(0.0005, rel=0.05)
-
-
-def test_call_cost_keeps_the_split_of_a_rare_batch_size_through_many_single_calls() -> None:
-    cost = CallCost()
-    for _ in range(3):
-        cost.record(4, 0.00015 + 0.001 * 4)  # an exploring batch of a small conv net
-    for _ in range(500):
-        cost.record(1, 0.00015 + 0.001)  # then single calls only, as a model run unbatched makes
-    # the split is still the one measured: not "all of a call is fixed" (which says batching pays)
-    assert cost.fixed_s == pytest.approx(0.00015, rel=0.01)
-    assert cost.per_row_s == pytest.approx(0.001, rel=0.01)
-    slower = CallCost()
-    for rows, seconds in ((1, 0.0008), (4, 0.0064), (1, 0.0008)):  # a batch of 4 costs 8 single calls
-        slower.record(rows, seconds)
-    assert slower.fixed_s == 0.0 and slower.per_row_s > 0.0
-
-
-def test_batching_keeps_not_paying_while_a_model_is_run_as_if_unbatched(lifecycle: Lifecycle) -> None:
-    batcher = _batcher(lifecycle, BatchingConfig())
-    try:
-        for rows in (1, 4, 1, 4):
-            batcher.cost.record(rows, 0.0008 * rows)  # nothing saved by batching
-        assert not batcher.batching_pays()
-        for _ in range(300):
-            batcher.cost.record(1, 0.0008)  # the single calls it then makes
-            assert not batcher.batching_pays()
-    finally:
-        batcher.stop(5)
-
-
-def test_batching_pays_only_when_a_call_s_fixed_part_is_a_real_share_of_it(lifecycle: Lifecycle) -> None:
-    batcher = _batcher(lifecycle, BatchingConfig())
-    try:
-        assert batcher.batching_pays()  # nothing measured: batch, as a plain dynamic batcher would
-        for rows in (1, 4, 16, 1, 4, 16):
-            batcher.cost.record(rows, 0.003 + 0.0001 * rows)  # an MLP reading its weights once per call
-        assert batcher.batching_pays()
-        batcher.cost = CallCost()
-        for rows in (1, 4, 16, 1, 4, 16):
-            batcher.cost.record(rows, 0.00015 + 0.001 * rows)  # a small conv net: 13% of a single call is fixed
-        assert not batcher.batching_pays()
-    finally:
-        batcher.stop(5)
-
-
 def test_a_batcher_whose_calls_have_no_fixed_cost_runs_jobs_one_at_a_time(lifecycle: Lifecycle, gate: Gate) -> None:
-    from device_agents.pipeline.batching import _EXPLORE_EVERY
+    from device_agents.pipeline.policy import EXPLORE_EVERY
 
     batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=1.0))
     for rows in (1, 2, 4, 1, 2, 4):
-        batcher.cost.record(rows, 0.001 * rows)  # batching saves nothing: run as an unbatched model would
-    assert not batcher.batching_pays()
+        batcher.policy.cost.record(rows, 0.001 * rows)  # batching saves nothing: run as an unbatched model would
+    assert not batcher.policy.pays()
     _queue_behind_one(batcher, gate, 3)
     assert gate.rows[:4] == [1, 1, 1, 1]
-    # one batch in _EXPLORE_EVERY still coalesces, so that the cost model keeps seeing batch sizes
+    # one batch in EXPLORE_EVERY still coalesces, so that the cost model keeps seeing batch sizes
     gate.opened.clear()
     gate.entered.clear()
-    batcher._formed = _EXPLORE_EVERY - 2
+    batcher.policy.formed = EXPLORE_EVERY - 2
     _queue_behind_one(batcher, gate, 3)
     assert gate.rows[4:] == [1, 3]
     batcher.stop(5)
 
 
 def test_an_exploring_batch_of_a_model_batching_does_not_pay_for_stays_small(lifecycle: Lifecycle, gate: Gate) -> None:
-    from device_agents.pipeline.batching import _EXPLORE_EVERY, _EXPLORE_ROWS
+    from device_agents.pipeline.policy import EXPLORE_EVERY, EXPLORE_ROWS
 
     batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=1.0))
-    batcher.cost = _Recorded([(rows, 0.001 * rows) for rows in (1, 2, 4, 1, 2, 4)])  # batching saves nothing
-    batcher._formed = _EXPLORE_EVERY - 2  # the batch after the running one explores
+    batcher.policy.cost = _Recorded([(rows, 0.001 * rows) for rows in (1, 2, 4, 1, 2, 4)])  # batching saves nothing
+    batcher.policy.formed = EXPLORE_EVERY - 2  # the batch after the running one explores
     _queue_behind_one(batcher, gate, 7)
-    # 7 queued while the model ran: the exploring batch takes _EXPLORE_ROWS of them, not all 7
+    # 7 queued while the model ran: the exploring batch takes EXPLORE_ROWS of them, not all 7
     # (a full batch of a model batching slows down), and the rest run one at a time
-    assert gate.rows == [1, _EXPLORE_ROWS, *[1] * (7 - _EXPLORE_ROWS)]
+    assert gate.rows == [1, EXPLORE_ROWS, *[1] * (7 - EXPLORE_ROWS)]
     batcher.stop(5)
-
-
-def test_call_cost_s_cheapest_batch_size_is_measured_per_row_not_read_off_the_line() -> None:
-    cost = CallCost()
-    for _ in range(3):
-        for rows, seconds in ((1, 0.00069), (2, 0.00117), (4, 0.0055)):  # the digits conv net, 2 threads
-            cost.record(rows, seconds)
-    assert cost.fixed_s == 0.0  # the line through these says a batch saves nothing...
-    assert cost.cheapest_rows(32) == 2  # ...but a batch of 2 costs 15% less per row than single calls
-    assert cost.cheapest_rows(1) == 1
-    cost.record(8, 0.001)  # one call of a size is not a measurement of it
-    assert cost.cheapest_rows(32) == 2
-
-
-def test_call_cost_s_cheapest_batch_size_allows_for_noise_in_a_bigger_size_s_mean() -> None:
-    cost = CallCost()
-    for _ in range(3):
-        # an MLP under load: 4 rows measured 2% dearer per row than 3; they are no dearer
-        for rows, seconds in ((1, 0.0018), (2, 0.0018), (3, 0.00181), (4, 0.00246)):
-            cost.record(rows, seconds)
-    assert cost.measured_sizes(32) == (4, 4)  # the biggest measured counts as the cheapest: batches may grow
-    for _ in range(3):
-        cost.record(8, 0.008)  # 1 ms a row, 1.6x the cheapest: dearer, batches stop at 4
-    assert cost.measured_sizes(32) == (4, 8)
 
 
 def test_a_model_batching_does_not_pay_for_is_batched_up_to_its_cheapest_size(lifecycle: Lifecycle, gate: Gate) -> None:
     batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=1.0))
-    batcher.cost = _Recorded([(rows, s) for rows, s in ((1, 0.00069), (2, 0.00117), (4, 0.0055)) for _ in range(3)])
-    assert not batcher.batching_pays()
+    batcher.policy.cost = _Recorded(
+        [(rows, s) for rows, s in ((1, 0.00069), (2, 0.00117), (4, 0.0055)) for _ in range(3)]
+    )
+    assert not batcher.policy.pays()
     _queue_behind_one(batcher, gate, 5)
     assert gate.rows == [1, 2, 2, 1]  # pairs of what queued, never the batch of 5 that costs more
     batcher.stop(5)
@@ -589,9 +508,9 @@ def test_batches_never_grow_past_a_size_measured_cheaper_per_row_than_bigger_one
 ) -> None:
     batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=16, max_wait_ms=1.0))
     # the line through these says batching pays (72% of a call is fixed), but 8 rows cost more per row than 4
-    batcher.cost = _Recorded([(rows, s) for rows, s in ((1, 0.003), (4, 0.0032), (8, 0.008)) for _ in range(3)])
+    batcher.policy.cost = _Recorded([(rows, s) for rows, s in ((1, 0.003), (4, 0.0032), (8, 0.008)) for _ in range(3)])
     try:
-        assert batcher.batching_pays()
+        assert batcher.policy.pays()
         _queue_behind_one(batcher, gate, 7)
         assert gate.rows == [1, 4, 3]
     finally:
@@ -603,7 +522,7 @@ def test_batches_grow_to_max_batch_size_while_the_biggest_size_measured_is_the_c
 ) -> None:
     batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=16, max_wait_ms=1.0))
     # an MLP reading its weights once per call: the bigger the batch, the cheaper each row
-    batcher.cost = _Recorded([(rows, s) for rows, s in ((1, 0.003), (4, 0.0034), (8, 0.0038)) for _ in range(3)])
+    batcher.policy.cost = _Recorded([(rows, s) for rows, s in ((1, 0.003), (4, 0.0034), (8, 0.0038)) for _ in range(3)])
     try:
         _queue_behind_one(batcher, gate, 10)
         assert gate.rows == [1, 10]  # bigger than any size measured: not capped at 8
@@ -614,15 +533,17 @@ def test_batches_grow_to_max_batch_size_while_the_biggest_size_measured_is_the_c
 def test_exploring_backs_off_while_the_bigger_batches_it_tries_cost_more_per_row(
     lifecycle: Lifecycle, gate: Gate
 ) -> None:
-    from device_agents.pipeline.batching import _EXPLORE_EVERY, _EXPLORE_ROWS
+    from device_agents.pipeline.policy import EXPLORE_EVERY, EXPLORE_ROWS
 
     batcher = _batcher(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=1.0))
     # 4 rows cost 8 single calls: each exploring batch of 4 is paid for
-    batcher.cost = _Recorded([(rows, s) for rows, s in ((1, 0.00069), (2, 0.00117), (4, 0.0055)) for _ in range(3)])
-    batcher._formed = _EXPLORE_EVERY - 2  # the batch after the running one explores
+    batcher.policy.cost = _Recorded(
+        [(rows, s) for rows, s in ((1, 0.00069), (2, 0.00117), (4, 0.0055)) for _ in range(3)]
+    )
+    batcher.policy.formed = EXPLORE_EVERY - 2  # the batch after the running one explores
     _queue_behind_one(batcher, gate, 7)
-    assert gate.rows == [1, _EXPLORE_ROWS, 2, 1]
-    assert batcher._explore_every == 2 * _EXPLORE_EVERY  # the next one comes half as often
+    assert gate.rows == [1, EXPLORE_ROWS, 2, 1]
+    assert batcher.policy.explore_every == 2 * EXPLORE_EVERY  # the next one comes half as often
     batcher.stop(5)
 
 
@@ -632,7 +553,7 @@ def test_a_batched_model_runs_inline_while_batching_does_not_pay(lifecycle: Life
     try:
         pipeline.batcher.arrive(1)  # another request on its way
         for rows in (1, 2, 4, 1, 2, 4):
-            pipeline.batcher.cost.record(rows, 60.0)  # all fixed: worth waiting for it, so not inline
+            pipeline.batcher.policy.cost.record(rows, 60.0)  # all fixed: worth waiting for it, so not inline
         done: list[dict[str, np.ndarray]] = []
         waiting = threading.Thread(target=lambda: done.append(_request(pipeline, [])))
         waiting.start()
@@ -643,9 +564,9 @@ def test_a_batched_model_runs_inline_while_batching_does_not_pay(lifecycle: Life
         pipeline.batcher.arrive(-1)
         waiting.join(10)
         assert done and gate.threads[-1] != waiting.ident
-        pipeline.batcher.cost = CallCost()
+        pipeline.batcher.policy.cost = CallCost()
         for rows in (1, 2, 4, 1, 2, 4):
-            pipeline.batcher.cost.record(rows, 0.001 * rows)  # nothing saved by batching: inline
+            pipeline.batcher.policy.cost.record(rows, 0.001 * rows)  # nothing saved by batching: inline
         pipeline.batcher.arrive(1)
         _request(pipeline, [])
         assert gate.threads[-1] == threading.get_ident()
@@ -739,7 +660,7 @@ def test_a_lone_client_of_a_batched_model_runs_inline_request_after_request(life
     pipeline = _pipeline(lifecycle, BatchingConfig(max_batch_size=8, max_wait_ms=10_000.0))
     try:
         for rows in (1, 2, 4, 1, 2, 4):
-            pipeline.batcher.cost.record(rows, 60.0)  # batching pays: a batch would wait for company
+            pipeline.batcher.policy.cost.record(rows, 60.0)  # batching pays: a batch would wait for company
         for seed in range(4):
             _request(pipeline, [], seed=seed)  # the only client, answered each time: nobody else is coming
         assert gate.threads == [threading.get_ident()] * 4

@@ -5,33 +5,23 @@ cleanup; the pipeline times each one under its name. On a real installed model."
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from device_agents.config import load_config
 from device_agents.errors import OverloadedError
 from device_agents.lifecycle import Lifecycle
 from device_agents.pipeline import Pipeline, Request, stage
 from device_agents.pipeline.slots import Slots
 from device_agents.pipeline.stage import INFER, StageContext, StageFactoryRef
 from edgekit.bundle.errors import ConfigError
-from tests.agent.conftest import Bundles, write_config
 from tests.factories import sample_inputs
 
 
 @pytest.fixture(scope="module")
-def lifecycle(
-    tmp_path_factory: pytest.TempPathFactory, keypair: tuple[Path, Path], bundles: Bundles
-) -> Iterator[Lifecycle]:
-    lc = Lifecycle(load_config(write_config(tmp_path_factory.mktemp("stages"), keypair[1])))
-    lc.start()
-    lc.install(bundles.v1)
-    yield lc
-    lc.stop()
+def lifecycle(installed: Lifecycle) -> Lifecycle:
+    return installed
 
 
 class Scale:
