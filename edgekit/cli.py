@@ -170,6 +170,19 @@ def _register_package(sub: Any) -> None:
         "layout=NCHW|NHWC, scale=255, mean=M[/M/M], std=S[/S/S], pad=0",
     )
     p.add_argument(
+        "--postprocess",
+        metavar="KEY=V,...",
+        help="what the agent makes of the outputs: boxes=yolo[,score=0.25,iou=0.45,max=300] for a YOLO-style "
+        "detector (boxes, scores, classes in the original image's pixels) or topk=K for a classifier (classes, "
+        "scores); activation=softmax|sigmoid|none, output=NAME",
+    )
+    p.add_argument(
+        "--labels-file",
+        type=Path,
+        metavar="CLASSES.txt",
+        help="class names, one per line, carried in the bundle: the post-processing also answers labels",
+    )
+    p.add_argument(
         "--signing-key",
         "--key",
         dest="signing_key",
@@ -322,6 +335,8 @@ def _package_or_raise(args: argparse.Namespace) -> int:
             max_drop=args.max_drop,
             keep_candidates=args.keep_candidates,
             device_profile=args.device_profile,
+            postprocess=args.postprocess,
+            labels_file=args.labels_file,
         )
     except PackageValidationError as exc:
         error, result = exc, exc.result
@@ -439,6 +454,8 @@ def describe_manifest(m: Any, signed_by: str) -> list[str]:
         lines.append(f"calibration: {c.samples} samples from {c.source or 'arrays'}, sha256 {c.sha256[:16]}...")
     if m.preprocess:
         lines.append("pre-processing: " + " -> ".join(_step(s) for s in m.preprocess))
+    if m.postprocess:
+        lines.append("post-processing: " + " -> ".join(_step(s) for s in m.postprocess))
     if m.op_placement is not None:
         op = m.op_placement
         counts = Counter((e.device, e.op) for e in op.entries)

@@ -78,6 +78,7 @@ from edgekit.validate.calib import (
 from edgekit.validate.latency import LatencyStats, call_with, stats_side_by_side
 from edgekit.validate.metrics import MEASURES, Comparison, Kind, RunFn, compare, output_kind, run_all, tolerance_with
 from edgekit.validate.ort_runner import ort_cpu_runner
+from edgekit.validate.postprocess import LABELS_FILE, Postprocess, read_labels_file
 from edgekit.validate.preprocess import Preprocess
 from edgekit.validate.table import format_table
 
@@ -181,6 +182,8 @@ class _Run:
     say: Callable[[str], None]
     # manifest fields from the data: ``preprocess`` (images read with --preprocess), ``calibration``
     manifest_extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # files every bundle carries beside the artifact: path in the bundle -> (source file, role)
+    bundle_files: dict[str, tuple[Path, str]] = dataclasses.field(default_factory=dict)
 
 
 def package(
@@ -211,6 +214,8 @@ def package(
     max_drop: float | None = None,
     keep_candidates: str | Path | None = None,
     device_profile: str | Path | None = None,
+    postprocess: Postprocess | str | None = None,
+    labels_file: str | Path | None = None,
 ) -> PackageResult:
     """Package ``model`` (ONNX) for ``targets`` and write one signed bundle per target.
 
@@ -241,6 +246,10 @@ def package(
     ``keep_candidates``: a folder (new or empty) to write every candidate that met the budget into,
     for ``edgekit bench --profile`` on the device; ``device_profile``: the ``profile.json`` that
     wrote, whose latencies the engine then chooses by (``edgekit.optimize.profile``).
+    ``preprocess`` / ``postprocess`` (``--preprocess`` / ``--postprocess``) are recorded in the
+    manifest for the agent to apply (images in; boxes, or classes and scores, out), checked against
+    the model's input and output shapes first; ``labels_file``: one class name per line, carried
+    in the bundle for the post-processing's ``labels`` output.
 
     Raises ``ConfigError`` (arguments, exit 2), ``ModelFormatError``, ``CalibrationDataError``,
     ``MissingSDKError`` (exit 4) before any conversion where it can, ``PackageValidationError``
@@ -280,6 +289,11 @@ def package(
         raise ConfigError(f"--version must be an integer >= 1, got {version!r}")
     if isinstance(preprocess, str):
         preprocess = Preprocess.parse(preprocess)
+    if isinstance(postprocess, str):
+        postprocess = Postprocess.parse(postprocess)
+    labels_names = read_labels_file(labels_file) if labels_file is not None else None
+    if labels_names is not None and postprocess is None:
+        raise ConfigError("--labels-file names the classes of --postprocess topk=K or boxes=yolo; give one of them")
     calib, eval = check_data_sources(calib, eval, precisions)
     model = Path(model)
     check_model_path(model)
@@ -338,6 +352,8 @@ def package(
             say=say,
             manifest_extras=data_manifest_fields(calib_arrays, calib, prepared.served, preprocess),
         )
+        if preprocess is not None or postprocess is not None:
+            run = _with_processing(run, preprocess, postprocess, labels_names, labels_file)
         static_shapes = resolve_static_shapes(prepared.served, run.calib, input_shapes)
         for t in names:
             chosen[t].check_model(prepared.path)
@@ -676,7 +692,11 @@ def _validate_and_describe(
     finally:
         if served_model is not None:
             served_model.close()
-    files = file_entries(ctx.out_dir, {**result.files, GOLDEN_FILE: "golden"})
+    for path, (src, _) in run.bundle_files.items():
+        shutil.copyfile(src, ctx.out_dir / path)
+    files = file_entries(
+        ctx.out_dir, {**result.files, GOLDEN_FILE: "golden", **{p: role for p, (_, role) in run.bundle_files.items()}}
+    )
     # slower than FP32 on the artifact's own runtime (the engine's baseline), else than the FP32 source
     slower: bool | None = None
     slower_note: tuple[str, ...] = ()
@@ -732,6 +752,36 @@ def _validate_and_describe(
         own_fp32=_own_fp32(searched, validation),
     )  # fmt: skip
     return manifest, comparison, row
+
+
+def _with_processing(
+    run: _Run,
+    preprocess: Preprocess | None,
+    postprocess: Postprocess | None,
+    labels: tuple[str, ...] | None,
+    labels_file: str | Path | None,
+) -> _Run:
+    """``run`` with the manifest's processing steps (checked against the model's shapes) and the
+    labels file. The post-processing runs here, on the FP32 outputs of an evaluation sample, as
+    the agent will run it: a step that cannot apply fails the packaging, not the device."""
+    from device_agents.processing.post import Postprocessor
+
+    extras = dict(run.manifest_extras)
+    bundle_files = dict(run.bundle_files)
+    if preprocess is not None and "preprocess" not in extras:  # given for the agent, not for reading images
+        if len(run.served.inputs) != 1:
+            raise ConfigError(f"--preprocess: the model has {len(run.served.inputs)} inputs; images feed one")
+        extras["preprocess"] = preprocess.to_steps(run.served.inputs[0])
+    if postprocess is not None:
+        steps = postprocess.to_steps(run.served, labels, run.reference, run.say)
+        if labels_file is not None:
+            bundle_files[LABELS_FILE] = (Path(labels_file), "labels")
+        post = Postprocessor(steps, run.served.outputs, lambda _path: Path(labels_file or "").read_bytes())
+        one = {k: v[:1] for k, v in run.reference.items()}
+        found = post.run(one, None)
+        run.say(f"post-processing: {', '.join(f'{k} {list(v.shape)}' for k, v in found.items())} on one sample")
+        extras["postprocess"] = steps
+    return dataclasses.replace(run, manifest_extras=extras, bundle_files=bundle_files)
 
 
 def _own_fp32(searched: Any, v: Validation) -> tuple[str, float] | None:

@@ -49,8 +49,7 @@ def load_data(
             return {spec.name: np.load(path, allow_pickle=False)}
         except (ValueError, OSError, EOFError) as exc:
             raise CalibrationDataError(f"{what} {path} is not a readable .npy file ({exc})") from exc
-    if preprocess is not None:
-        raise CalibrationDataError(f"{what} {path}: --preprocess applies to image folders and globs only")
+    # an .npz holds model inputs already: a --preprocess given with it is for the agent's image requests
     return load_arrays(path, what)
 
 
