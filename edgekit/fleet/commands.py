@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from device_agents.updates.connection import BrokerAddress
 from edgekit.errors import ConfigError
 from edgekit.fleet.s3 import S3Upload
+from edgekit.fleet.session import broker_address
 
 # `--key` meant the MQTT client's TLS key here and the signing key on `package`: one spelling per concept.
 _RENAMED = {
@@ -172,10 +172,6 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=10.0, help="give up on the broker after this long")
 
 
-def _address(args: argparse.Namespace) -> BrokerAddress:
-    return BrokerAddress.parse(args.broker, ca=args.ca, cert=args.cert, key=args.key)
-
-
 def _upload(args: argparse.Namespace) -> S3Upload | None:
     if args.upload is None:
         given = [f for f in ("s3_endpoint", "s3_region", "url_expires_s") if getattr(args, f) is not None]
@@ -192,7 +188,7 @@ def _publish(args: argparse.Namespace) -> int:
     from edgekit.fleet.publish import PublishOptions, parse_duration, publish
 
     options = PublishOptions(
-        broker=_address(args),
+        broker=broker_address(args),
         fleet=args.fleet,
         base_url=args.base_url,
         trusted_keys=tuple(args.trusted_key),
@@ -238,7 +234,7 @@ def _refresh(args: argparse.Namespace) -> int:
     bindings(args.fleet, tuple(args.device), tuple(args.group))  # topic levels checked before connecting
     change = drop_models(tuple(args.drop)) if args.drop else keep_models
     states, warnings = update_states(
-        _address(args), args.fleet, tuple(args.device), tuple(args.group), args.notice_key, change,
+        broker_address(args), args.fleet, tuple(args.device), tuple(args.group), args.notice_key, change,
         fresh_for_s=parse_duration(args.fresh_for), timeout_s=args.timeout_s,
         previous_notice_keys=tuple(args.previous_notice_key),
     )  # fmt: skip
@@ -253,7 +249,7 @@ def _refresh(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from edgekit.fleet.status import format_json, format_table, read_status
 
-    rows = read_status(_address(args), args.fleet, window_s=args.wait_s, timeout_s=args.timeout_s)
+    rows = read_status(broker_address(args), args.fleet, window_s=args.wait_s, timeout_s=args.timeout_s)
     if args.json:
         print(format_json(rows))
     elif rows:

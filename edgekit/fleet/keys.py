@@ -27,7 +27,7 @@ from device_agents.updates.protocol import (
 from edgekit.bundle import key_id, load_private_key, load_public_key
 from edgekit.bundle.errors import ConfigError, SignatureError
 from edgekit.bundle.signing import RoleKeys, public_key_from_text, public_key_text
-from edgekit.fleet.session import FleetSession
+from edgekit.fleet.session import FleetSession, broker_address
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,10 +115,8 @@ def _bundle_key(text: str) -> tuple[Path, tuple[str, ...]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from edgekit.fleet.commands import _address
-
     doc = publish_keys(
-        _address(args), args.fleet, tuple(args.root_key),
+        broker_address(args), args.fleet, tuple(args.root_key),
         add_notice=tuple(args.add_notice_key), add_bundle=tuple(_bundle_key(t) for t in args.add_bundle_key),
         revoke=tuple(args.revoke), timeout_s=args.timeout_s,
     )  # fmt: skip

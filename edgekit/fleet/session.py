@@ -6,6 +6,7 @@ say what to check (address, certificates, the broker's ACL) instead of a paho re
 
 from __future__ import annotations
 
+import argparse
 import ssl
 import threading
 import time
@@ -15,6 +16,11 @@ from typing import Any
 
 from device_agents.updates.connection import BrokerAddress, new_client, session_properties
 from edgekit.errors import EdgekitError
+
+
+def broker_address(args: argparse.Namespace) -> BrokerAddress:
+    """The broker the fleet commands' ``--broker``, ``--ca``, ``--cert`` and ``--key`` name."""
+    return BrokerAddress.parse(args.broker, ca=args.ca, cert=args.cert, key=args.key)
 
 
 class BrokerError(EdgekitError):

@@ -10,16 +10,34 @@ only, and only when no candidate has a latency.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from edgekit.optimize.engine import Outcome
+from edgekit.validate.metrics import Comparison
 
 SPEED_TIE = 0.03
 SIZE_TIE = 0.02
 
 
-def accuracy_key(o: Outcome) -> tuple[float, float]:
+class Measured(Protocol):
+    """What the choice reads of a measured candidate (the engine's ``Outcome``): described here
+    so that the rule does not depend on the engine that calls it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def comparison(self) -> Comparison | None: ...
+    @property
+    def size_bytes(self) -> int: ...
+    @property
+    def device_rank(self) -> int | None: ...
+    @property
+    def p50_ms(self) -> float | None: ...
+
+
+OutcomeT = TypeVar("OutcomeT", bound=Measured)
+
+
+def accuracy_key(o: Measured) -> tuple[float, float]:
     c = o.comparison
     if c is None:
         return (-1.0, -1.0)
@@ -29,7 +47,7 @@ def accuracy_key(o: Outcome) -> tuple[float, float]:
     return (agreement, c.cosine or 0.0)
 
 
-def choose(outcomes: Sequence[Outcome], objective: str, auto: bool, baseline: Outcome | None) -> tuple[Outcome, str]:
+def choose(outcomes: Sequence[OutcomeT], objective: str, auto: bool, baseline: OutcomeT | None) -> tuple[OutcomeT, str]:
     """The outcome to ship and one line saying why. ``outcomes``: the choosable ones (the
     requested precision, or every candidate under ``auto``), built and measured or failed."""
     built = [o for o in outcomes if o.comparison is not None]
