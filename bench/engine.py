@@ -15,7 +15,7 @@ or ``$EDGEKIT_BENCH_MODELS``; an ``EVAL.npz`` may hold a ``labels`` array; a mis
 
 edgekit's artifacts are timed as the peers are: the artifact's device runtime called directly
 (the agent's ``runner``), without the served-signature adapter the peers do not have either
-(about 0.01 ms per call here); accuracy is read through the served model, as the agent serves it.
+(about 0.01 ms per call on a small model); accuracy is read through the served model, as the agent serves it.
 """
 
 from __future__ import annotations

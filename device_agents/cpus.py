@@ -5,9 +5,9 @@ a container's cpuset (``docker run --cpuset-cpus``) or CPU quota (``--cpus``, a 
 ``cpu.max``). The runtimes' own defaults do not all see that. ONNX Runtime sizes its intra-op pool
 to the machine's physical cores whatever the affinity or quota (microsoft/onnxruntime#29510;
 under a cpuset it can also fail to pin its threads, #8313); OpenVINO follows the affinity but not
-a quota. Measured here (2-core VM, the bench MLP, 8 rows a call): ORT's default pool under
-``taskset -c 1`` 3.86 ms a call against 1.55 ms with one thread; under a 1-CPU cgroup quota
-1.97 ms against 1.55 ms; OpenVINO took 2 threads under that quota.
+a quota. On a 2-core x86_64 machine (bench/serving.py's MLP, 8 rows a call) ORT's default pool
+under ``taskset -c 1`` took 3.86 ms a call against 1.55 ms with one thread, and 1.97 ms under a
+1-CPU cgroup quota; OpenVINO took 2 threads under that quota.
 
 So where a runtime's ``threads`` is 0 (its default), the runner asks ``default_threads()``: None
 (keep the SDK's default) when this process may use every core of the machine, else the physical

@@ -1,4 +1,4 @@
-"""Named fault points for crash tests (house rule 9).
+"""Named fault points for crash tests: faults are injected at named places, never by sleeping and hoping.
 
 ``fault_point("switch")`` does nothing unless the environment variable ``EDGEKIT_FAULT`` is
 ``switch``; then the process SIGKILLs itself right there, like a power cut would stop it: no

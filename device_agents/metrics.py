@@ -7,7 +7,7 @@ Process RSS, CPU and open fds come from ``prometheus_client``'s process collecto
 The series updated on every request (stage and request durations, batch sizes, requests by
 code) are plain counts behind one lock (``RequestSeries``), exported in the Prometheus format as
 usual: ``prometheus_client``'s ``Histogram.observe`` takes two locks and validates its state on
-every call (2.6 us here), and a request makes six of them.
+every call (microseconds each on a small device), and a request makes six of them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Checks of ``edgekit package`` arguments that run before any conversion (house rule 5): the
-model path, the output folders, the data sources for the chosen precisions, tolerance keys for the
-model's output kind, and ``--input-shape`` against the model.
+"""Checks of ``edgekit package`` arguments that run before any conversion, so that a bad
+combination is refused before minutes of converting: the model path, the output folders, the data
+sources for the chosen precisions, tolerance keys for the model's output kind, and
+``--input-shape`` against the model.
 
 Each raises ``ConfigError`` / ``ModelFormatError`` / ``CalibrationDataError`` with one line that
 names the path or flag and says what to do.

@@ -57,7 +57,7 @@ class OnnxRuntimeRunner:
         self._outputs = [o.name for o in self.session.get_outputs()]
         # The C++ session's run, with the output names bound once. ``InferenceSession.run`` wraps it
         # in Python checks that cost more than a small model's whole call (WebGPU graph capture,
-        # feed names against the inputs, OrtValue ownership; ~10 us here): ServedModel has checked
+        # feed names against the inputs, OrtValue ownership; ~10 us on an x86_64 server): ServedModel has checked
         # the feed against the signature already, and a missing input still fails in C++. Its one
         # behaviour of note, falling back to the next provider on ``EPFail``, is kept below.
         self._run = self.session._sess.run

@@ -5,14 +5,14 @@ Schema in ``schema/manifest.v2.schema.json`` describes the same structure for ot
 golden-file test keeps the two and ``tests/golden/manifest_v2.json`` in step. v1 manifests
 (``tests/golden/manifest_v1.json``) load through ``MIGRATIONS[1]``.
 
-v2 is designed once for every field DESIGN.md plans, so that later features add behaviour, not
+v2 is designed once for every field the planned features need, so that they add behaviour, not
 schema: pre/post-processing as typed data, cache policy with approximate-cache calibration, a
 ``stateful`` marker, memory/energy estimates, a split plan with several cuts, the provenance of
 compression steps, the optimisation candidate report, calibration-data identity, mixed-precision
 exclusions and the failed-validation mark. Every v2 addition is optional. A field whose
 docstring says *planned* is written by no host code yet and read by no agent code yet; the
 agent never acts on it until a release implements it. Additive optional fields do not bump
-``SCHEMA_VERSION`` again; anything else does, with a migration (house rule 1).
+``SCHEMA_VERSION`` again; anything else does, with a migration and a golden-file test.
 """
 
 from __future__ import annotations

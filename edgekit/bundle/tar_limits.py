@@ -29,7 +29,7 @@ from typing import BinaryIO
 from edgekit.bundle.errors import BundleError
 
 # An extended header holds one long member name (<= 1 KiB, archive.MAX_MEMBER_NAME_BYTES) plus a
-# few short records. 4 KiB also bounds the quadratic PAX parsing of CPython < 3.11.10 (~50 ms here).
+# few short records. 4 KiB also bounds the quadratic PAX parsing of CPython < 3.11.10 (CVE-2024-6232).
 MAX_EXTENDED_HEADER_BYTES = 4 * 1024
 # edgekit writes at most one (PAX); other tars may put a GNU long name and a PAX header together.
 MAX_EXTENDED_HEADERS_PER_MEMBER = 2

@@ -2,7 +2,7 @@
 constants and simplify the graph (onnxslim), give every node a TensorFlow-valid scope name, and
 check the result numerically against the graph it came from.
 
-Why (FIELD_NOTES "Converting", "Found on a fresh machine"): onnx2tf failed on a YOLOv8 graph
+Why: onnx2tf failed on a YOLOv8 graph
 exported with dynamic H/W (``slice index 3 of dimension 0 out of bounds`` in a Shape->Slice chain)
 and onnx2torch failed on a real classifier until its shapes were fixed and constants folded;
 Ultralytics' own TFLite path fixes shapes and simplifies first. With static inputs, onnxslim folds

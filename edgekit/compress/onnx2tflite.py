@@ -2,7 +2,7 @@
 it with a representative dataset made from the user's calibration data, with int8 activations
 (what the Edge TPU runs) or int16 activations and int8 weights ("16x8", LiteRT's CPU kernels only).
 
-What onnx2tf needs, and what this module does about it (see FIELD_NOTES "Converting"):
+What onnx2tf needs, and what this module does about it:
 - a frozen graph: inputs fixed to the static shapes, constants folded and the graph simplified
   with onnxslim, node names made valid TensorFlow scope names (``edgekit.compress.freeze``);
   without that onnx2tf fails on dynamic-H/W graphs such as YOLOv8 in a Shape->Slice chain;

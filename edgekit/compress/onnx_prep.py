@@ -18,7 +18,7 @@ import numpy as np
 from edgekit.bundle.manifest import DTYPES, Dim, Signature, SourceModel, TensorSpec, sha256_file
 from edgekit.errors import ConfigError, ModelFormatError
 
-# Per-channel QDQ needs DequantizeLinear's ``axis`` (opset 13); see FIELD_NOTES "Quantizing".
+# Per-channel QDQ needs DequantizeLinear's ``axis`` attribute, which ONNX added in opset 13.
 MIN_OPSET = 13
 
 
@@ -206,7 +206,7 @@ def _ort_preprocess(src: Path, dst: Path, say: Callable[[str], None]) -> list[st
     """ORT's quant_pre_process: basic graph optimisation, plus symbolic shape inference where
     ONNX shape inference left tensors without a shape (importing it loads torch when installed,
     seconds that most CNNs do not need). Falls back without the symbolic pass, which asserts on
-    some real opset-11 graphs (FIELD_NOTES: Concat axis), then without optimisation."""
+    some real opset-11 graphs (on a Concat's axis), then without optimisation."""
     import onnx
     from onnxruntime.quantization.shape_inference import quant_pre_process
 

@@ -1,6 +1,6 @@
 """ONNX -> PyTorch (onnx2torch), for converters that start from a torch graph (Core ML).
 
-FIELD_NOTES: onnx2torch failed on a real graph until constants were folded and the input shapes
+onnx2torch failed on a real graph until constants were folded and the input shapes
 fixed with onnxslim, so the graph is frozen first (``edgekit.compress.freeze.freeze_graph``).
 ``unconvertible_nodes`` asks onnx2torch's own converter registry which nodes it cannot take.
 """

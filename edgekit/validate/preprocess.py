@@ -2,7 +2,7 @@
 
 ``Preprocess`` turns image files into one model input's samples (calibration and evaluation data
 from a folder of real images). It is typed data, not code, so that the same description can travel
-in a manifest's pre-processing (DESIGN.md: "pre- and post-processing described as data").
+in a manifest's pre-processing, which a device applies as data and never runs as code.
 
 Order: decode -> channels (RGB / BGR / GRAY) -> resize to ``size`` (``stretch``, ``letterbox``
 keeping the aspect ratio with ``pad`` around it, or ``center-crop``) -> divide by ``scale`` ->

@@ -18,7 +18,7 @@ from tests.factories import make_cpu_bundle, tiny_classifier
 # Tighter than the default (3): an idle baseline against a loaded candidate misses it by far,
 # two identical models timed side by side do not.
 SLACK = "[selftest]\nlatency_slack = 1.5\nlatency_floor_ms = 0.0\n"
-SIZE = 320  # a p50 of about 2 ms on one thread here: long enough for load to show in a median
+SIZE = 320  # a p50 of milliseconds on one thread: long enough for load to show in a median
 CLIENTS = 3  # concurrent requests: with the self-test child, more runnable threads than 2 cores
 
 

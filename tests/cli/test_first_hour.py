@@ -1,4 +1,4 @@
-"""The host CLI's first hour (issue 12): every problem a new user hit, as the exact command and the
+"""The host CLI's first hour: every problem a new user hit, as the exact command and the
 exact one-line output it gives now (hatch style). Packaging runs fp32 on a tiny model where the
 precision does not matter, so that each test converts as little as possible."""
 
