@@ -83,6 +83,7 @@ from edgekit.validate.preprocess import Preprocess
 from edgekit.validate.table import format_table
 
 GOLDEN_FILE = "golden.npz"
+FLOAT_PRECISIONS = ("fp32", "fp16")  # a target's float candidates: the last resort of its fallback chain
 GOLDEN_COUNT = 4
 SDK_LOG = "sdk-output.log"  # in each target's work folder: what the converters printed
 EVAL_BATCH = 16
@@ -403,22 +404,34 @@ def package(
                     continue
                 result, searched, ctx = built.result, built.searched, built.ctx
                 kept_rows += built.kept_rows
-                manifest, comparison, row = _validate_and_describe(
-                    t,
-                    precisions[t],
-                    result,
-                    ctx,
-                    dataclasses.replace(run, say=target_say),
-                    prepared.source,
-                    name,
-                    version,
-                    expires_at,
-                    private_key,
-                    static_shapes,
-                    searched,
-                )
+                gate_failed: list[str] = []  # the fallback chain: chosen candidates the final gate failed
+                while True:
+                    manifest, comparison, row = _validate_and_describe(
+                        t,
+                        precisions[t],
+                        result,
+                        ctx,
+                        dataclasses.replace(run, say=target_say),
+                        prepared.source,
+                        name,
+                        version,
+                        expires_at,
+                        private_key,
+                        static_shapes,
+                        searched,
+                    )
+                    if comparison.passed or built.optimised is None:
+                        break
+                    nxt = _fall_back(chosen[t], ctx, built, comparison, engine, target_say)
+                    if nxt is None:
+                        break
+                    gate_failed.append(searched.chosen.name)
+                    built = nxt
+                    result, searched = built.result, built.searched
             if not comparison.passed:
                 tried = result.notes if searched is None else _tried_notes(searched, precisions[t])
+                if searched is not None and (gate_failed or searched.chosen.precision in FLOAT_PRECISIONS):
+                    tried += (_chain_note(gate_failed, searched.chosen),)
                 failed.append((t, comparison, tried))
             if searched is not None:  # written whether or not the bundle is: it says why
                 from edgekit.optimize.report import write_report
@@ -453,6 +466,39 @@ class _Built:
     searched: Any  # SearchResult for an engine target, else None
     ctx: BuildContext
     kept_rows: list[dict[str, Any]]
+    optimised: Any = None  # edgekit.optimize.run.Optimised for an engine target: its fallback chain
+
+
+def _fall_back(
+    target: Any, ctx: BuildContext, built: _Built, comparison: Comparison, engine: Any, say: Callable[[str], None]
+) -> _Built | None:
+    """The next candidate of an engine target's fallback chain, finished into an emptied
+    ``ctx.out_dir``, after the final gate failed ``built``'s; None when the chain is spent."""
+    from edgekit.optimize.run import fall_back
+
+    failure = "; ".join(comparison.failures)
+
+    def empty() -> None:
+        shutil.rmtree(ctx.out_dir)
+        ctx.out_dir.mkdir(parents=True)
+
+    nxt = fall_back(target, ctx, built.optimised, failure, engine, before_finish=empty)
+    if nxt is None:
+        return None
+    say(
+        f"[{target.name}] {built.searched.chosen.name} failed the final gate ({failure}); "
+        f"next in the fallback chain: {nxt.search.chosen.name}"
+    )
+    return _Built(nxt.build, nxt.search, ctx, [], nxt)
+
+
+def _chain_note(gate_failed: Sequence[str], last: Any) -> str:
+    """What the failure message says of a fallback chain that ran out (``last``: what failed last)."""
+    floats = last.precision in FLOAT_PRECISIONS
+    what = "the target's float candidate" if floats else "the last candidate that met the budget"
+    if not gate_failed:
+        return f"fallback chain: {last.name}, {what}, failed the final gate"
+    return f"fallback chain: {', '.join(gate_failed)} failed the final gate before {last.name}, {what}, failed it too"
 
 
 def _build_target(
@@ -471,7 +517,7 @@ def _build_target(
     static_shapes: Mapping[str, tuple[int, ...]],
 ) -> _Built:
     """Build target ``t``: through the optimisation engine when it describes candidates, else directly."""
-    searched = None
+    searched = optimised = None
     kept_rows: list[dict[str, Any]] = []
     if hasattr(target, "candidates"):  # an engine target: candidates searched side by side
         from edgekit.optimize.run import optimise
@@ -489,7 +535,7 @@ def _build_target(
         result = target.build(ctx)
     if result.static and not target.static_shapes:
         raise EdgekitError(f"target {t} built a static-shape artifact but does not declare static_shapes")
-    return _Built(result, searched, ctx, kept_rows)
+    return _Built(result, searched, ctx, kept_rows, optimised)
 
 
 # -- arguments -----------------------------------------------------------------------------
@@ -1051,6 +1097,7 @@ def _failure_message(
         if report is not None:  # an engine target: its report lists every candidate
             if len(tried) > 1:
                 line += f" ({len(tried)} configurations tried; see {report})"
+            line += "".join(f"; {n}" for n in notes if n.startswith("fallback chain: "))
         elif tried:
             line += f" ({len(tried)} configurations tried; see `edgekit inspect` of an --allow-failed bundle)"
         parts.append(line)

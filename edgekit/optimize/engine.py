@@ -27,6 +27,12 @@ Order of work:
    else the final one); a candidate left out of it keeps its earlier p50, and its ratio is to the
    reference's p50 in that round (``Outcome.timed_in``, ``Outcome.reference_p50_ms``).
 
+8. the fallback chain (``SearchResult.chain``): the passing candidates in the objective's order,
+   the ones that passed selection within its sampling error (``optimize.margin``) behind the
+   ones clear of it; under ``auto`` the target's FP32 (its float fallbacks where it has no FP32 of
+   its own, built only then: ``pending``) is the last resort. The packager's final gate runs
+   down it (``optimize.run.fall_back``) until one passes.
+
 With a device profile (``edgekit.optimize.profile``) for the target, every candidate's latency is
 the device's (host timings are dropped for that target, never mixed with device ones); where
 nothing is timed, the target's ``device_rank`` orders the candidates (mixed precision rescues the
@@ -50,6 +56,7 @@ from edgekit.errors import EdgekitError
 from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, RunFn
 from edgekit.optimize.choose import SPEED_TIE, choose
 from edgekit.optimize.data import SearchData
+from edgekit.optimize.margin import selection_margin
 from edgekit.optimize.profile import DeviceLatency, candidate_key
 from edgekit.validate.calib import fixed_batch, pad_samples, take
 from edgekit.validate.latency import LatencyStats, call_with, stats_side_by_side
@@ -103,6 +110,9 @@ class Outcome:
     timed_in: str = ""
     reference_p50_ms: float | None = None
     latency_from: str = ""  # "" (host, or not measured) or the device profile the latency came from
+    # passed selection by less than the sampling error of a measure (``optimize.margin``): why; such
+    # a candidate ranks behind the ones that passed clear of it
+    marginal: str = ""
 
     @property
     def p50_ms(self) -> float | None:
@@ -133,6 +143,11 @@ class SearchResult:
     elapsed_s: float
     # the builds of the candidates that met the budget, and the baseline: name -> (build, folder)
     kept: Mapping[str, tuple[Built, Path]] = field(default_factory=dict)
+    # the fallback chain after ``chosen``: what the final gate tries next, in order (names in
+    # ``kept``), then ``pending`` (float candidates not built yet, built by ``build_late``)
+    chain: tuple[str, ...] = ()
+    pending: tuple[Candidate, ...] = ()
+    build_late: Callable[[Candidate], tuple[Built, Path]] | None = None
 
 
 @dataclass
@@ -251,6 +266,7 @@ def search(
             comparison = compare(ref_out, outputs, kind, tolerance)
             if kind == "classifier":
                 comparison = flip_gate(comparison, ref_out, outputs, data, tolerance)
+            marginal = selection_margin(ref_out, outputs, comparison)
         # A candidate's SDK may raise anything (ORT's quantizer raised ValueError from numpy on an
         # int32-input model, FIELD_NOTES): that candidate failed, the search goes on.
         except Exception as exc:
@@ -262,8 +278,9 @@ def search(
             return st
         status = "passed" if comparison.passed else "failed"
         reason = "" if comparison.passed else "; ".join(comparison.failures)
-        say(f"[{target}]   {comparison.summary()} ({status})")
+        say(f"[{target}]   {comparison.summary()} ({status})" + (f"; {marginal}" if marginal else ""))
         st.outcome = _outcome(cand, status, reason, comparison, st, time.perf_counter() - started)
+        st.outcome = dataclasses.replace(st.outcome, marginal=marginal)
         return st
 
     for cand in plan.first:
@@ -371,7 +388,32 @@ def search(
         ]
     base_out = baseline.outcome if baseline is not None else None
     chosen, why = choose(choosable, objective, auto, base_out)
+    everything = [o for o in outcomes if auto or o.precision == precision]
+    chain = _chain(chosen, everything, objective, auto, base_out)
+    if chain and chain[0] is not chosen:  # the choice passed selection within its sampling error
+        why = (
+            f"first of the candidates that passed selection clear of its sampling error; {chosen.name} "
+            f"({why.split(' (')[0]}) ranks behind it, {chosen.marginal}"
+        )
+        chosen = chain[0]
+    pending: tuple[Candidate, ...] = ()
+    if auto:
+        built_names = {s.candidate.name for s in states}
+        pending = tuple(c for c in plan.fallback if c.name not in built_names)
+        if baseline is not None and baseline.built is not None and base_out is not None and _absent(base_out, chain):
+            chain.append(base_out)  # the target's fp32: always the last resort
+        elif baseline is None:  # no fp32 of its own: its float fallbacks are the last resort
+            chain += [o for o in outcomes if o.name in {c.name for c in plan.fallback} and o.comparison is not None
+                      and _absent(o, chain)]  # fmt: skip
     chosen_state = next(s for s in states if s.outcome is chosen)
+
+    def late(cand: Candidate) -> tuple[Built, Path]:
+        """Build a float candidate the search did not (the final gate failed what it chose)."""
+        folder = work_dir / f"{len(states):02d}-{_slug(cand.name)}"
+        folder.mkdir(parents=True)
+        states.append(_State(cand, folder))
+        return cand.build(space(folder)), folder
+
     if chosen_state.built is None:
         raise ValueError(f"{chosen.name} was chosen but has no build")  # choose() only returns built ones
     slower = bool(
@@ -401,9 +443,36 @@ def search(
             for s in states
             if s.built is not None
             and s.outcome is not None
-            and (s.outcome.status == "passed" or s.outcome is chosen or s is baseline)
+            and (s.outcome.status == "passed" or s.outcome is chosen or s is baseline or not _absent(s.outcome, chain))
         },
+        chain=tuple(o.name for o in chain if o is not chosen),
+        pending=pending,
+        build_late=late,
     )
+
+
+def _absent(o: Outcome, among: list[Outcome]) -> bool:
+    return not any(x is o for x in among)
+
+
+def _chain(
+    chosen: Outcome, outcomes: list[Outcome], objective: str, auto: bool, baseline: Outcome | None
+) -> list[Outcome]:
+    """The passing candidates in the order the final gate tries them: ``chosen`` first, the rest
+    ranked by the objective (``choose`` again on what is left), the ones that passed selection
+    within its sampling error (``Outcome.marginal``) behind those clear of it. Under ``auto`` the
+    ranking stops at the target's FP32 (``baseline``): what ranks after it is slower than it,
+    and it is the last resort (the caller appends it)."""
+    pool = [o for o in outcomes if o.comparison is not None and o.comparison.passed and o is not chosen]
+    order = [chosen] if chosen.comparison is not None and chosen.comparison.passed else []
+    while pool:
+        base = baseline if any(o is baseline for o in pool) else None
+        pick, _ = choose(pool, objective, auto, base)
+        order.append(pick)
+        pool = [o for o in pool if o is not pick]
+    if auto and baseline is not None and any(o is baseline for o in order):
+        order = order[: next(i for i, o in enumerate(order) if o is baseline)]
+    return [o for o in order if not o.marginal] + [o for o in order if o.marginal]
 
 
 # -- steps -----------------------------------------------------------------------------------
@@ -746,6 +815,11 @@ def _outcome(
         baseline=cand.baseline,
         device_rank=cand.device_rank,
     )
+
+
+def record_of(cand: Candidate, why: str) -> Outcome:
+    """A record of ``cand`` that was not measured on the selection samples (status "skipped")."""
+    return _skipped(cand.name, why, cand)
 
 
 def _skipped(name: str, why: str, cand: Candidate | None = None) -> Outcome:

@@ -8,7 +8,7 @@ default gate, selection on the calibration data).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from edgekit.bundle.manifest import Tolerance
 from edgekit.errors import ConfigError
 from edgekit.optimize.candidates import OBJECTIVES, RunFn
 from edgekit.optimize.data import DEFAULT_CALIB_SAMPLES, search_data
-from edgekit.optimize.engine import SearchResult, search
+from edgekit.optimize.engine import Outcome, SearchResult, record_of, search
 from edgekit.optimize.profile import DeviceProfile
 from edgekit.optimize.record import choice_step
 from edgekit.targets.base import BuildContext, BuildResult
@@ -121,11 +121,89 @@ def optimise(
         time_budget_s=settings.time_budget_s,
         device_latency=settings.device_profile.for_target(target.name) if settings.device_profile else None,
     )
+    return _finished(target, ctx, settings, result)
+
+
+def _finished(target: Any, ctx: BuildContext, settings: EngineSettings, result: SearchResult) -> Optimised:
     built = target.finish(ctx, result.built, result.built_dir)
     notes = (*built.notes, *summary_notes(result))
     # the target's own steps describe how the chosen artifact was made; the last step is the choice
     provenance = (*built.provenance, choice_step(result, settings.tolerance))
     return Optimised(build=dataclasses.replace(built, notes=notes, provenance=provenance), search=result)
+
+
+def fall_back(
+    target: Any,
+    ctx: BuildContext,
+    previous: Optimised,
+    failure: str,
+    settings: EngineSettings | None = None,
+    before_finish: Callable[[], None] | None = None,
+) -> Optimised | None:
+    """The next candidate of the fallback chain (``SearchResult.chain``, then ``pending``), finished
+    into ``ctx.out_dir`` (``before_finish`` is called first, to empty it), after ``previous``'s
+    chosen one failed the final gate with ``failure``; None when the chain is spent. The failed
+    one is recorded as failed with that reason; a pending float candidate whose build raises is
+    recorded as an error and the chain goes on."""
+    settings = settings or EngineSettings()
+    res = previous.search
+    failed = dataclasses.replace(res.chosen, status="failed", reason=f"failed the final gate: {failure}")
+    outcomes = [failed if o.status == "chosen" else o for o in res.outcomes]
+    chain, pending = list(res.chain), list(res.pending)
+    while chain or pending:
+        if chain:
+            name = chain.pop(0)
+            found = next((o for o in outcomes if o.name == name), None)
+            if found is None or name not in res.kept:
+                continue
+            built, folder = res.kept[name]
+            nxt = found
+        else:
+            cand = pending.pop(0)
+            if res.build_late is None:
+                continue
+            ctx.progress(f"[{target.name}] fallback: building {cand.name}")
+            try:
+                built, folder = res.build_late(cand)
+            # a converter may raise anything; the chain goes on to the next float candidate
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+                outcomes.append(_late_outcome(cand, "error", why))
+                continue
+            nxt = _late_outcome(cand, "passed", "")
+            outcomes.append(nxt)
+        why = f"{failed.name} failed the final gate on the held-out samples ({failure}); next in the fallback chain"
+        chosen = dataclasses.replace(nxt, status="chosen")
+        outcomes = [chosen if o is nxt else o for o in outcomes]
+        base = res.baseline
+        result = dataclasses.replace(
+            res,
+            chosen=chosen,
+            built=built,
+            built_dir=folder,
+            why=why,
+            outcomes=tuple(outcomes),
+            slower_than_fp32=bool(
+                base is not None
+                and base.p50_ms is not None
+                and chosen.p50_ms is not None
+                and chosen.name != base.name
+                and chosen.p50_ms > base.p50_ms
+            ),
+            notes=(*res.notes, f"final gate: {failed.name} failed ({failure}); fell back to {chosen.name}"),
+            chain=tuple(chain),
+            pending=tuple(pending),
+            kept={**res.kept, chosen.name: (built, folder)},
+        )
+        if before_finish is not None:
+            before_finish()
+        return _finished(target, ctx, settings, result)
+    return None
+
+
+def _late_outcome(cand: Any, status: str, reason: str) -> Outcome:
+    why = reason or "built after the final gate failed the candidates ahead of it (not measured on selection)"
+    return dataclasses.replace(record_of(cand, why), status=status)
 
 
 def summary_notes(result: SearchResult) -> tuple[str, ...]:
@@ -138,6 +216,8 @@ def summary_notes(result: SearchResult) -> tuple[str, ...]:
         speed = f", p50 {o.p50_ms:.3f} ms" if o.p50_ms is not None else ""
         acc = o.comparison.summary() if o.comparison is not None else ""
         verdict = "passed" if o.comparison is not None and o.comparison.passed else "failed: " + o.reason
+        if o.comparison is None and o.status == "chosen":
+            verdict = "built after the final gate failed the candidates ahead of it"
         lines.append(f"tried {o.name}: {acc}{speed} ({verdict})".replace(": ,", ":").replace(":  (", ": ("))
     lines.append(f"chose {result.chosen.name}: {result.why}")
     return tuple(lines)

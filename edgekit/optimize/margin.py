@@ -1,0 +1,138 @@
+"""How far a candidate passed selection, compared with the sampling error of the gate's measures.
+
+A candidate measured on n selection samples passes with measures that are themselves estimates:
+the held-out gate draws other samples, and a candidate that cleared a threshold by less than the
+estimate's sampling error fails there about as often as it passes (YOLOv8n on jetson: an INT8 Q/DQ
+passed selection at worst-channel cosine 0.926 against 0.9 and missed the held-out gate). Each
+measure the gate thresholds gets a 95 % bound on the side that fails:
+
+- top-1 agreement (k of n agree): the Wilson score interval's lower bound,
+  ``(p + z²/2n - z·sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n)``;
+- mean cosine (the mean of per-sample cosines): ``mean - z·sd/sqrt(n)``;
+- relative error (a ratio of per-sample sums) and the worst live channel's cosine (per-channel sums
+  over samples and positions): percentile bootstrap over samples (``BOOTSTRAP_RESAMPLES``
+  resamples with a fixed seed), the 97.5th percentile of the error and the 2.5th of the worst
+  channel's cosine (the minimum over the channels live in the reference, per resample).
+
+A candidate whose bound lies on the failing side of its threshold is *marginal*: the engine ranks
+it behind the candidates that passed clear of their sampling error (``engine.search``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from edgekit.validate.metrics import Comparison, channel_axis, live_channels
+
+Z_95 = 1.959964  # two-sided 95 %
+BOOTSTRAP_RESAMPLES = 200
+CHUNK = 16  # samples converted to float64 at a time: a detector's outputs are large
+
+
+def wilson_lower(successes: int, n: int, z: float = Z_95) -> float:
+    """The Wilson score interval's lower bound for ``successes`` of ``n`` (0 for n = 0)."""
+    if n <= 0:
+        return 0.0
+    p = successes / n
+    centre = p + z * z / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (centre - spread) / (1 + z * z / n)
+
+
+def selection_margin(
+    reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray], comparison: Comparison
+) -> str:
+    """Why ``comparison`` (a pass on ``reference``/``candidate``, the selection outputs) is within
+    the sampling error of a threshold, else "" (clear of it, or failed anyway)."""
+    if not comparison.passed:
+        return ""
+    t = comparison.tolerance
+    n = comparison.samples
+    names = list(reference)
+    if comparison.kind == "classifier":
+        if t.min_top1_agreement is None or comparison.top1_agreement is None:
+            return ""
+        agree = round(comparison.top1_agreement * n)
+        low = wilson_lower(agree, n)
+        if low < t.min_top1_agreement:
+            return (
+                f"top-1 agreement {comparison.top1_agreement:.4g} on {n} samples: its 95 % Wilson lower bound "
+                f"{low:.4g} is below {t.min_top1_agreement:.4g}"
+            )
+        return ""
+    why: list[str] = []
+    rng = np.random.default_rng(0)
+    draws = rng.integers(0, n, size=(BOOTSTRAP_RESAMPLES, n)) if n > 1 else np.zeros((0, n), dtype=np.int64)
+    for name in names:
+        r, c = np.asarray(reference[name]), np.asarray(candidate[name])
+        cos, err, ref_abs = _per_sample(r, c)
+        if t.min_cosine is not None and n > 1:
+            low = float(cos.mean() - Z_95 * cos.std(ddof=1) / math.sqrt(n))
+            if low < t.min_cosine:
+                why.append(
+                    f"output {name!r} mean cosine {cos.mean():.4g}: 95 % lower bound {low:.4g} < {t.min_cosine:.4g}"
+                )
+        if t.max_relative_error is not None and len(draws):
+            boot = err[draws].sum(axis=1) / np.maximum(ref_abs[draws].sum(axis=1), 1e-12)
+            high = float(np.percentile(boot, 97.5))
+            if high > t.max_relative_error:
+                why.append(
+                    f"output {name!r} relative error: 95 % bootstrap upper bound {high:.4g} "
+                    f"> {t.max_relative_error:.4g}"
+                )
+        axis = channel_axis(tuple(r.shape))
+        if t.min_channel_cosine is not None and axis is not None and len(draws):
+            worst = _channel_lower(r, c, axis, draws)
+            if worst is not None and worst < t.min_channel_cosine:
+                why.append(
+                    f"output {name!r} worst live channel cosine: 95 % bootstrap lower bound {worst:.4g} "
+                    f"< {t.min_channel_cosine:.4g}"
+                )
+    if not why:
+        return ""
+    return f"within the sampling error of the gate on {n} selection samples: " + "; ".join(why)
+
+
+def _per_sample(r: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per sample: the cosine, sum |c - r| and sum |r| (a few samples at a time, in float64)."""
+    n = r.shape[0]
+    cos, err, ref_abs = np.empty(n), np.empty(n), np.empty(n)
+    for start in range(0, n, CHUNK):
+        a = r[start : start + CHUNK].reshape(min(CHUNK, n - start), -1).astype(np.float64)
+        b = c[start : start + CHUNK].reshape(a.shape).astype(np.float64)
+        na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            got = np.sum(a * b, axis=1) / (na * nb)
+        cos[start : start + len(a)] = np.where((na == 0) & (nb == 0), 1.0, np.nan_to_num(got, nan=0.0))
+        err[start : start + len(a)] = np.abs(a - b).sum(axis=1)
+        ref_abs[start : start + len(a)] = np.abs(a).sum(axis=1)
+    return cos, err, ref_abs
+
+
+def _channel_lower(r: np.ndarray, c: np.ndarray, axis: int, draws: np.ndarray) -> float | None:
+    """The 2.5th percentile over bootstrap resamples of samples of the worst live channel's cosine."""
+    n = r.shape[0]
+    channels = r.shape[axis]
+    live = live_channels(r, axis)
+    if not live.any():
+        return None
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for start in range(0, n, CHUNK):  # a few samples at a time: a detector's outputs are large
+        rm = np.moveaxis(r[start : start + CHUNK], axis, -1).reshape(min(CHUNK, n - start), -1, channels)
+        cm = np.moveaxis(c[start : start + CHUNK], axis, -1).reshape(rm.shape)
+        rm, cm = rm[..., live].astype(np.float64), cm[..., live].astype(np.float64)
+        parts.append(
+            (np.einsum("spc,spc->sc", rm, rm), np.einsum("spc,spc->sc", cm, cm), np.einsum("spc,spc->sc", rm, cm))
+        )
+    rr = np.concatenate([p[0] for p in parts])  # per sample, per live channel
+    cc = np.concatenate([p[1] for p in parts])
+    rc = np.concatenate([p[2] for p in parts])
+    a, b, ab = rr[draws].sum(axis=1), cc[draws].sum(axis=1), rc[draws].sum(axis=1)
+    na, nb = np.sqrt(a), np.sqrt(b)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cos = ab / (na * nb)
+    cos = np.where((na == 0) & (nb == 0), 1.0, np.nan_to_num(cos, nan=0.0))
+    return float(np.percentile(cos.min(axis=1), 2.5))
