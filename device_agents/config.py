@@ -45,7 +45,7 @@ directory of the config file. A format change bumps ``CONFIG_VERSION`` and adds 
 A version 1 file (no ``config_version``) migrates: ``[runtime]`` spreads over the
 ``[runtimes.*]`` tables it applied to, ``max_request_mb`` moves to ``[server]``, and tables new in
 version 2 (``[models]``, ``[budgets]``, ``[server]``) are kept. Planned settings (a model's
-``cache``, ``route``, ``variants``; ``[budgets]``) are documented and refused with a clear error:
+``route``, ``variants``; ``[budgets]``) are documented and refused with a clear error:
 nothing in the file is silently ignored.
 """
 
@@ -257,31 +257,100 @@ class BatchingConfig:
             )
 
 
+CACHE_MODES = ("exact", "approximate", "semantic")
+
+
+@dataclass(frozen=True)
+class ModelCacheConfig:
+    """``[models.<name>.cache]``: the result cache for one served name (``device_agents.cache``).
+
+    Without the table, the manifest's cache policy applies (if it has one); with it, the fields set
+    here override the manifest's (``ttl_s``), and ``enabled = false`` turns a manifest's policy off.
+    ``exact`` answers a request whose inputs and answer-changing parameters are byte for byte
+    those of a cached one. ``approximate`` (near-duplicate sensor input) and ``semantic`` (keyed by
+    ``embed_with``, another served model's output) are planned, refused until then.
+    ``max_mb``: this model's share of the disk tier (None: only ``[cache] max_mb`` bounds it).
+    ``recheck_fraction``: of approximate/semantic hits re-run through the model to measure the
+    false-hit rate. Refused for a stateful model."""
+
+    mode: str = "exact"
+    enabled: bool = True
+    max_mb: int | None = None
+    ttl_s: float | None = None  # None: the manifest's ttl_s, else DEFAULT_CACHE_TTL_S
+    embed_with: str | None = None
+    recheck_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in CACHE_MODES:
+            raise ValueError(f"mode {self.mode!r} must be one of {', '.join(CACHE_MODES)}")
+        if self.mode != "exact":
+            raise ValueError(
+                f'mode {self.mode!r} is planned, not in this agent version; use mode = "exact" '
+                "(or upgrade edgekit-agent)"
+            )
+        if self.embed_with is not None:
+            raise ValueError('embed_with goes with mode = "semantic" only')
+        if self.max_mb is not None and self.max_mb <= 0:
+            raise ValueError(f"max_mb must be > 0, got {self.max_mb}")
+        if self.ttl_s is not None and not self.ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {self.ttl_s}")
+        if not 0.0 <= self.recheck_fraction <= 1.0:
+            raise ValueError(f"recheck_fraction must be between 0 and 1, got {self.recheck_fraction}")
+        if self.recheck_fraction and self.mode == "exact":
+            raise ValueError("recheck_fraction applies to approximate and semantic hits; an exact hit is exact")
+
+
+DEFAULT_CACHE_TTL_S = 3600.0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """``[cache]``: the agent's result cache, shared by every model that caches (``<store>/cache/``).
+
+    ``max_mb`` bounds the disk tier (oldest entries evicted first), ``memory_mb`` the in-memory
+    tier in front of it; ``enabled = false`` turns caching off for every model."""
+
+    enabled: bool = True
+    max_mb: int = 256
+    memory_mb: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_mb <= 0 or self.memory_mb <= 0:
+            raise ValueError(f"max_mb and memory_mb must be > 0, got {self.max_mb} and {self.memory_mb}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """``[models.<served name>]``: how one served name is run.
 
-    ``cache`` (the result cache), ``route`` (a cascade) and ``variants`` (a variant set under
-    budgets) are planned by later agent versions; setting them is refused, never ignored.
+    ``cache`` is the result cache (``ModelCacheConfig``); ``route`` (a cascade) and ``variants`` (a
+    variant set under budgets) are planned by later agent versions; setting them is refused, never
+    ignored.
     """
 
     threads: int = 0  # overrides [runtimes.<runtime>] threads for this model; 0 = the runtime's setting
     workers: int = 0  # runtime calls of this model at once; 0 = server.workers
     batching: BatchingConfig | None = None
-    cache: dict[str, Any] | None = None  # planned
+    cache: ModelCacheConfig | None = None  # None: the manifest's cache policy, if it has one
     route: dict[str, Any] | None = None  # planned
     variants: tuple[str, ...] | None = None  # planned
 
     def __post_init__(self) -> None:
         if self.threads < 0 or self.workers < 0:
             raise ValueError(f"threads and workers must be >= 0, got {self.threads} and {self.workers}")
-        for key in ("cache", "route", "variants"):
+        for key in ("route", "variants"):
             if getattr(self, key) is not None:
                 raise ValueError(_planned(key))
 
     def check(self, name: str, manifest: Manifest) -> None:
         """``ConfigError`` when this table cannot serve ``manifest`` (batching a static batch axis or a
-        stateful model)."""
+        stateful model; caching a stateful model)."""
+        if self.cache is not None and self.cache.enabled and manifest.stateful:
+            raise ConfigError(
+                f"agent.models.{name}.cache: model {manifest.name} v{manifest.version} is stateful (its answer "
+                f"depends on earlier calls), so a cached answer would be wrong; remove [models.{name}.cache] "
+                f"or set enabled = false"
+            )
         if self.batching is None:
             return
         if manifest.stateful:
@@ -368,6 +437,7 @@ class AgentConfig:
     runtimes: RuntimesConfig = field(default_factory=RuntimesConfig)
     models: dict[str, ModelConfig] = field(default_factory=dict)
     budgets: BudgetsConfig = field(default_factory=BudgetsConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)  # the result cache (per model: [models.<name>.cache])
     # take bundles marked failed by `edgekit package --allow-failed` (validation.passed = false)
     allow_failed_validation: bool = False
     selftest: SelfTestConfig = field(default_factory=SelfTestConfig)

@@ -170,11 +170,11 @@ INFER = "infer"
 # at run time (a test's) applies to pipelines built after it.
 STAGE_FACTORIES: dict[str, StageFactoryRef | None] = {
     # "admission": "device_agents.budgets.stage:admission",
-    # "cache_lookup": "device_agents.cache.stage:lookup",
+    "cache_lookup": "device_agents.cache.stage:lookup",
     # "preprocess": "device_agents.processing.stage:preprocess",
     INFER: None,
     # "postprocess": "device_agents.processing.stage:postprocess",
-    # "cache_store": "device_agents.cache.stage:store",
+    "cache_store": "device_agents.cache.stage:store",
 }
 
 

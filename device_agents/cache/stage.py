@@ -1,0 +1,242 @@
+"""The result cache as two stages of an endpoint's pipeline (``device_agents.pipeline.stage``):
+
+    cache_lookup  before pre-processing and the queue: a hit answers the request (no queue, no infer)
+    cache_store   after post-processing: stores what the chain produced for a missed request
+
+Both are present when the model caches: ``[models.<name>.cache]``, else the manifest's cache
+policy (the config overrides it, ``enabled = false`` turns it off), and ``[cache] enabled``.
+A request with the v2 parameter ``"cache": "bypass"`` is neither looked up nor stored. Every
+request through them carries the response parameter ``cache``: ``hit``, ``miss`` or ``bypass``.
+
+The key is built from the leased model's manifest (name, version, artifact digest) and the inputs
+as they arrive (``request.inputs`` and ``request.raw``, before pre-processing), so a version
+switch changes every key; the first request to a newly active version sweeps the entries of the
+others. An answer is stored only under the key of the version that produced it.
+
+One ``ResultCache`` per store directory serves every endpoint (``shared_cache``); if it cannot
+be opened the agent still serves (memory tier only, one log line).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from device_agents.cache.key import CacheKey, KeyMaker
+from device_agents.cache.store import ResultCache
+from device_agents.cache.tensors import UncacheableError
+from device_agents.config import DEFAULT_CACHE_TTL_S, AgentConfig, ModelCacheConfig
+from device_agents.metrics import CacheSeries
+from device_agents.pipeline.stage import Request, StageContext
+from edgekit.bundle.errors import InferenceInputError
+from edgekit.bundle.manifest import Manifest
+
+log = logging.getLogger("edgekit.agent")
+
+_MB = 1024 * 1024
+CACHE_PARAMETER = "cache"  # v2 request parameter: "bypass" skips the cache for this request
+BYPASS = "bypass"
+
+_caches: dict[Path, ResultCache] = {}
+_caches_lock = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class CachePolicy:
+    """What one endpoint caches: the mode, how long an entry lives, its share of the disk tier."""
+
+    mode: str
+    ttl_s: float
+    max_bytes: int | None
+
+
+def policy(name: str, agent: AgentConfig, manifest: Manifest) -> CachePolicy | None:
+    """The cache policy of endpoint ``name`` serving ``manifest``; None when it does not cache.
+    ``ConfigError`` for a configured cache on a stateful model."""
+    configured: ModelCacheConfig | None = agent.model(name).cache
+    declared = manifest.cache
+    if configured is not None and manifest.stateful:
+        agent.model(name).check(name, manifest)  # ConfigError: says what to do
+    if not agent.cache.enabled or (configured is None and declared is None):
+        return None
+    if configured is not None and not configured.enabled:
+        return None
+    if manifest.stateful:
+        log.warning(
+            "%s: the manifest of %s v%d asks for a result cache, but the model is stateful: not cached",
+            name,
+            manifest.name,
+            manifest.version,
+        )
+        return None
+    mode = configured.mode if configured is not None else "exact"
+    if configured is None and declared is not None and declared.mode != "exact":
+        log.warning(
+            "%s: the manifest asks for a %s cache, which this agent version does not have; caching exact matches only",
+            name,
+            declared.mode,
+        )
+    ttl_s = configured.ttl_s if configured is not None and configured.ttl_s is not None else None
+    if ttl_s is None:
+        ttl_s = float(declared.ttl_s) if declared is not None else DEFAULT_CACHE_TTL_S
+    max_mb = configured.max_mb if configured is not None else None
+    return CachePolicy(mode, ttl_s, None if max_mb is None else max_mb * _MB)
+
+
+def shared_cache(agent: AgentConfig, series: CacheSeries) -> ResultCache:
+    """The agent's ``ResultCache`` under ``<store>/cache/``, opened on first use. A new metrics
+    object for the same store (an agent started again in this process) gets a fresh one."""
+    directory = agent.store / "cache"
+    with _caches_lock:
+        cache = _caches.get(directory)
+        if cache is not None and cache.series is series:
+            return cache
+        if cache is not None:
+            cache.close()
+        cache = ResultCache(
+            directory, max_bytes=agent.cache.max_mb * _MB, memory_max_bytes=agent.cache.memory_mb * _MB, series=series
+        )
+        _caches[directory] = cache
+        atexit.register(cache.close)  # the writer's queue is committed before a clean exit
+        return cache
+
+
+class _Link:
+    """What the lookup of a missed request hands its store stage: the key (hashed once) and when
+    the lookup started, by request, until the request ends (``request.on_done``)."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self) -> None:
+        self.pending: dict[int, tuple[CacheKey, float, int]] = {}
+
+
+class CacheLookup:
+    """Answers a request from the cache, or marks it a miss for ``CacheStore``."""
+
+    name = "cache_lookup"
+
+    def __init__(
+        self, endpoint: str, cache: ResultCache, policy: CachePolicy, series: CacheSeries, link: _Link
+    ) -> None:
+        self.endpoint = endpoint
+        self.cache = cache
+        self.policy = policy
+        self.series = series
+        self.link = link
+        self._makers: dict[tuple[str, int], KeyMaker] = {}
+        self._active: tuple[str, int] | None = None
+        self._lock = threading.Lock()
+        if policy.max_bytes is not None:
+            cache.model_max_bytes[endpoint] = policy.max_bytes
+
+    def process(self, request: Request) -> None:
+        asked = request.parameters.get(CACHE_PARAMETER)
+        if asked is not None:
+            if asked != BYPASS:
+                raise InferenceInputError(f'parameters.cache must be "{BYPASS}" (or absent), got {asked!r}')
+            request.response_parameters["cache"] = BYPASS
+            self.series.lookup(self.endpoint, BYPASS)
+            return
+        t0 = time.perf_counter()
+        model = request.model
+        if model is None:  # the pipeline sets it before any stage; without it there is no key
+            return
+        maker = self._maker(model.manifest, active=request.version is None)
+        try:
+            key = maker.key({**request.inputs, **request.raw}, request.requested_outputs, request.parameters)
+        except UncacheableError:
+            request.response_parameters["cache"] = BYPASS
+            self.series.lookup(self.endpoint, BYPASS)
+            return
+        hit = self.cache.get(key, self.endpoint)
+        if hit is not None:
+            request.outputs = dict(hit.outputs)
+            request.served_version = hit.version
+            request.response_parameters["cache"] = "hit"
+            self.series.lookup(self.endpoint, "hit", time.perf_counter() - t0, hit.cost_s)
+            return
+        request.response_parameters["cache"] = "miss"
+        self.series.lookup(self.endpoint, "miss")
+        pending = self.link.pending
+        rid = id(request)
+        pending[rid] = (key, t0, maker.version)
+        request.on_done.append(lambda: _forget(pending, rid))
+
+    def _maker(self, manifest: Manifest, active: bool) -> KeyMaker:
+        ident = (manifest.name, manifest.version)
+        maker = self._makers.get(ident)
+        if maker is None:
+            with self._lock:
+                maker = self._makers.get(ident)
+                if maker is None:
+                    maker = self._makers[ident] = KeyMaker.for_model(self.endpoint, manifest)
+        if active and ident != self._active:
+            with self._lock:
+                if ident != self._active:
+                    self._active = ident
+                    self.cache.sweep(self.endpoint, manifest.version)  # the replaced version's entries
+        return maker
+
+
+def _forget(pending: dict[int, tuple[CacheKey, float, int]], rid: int) -> None:
+    pending.pop(rid, None)
+
+
+class CacheStore:
+    """Stores the answer of a request ``CacheLookup`` missed (what the chain produced)."""
+
+    name = "cache_store"
+
+    def __init__(self, endpoint: str, cache: ResultCache, policy: CachePolicy, link: _Link) -> None:
+        self.endpoint = endpoint
+        self.cache = cache
+        self.policy = policy
+        self.link = link
+
+    def process(self, request: Request) -> None:
+        pending = self.link.pending.pop(id(request), None)
+        if pending is None or request.outputs is None:
+            return
+        key, t0, version = pending
+        if request.served_version != version:  # an update switched versions meanwhile: not this key's answer
+            return
+        try:
+            self.cache.put(
+                key,
+                request.outputs,
+                model=self.endpoint,
+                version=version,
+                ttl_s=self.policy.ttl_s,
+                cost_s=time.perf_counter() - t0,
+            )
+        except UncacheableError:
+            return
+
+
+# The stages of one endpoint share a _Link; the store factory runs right after the lookup's
+# (table order, one pipeline at a time per endpoint) and takes it from here.
+_links: dict[tuple[Path, str], _Link] = {}
+
+
+def lookup(context: StageContext) -> CacheLookup | None:
+    """Stage factory (``STAGE_FACTORIES["cache_lookup"]``)."""
+    found = policy(context.name, context.agent, context.manifest)
+    if found is None:
+        return None
+    link = _links[(context.agent.store, context.name)] = _Link()
+    cache = shared_cache(context.agent, context.metrics.cache)
+    return CacheLookup(context.name, cache, found, context.metrics.cache, link)
+
+
+def store(context: StageContext) -> CacheStore | None:
+    """Stage factory (``STAGE_FACTORIES["cache_store"]``)."""
+    found = policy(context.name, context.agent, context.manifest)
+    link = _links.pop((context.agent.store, context.name), None)
+    if found is None or link is None:
+        return None
+    return CacheStore(context.name, shared_cache(context.agent, context.metrics.cache), found, link)
