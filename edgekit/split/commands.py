@@ -47,6 +47,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     plan.add_argument("--no-plot", action="store_true", help="skip latency.png")
     plan.set_defaults(func=_plan)
 
+    tail = subparsers.add_parser(
+        "serve-tail",
+        help="serve split tails over v2 REST (KServe/Triton protocol), or export them for Triton / KServe",
+        description=(
+            "Serve each TAIL (.onnx: packaged into an FP32 cpu bundle signed for this run; .ekb: installed as it is, "
+            "its signer trusted with --trust) through the agent's own v2 front-end, service and pipeline, from a "
+            "store in a temporary directory. With --triton-repo / --kserve, write the .onnx tails as a Triton model "
+            "repository / a KServe layout instead."
+        ),
+    )
+    tail.add_argument("tails", type=Path, nargs="+", metavar="TAIL", help="tail .onnx files or .ekb tail bundles")
+    tail.add_argument("--listen", default="127.0.0.1:8600", metavar="HOST:PORT", help="where to serve (port 0: any)")
+    tail.add_argument("--trust", type=Path, action="append", default=[], metavar="KEY.pub", help="signer of .ekb tails")
+    tail.add_argument(
+        "--name-prefix", metavar="P", help="serve TAIL as P-<file stem> (as the plan names tails: MODEL-tail-<cut>)"
+    )
+    tail.add_argument("--triton-repo", type=Path, metavar="DIR", help="write a Triton model repository and exit")
+    tail.add_argument("--kserve", type=Path, metavar="DIR", help="write DIR/<name>/model.onnx for KServe and exit")
+    tail.set_defaults(func=_serve_tail)
+
 
 def _plan(args: Any) -> int:
     from edgekit.compress.onnx_prep import parse_input_shape
@@ -76,3 +96,39 @@ def _plan(args: Any) -> int:
     print(run.table)
     print(f"wrote {out}/plan.json, plan.txt" + ("" if args.no_plot else ", latency.png") + ", heads/, tails/")
     return 0
+
+
+def _serve_tail(args: Any) -> int:
+    import signal
+    import sys
+    import threading
+
+    from edgekit.errors import ConfigError
+    from edgekit.split.tail import serve_tail, tail_name
+
+    if args.triton_repo or args.kserve:
+        from edgekit.split.export import export_kserve, export_triton
+
+        onnx = [t for t in args.tails if t.suffix == ".onnx"]
+        if len(onnx) != len(args.tails):
+            raise ConfigError("--triton-repo / --kserve export .onnx tails; give the tails' .onnx files")
+        named = [(tail_name(t, args.name_prefix), t) for t in onnx]
+        if args.triton_repo:
+            for path in export_triton(named, args.triton_repo):
+                print(f"wrote {path}")
+        if args.kserve:
+            for path in export_kserve(named, args.kserve):
+                print(f"wrote {path}")
+            print(f"serve with: python -m edgekit.split.kserve_tail {args.kserve} --http_port 8080")
+        return 0
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+
+    def ready(url: str, models: dict[str, int]) -> None:
+        print(f"serving {', '.join(models)} at {url}", flush=True)
+        sys.stdout.flush()
+
+    return serve_tail(
+        args.tails, args.listen, trusted_keys=args.trust, name_prefix=args.name_prefix, on_ready=ready, stop=stop
+    )
