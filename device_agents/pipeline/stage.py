@@ -171,9 +171,9 @@ INFER = "infer"
 STAGE_FACTORIES: dict[str, StageFactoryRef | None] = {
     # "admission": "device_agents.budgets.stage:admission",
     "cache_lookup": "device_agents.cache.stage:lookup",
-    # "preprocess": "device_agents.processing.stage:preprocess",
+    "preprocess": "device_agents.processing.stage:preprocess",
     INFER: None,
-    # "postprocess": "device_agents.processing.stage:postprocess",
+    "postprocess": "device_agents.processing.stage:postprocess",
     "cache_store": "device_agents.cache.stage:store",
 }
 

@@ -14,27 +14,18 @@ BYTES outputs are numpy object arrays of ``bytes``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
+from device_agents.processing.signature import WireTensor, processed_outputs
 from device_agents.processing.transforms import Geometry
-from edgekit.bundle.errors import ManifestError
+from edgekit.bundle.errors import InferenceInputError, ManifestError
 from edgekit.bundle.manifest import ProcessingStep, TensorSpec
 
 DEFAULT_MAX_BOXES = 300
 # candidates past the score filter that NMS looks at, best first (a bound on its O(n^2) work)
 MAX_NMS_CANDIDATES = 30_000
 _POST_OPS = ("softmax", "sigmoid", "topk", "boxes", "cast", "argmax")
-
-
-@dataclass(frozen=True)
-class OutputSpec:
-    """One served output of a processed signature: v2 ``datatype`` and ``shape`` (-1: varies)."""
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
 
 
 def read_labels(data: bytes, what: str) -> tuple[str, ...]:
@@ -143,23 +134,18 @@ class Postprocessor:
             )
         self.max_boxes = self.final.max_boxes or DEFAULT_MAX_BOXES
 
-    def outputs(self) -> tuple[OutputSpec, ...]:
+    def outputs(self) -> tuple[WireTensor, ...]:
         """The processed outputs, as v2 metadata shows them."""
-        n = self.final.k if self.final.op == "topk" and self.final.k is not None else -1
-        specs = []
-        if self.final.op == "boxes":
-            specs.append(OutputSpec("boxes", "FP32", (n, 4)))
-        specs += [OutputSpec("scores", "FP32", (n,)), OutputSpec("classes", "INT32", (n,))]
-        if self.labels is not None:
-            specs.append(OutputSpec("labels", "BYTES", (n,)))
-        return tuple(specs)
+        return processed_outputs(self.steps)
 
     def run(self, outputs: Mapping[str, np.ndarray], geometry: Geometry | None) -> dict[str, np.ndarray]:
         """One image's model outputs to the processed outputs; ``geometry``: the pre-processing's,
         for boxes (None: boxes stay in the model input's pixels)."""
         x = np.asarray(outputs[self.tensor])
         if x.shape[0] != 1:
-            raise ManifestError(f"postprocess: output {self.tensor!r} holds {x.shape[0]} images; it takes one")
+            raise InferenceInputError(
+                f"output {self.tensor!r} holds {x.shape[0]} results; its post-processing takes one image per request"
+            )
         for step in self.steps[:-1]:
             if step.op == "softmax":
                 x = softmax(x.astype(np.float32), -1 if step.axis is None else step.axis)

@@ -57,7 +57,9 @@ def load_model(model_dir: Path, manifest: Manifest, options: RuntimeOptions | No
     # this name: top -H then tells a model's runtime threads from the agent's own.
     with os_named(f"rt-{manifest.name}"):
         runner = cls(Path(model_dir), manifest, options)  # type: ignore[call-arg]  # the Protocol leaves __init__ to each runtime
-    return ServedModel(runner, manifest)
+    served = ServedModel(runner, manifest)
+    served.model_dir = Path(model_dir)
+    return served
 
 
 __all__ = ["OPTIONS", "RUNTIMES", "ArtifactRunner", "RuntimeOptions", "ServedModel", "load_model", "runner_class"]

@@ -15,10 +15,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from device_agents.processing.signature import wire_signature
 from device_agents.runtimes.latency import LatencyWindow
 from edgekit.bundle.errors import InferenceInputError
 from edgekit.bundle.manifest import Manifest, QuantParams, TensorMapping, TensorSpec
@@ -70,6 +72,10 @@ class ServedModel:
         # The served signature (plain attributes, not properties: read on every request)
         self.inputs: tuple[TensorSpec, ...] = manifest.signature.inputs
         self.outputs: tuple[TensorSpec, ...] = manifest.signature.outputs
+        # What clients send and receive: the same, or an image in and labels / boxes out where the
+        # manifest pre- or post-processes (device_agents.processing applies it as pipeline stages)
+        self.wire_inputs, self.wire_outputs = wire_signature(manifest)
+        self.model_dir: Path | None = None  # the extracted bundle (its labels file), where loaded from one
         self._in_map = {m.served: m for m in manifest.mapping}
         self._out_map = {m.served: m for m in manifest.mapping}
         self._artifact_specs = {

@@ -18,20 +18,24 @@ a repeated header is a dict look-up instead of a ``json.loads``, its checks and 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from device_agents.processing.signature import WireTensor
 from edgekit.bundle.errors import InferenceInputError
 from edgekit.bundle.manifest import TensorSpec
 
-# v2 datatype <-> numpy (little-endian on the wire). BYTES and BF16 are not served by edgekit.
+# v2 datatype <-> numpy (little-endian on the wire). BF16 is not served by edgekit; BYTES only
+# where a manifest pre- or post-processes (an encoded image in, labels out: ``WireTensor``).
 V2_TO_NUMPY: dict[str, np.dtype[Any]] = {
     "BOOL": np.dtype(np.bool_),
     "UINT8": np.dtype("<u1"),
@@ -73,14 +77,17 @@ class InferRequest:
     outputs: tuple[tuple[str, bool], ...] | None  # (name, binary) per requested output; None = all
     binary_output: bool  # default for outputs not asked for by name
     timeout_s: float | None = None  # from parameters.timeout (microseconds)
+    # inputs that are not model tensors yet: a BYTES tensor (numpy object array of bytes), or the
+    # uint8 pixels sent to an image input (see ``device_agents.processing.signature``)
+    raw: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class _Plan:
     """What a binary-only request header decodes to against one signature, whatever the data."""
 
-    inputs: Sequence[TensorSpec]  # the signature it was checked against (compared by identity)
-    outputs: Sequence[TensorSpec]
+    inputs: Sequence[Spec]  # the signature it was checked against (compared by identity)
+    outputs: Sequence[Spec]
     max_bytes: int
     body_length: int  # header + every tensor's bytes
     tensors: tuple[tuple[str, np.dtype[Any], tuple[int, ...], int, int], ...]  # name, wire dtype, shape, offset, count
@@ -123,15 +130,22 @@ def _refuse_constant(name: str) -> float:
     raise ValueError(f"{name} is not JSON; send non-finite values in a binary tensor")
 
 
-def tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
-    return {"name": spec.name, "datatype": MANIFEST_TO_V2[spec.dtype], "shape": spec.v2_shape}
+Spec = TensorSpec | WireTensor
+
+
+def v2_datatype(spec: Spec) -> str:
+    return spec.datatype if isinstance(spec, WireTensor) else MANIFEST_TO_V2[spec.dtype]
+
+
+def tensor_metadata(spec: Spec) -> dict[str, Any]:
+    return {"name": spec.name, "datatype": v2_datatype(spec), "shape": spec.v2_shape}
 
 
 def decode_request(
     body: bytes | bytearray,
     header_length: int | None,
-    inputs: Sequence[TensorSpec],
-    outputs: Sequence[TensorSpec],
+    inputs: Sequence[Spec],
+    outputs: Sequence[Spec],
     *,
     max_bytes: int = 1 << 62,
     cache: HeaderCache | None = None,
@@ -176,12 +190,17 @@ def decode_request(
     specs = {s.name: s for s in inputs}
     offset = json_end
     tensors: dict[str, np.ndarray] = {}
+    raw: dict[str, np.ndarray] = {}
     layout: list[tuple[str, np.dtype[Any], tuple[int, ...], int, int]] = []  # the binary ones, for the cache
     binary = 0
     for item in doc["inputs"]:
         name, arr, used = _decode_input(item, specs, body, offset, max_bytes)
-        if name in tensors:
+        if name in tensors or name in raw:
             raise InferenceInputError(f"input {name!r} is given twice")
+        if isinstance(specs[name], WireTensor):  # an image: the pre-processing stage makes it a tensor
+            raw[name] = arr
+            offset += used
+            continue
         tensors[name] = arr
         if used:
             binary += 1
@@ -200,8 +219,9 @@ def decode_request(
         outputs=_requested_outputs(doc, {s.name for s in outputs}, params),
         binary_output=bool(params.get("binary_data_output", False)),
         timeout_s=_timeout_s(params),
+        raw=raw,
     )
-    if header is not None and cache is not None and binary == len(tensors):
+    if header is not None and cache is not None and binary == len(tensors) and not raw:
         cache.keep_plan(
             header,
             _Plan(inputs, outputs, max_bytes, len(body), tuple(layout), replace(request, inputs={})),
@@ -238,7 +258,7 @@ def _requested_outputs(
 
 
 def _decode_input(
-    item: Any, specs: Mapping[str, TensorSpec], body: bytes | bytearray, offset: int, max_bytes: int
+    item: Any, specs: Mapping[str, Spec], body: bytes | bytearray, offset: int, max_bytes: int
 ) -> tuple[str, np.ndarray, int]:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise InferenceInputError('every input needs a "name"')
@@ -247,9 +267,10 @@ def _decode_input(
     if spec is None:
         raise InferenceInputError(f"unknown input {name!r}; the model takes {', '.join(specs)}")
     datatype, shape = item.get("datatype"), item.get("shape")
-    want = MANIFEST_TO_V2[spec.dtype]
-    if datatype != want:
-        raise InferenceInputError(f"input {name!r}: datatype {datatype!r} given, the model takes {want}")
+    want = v2_datatype(spec)
+    if datatype != want and not (want == "BYTES" and datatype == "UINT8"):  # an image input also takes pixels
+        more = " (an encoded image needs a bundle packaged with --preprocess)" if datatype == "BYTES" else ""
+        raise InferenceInputError(f"input {name!r}: datatype {datatype!r} given, the model takes {want}{more}")
     if (
         not isinstance(shape, list)
         or len(shape) > _MAX_DIMS
@@ -259,10 +280,12 @@ def _decode_input(
             f"input {name!r}: shape must be a list of non-negative integers (at most {_MAX_DIMS}, each <= {_MAX_DIM}), "
             f"got {shape!r}"
         )
-    dtype = V2_TO_NUMPY[datatype]
     count = math.prod(shape)
     if count == 0:
         raise InferenceInputError(f"input {name!r}: shape {shape} has no elements")
+    if datatype == "BYTES":
+        return _decode_bytes(name, item, shape, count, body, offset, max_bytes)
+    dtype = V2_TO_NUMPY[datatype]
     if count * dtype.itemsize > max_bytes:
         raise InferenceInputError(
             f"input {name!r}: shape {shape} of {datatype} is {count * dtype.itemsize} bytes, over the request cap "
@@ -292,6 +315,84 @@ def _decode_input(
     if arr.size != count:
         raise InferenceInputError(f"input {name!r}: {arr.size} values given for shape {shape} ({count} values)")
     return name, arr.reshape(shape), 0
+
+
+def _decode_bytes(
+    name: str, item: dict[str, Any], shape: list[int], count: int, body: bytes | bytearray, offset: int, max_bytes: int
+) -> tuple[str, np.ndarray, int]:
+    """A BYTES input: in binary, each element is a 4-byte little-endian length and its bytes; in
+    JSON, a string (UTF-8), base64 where the input's ``parameters.content_type`` is ``"base64"``,
+    or an object ``{"b64": "..."}``."""
+    params = _parameters(item, f"input {name!r}")
+    size = params.get("binary_data_size")
+    elements: list[bytes] = []
+    if size is not None:
+        if not isinstance(size, int) or size < 4 * count or size > max_bytes:
+            raise InferenceInputError(f"input {name!r}: binary_data_size {size!r} cannot hold {count} BYTES elements")
+        if offset + size > len(body):
+            raise InferenceInputError(f"input {name!r}: the body ends before its {size} bytes of binary data")
+        at, end = offset, offset + size
+        for _ in range(count):
+            if at + 4 > end:
+                raise InferenceInputError(f"input {name!r}: binary data ends inside a BYTES element's length")
+            n = int.from_bytes(body[at : at + 4], "little")
+            if at + 4 + n > end:
+                raise InferenceInputError(f"input {name!r}: a BYTES element of {n} bytes runs past its binary data")
+            elements.append(bytes(body[at + 4 : at + 4 + n]))
+            at += 4 + n
+        if at != end:
+            raise InferenceInputError(f"input {name!r}: {end - at} bytes after its {count} BYTES elements")
+        used = size
+    else:
+        data = item.get("data")
+        if not isinstance(data, list):
+            raise InferenceInputError(f'input {name!r}: give "data" (a list of strings) or parameters.binary_data_size')
+        flat = _flatten(data)
+        if len(flat) != count:
+            raise InferenceInputError(f"input {name!r}: {len(flat)} values given for shape {shape} ({count} values)")
+        b64 = params.get("content_type") == "base64"
+        for value in flat:
+            elements.append(_bytes_element(name, value, b64))
+        used = 0
+    arr = np.empty(count, dtype=object)
+    arr[:] = elements
+    return name, arr.reshape(shape), used
+
+
+def _bytes_element(name: str, value: Any, b64: bool) -> bytes:
+    if isinstance(value, dict) and isinstance(value.get("b64"), str):
+        value, b64 = value["b64"], True
+    if not isinstance(value, str):
+        raise InferenceInputError(f'input {name!r}: a BYTES element is a string or {{"b64": "..."}}, got {value!r:.40}')
+    if not b64:
+        return value.encode("utf-8")
+    try:
+        return base64.b64decode(value, validate=True)
+    except binascii.Error as exc:
+        raise InferenceInputError(f"input {name!r}: not valid base64 ({exc})") from exc
+
+
+def _flatten(data: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for v in stack[-1]:
+            if isinstance(v, list):
+                stack.append(iter(v))
+                break
+            out.append(v)
+        else:
+            stack.pop()
+    return out
+
+
+def _bytes_wire(arr: np.ndarray) -> bytes:
+    """A BYTES tensor in the binary extension: each element's 4-byte little-endian length, then it."""
+    return b"".join(len(v).to_bytes(4, "little") + v for v in (_as_bytes(x) for x in arr.ravel()))
+
+
+def _as_bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode("utf-8")
 
 
 # Each wire dtype in native byte order (a ``newbyteorder`` call per tensor costs ~0.5 us).
@@ -340,7 +441,7 @@ def encode_response(
     version: int,
     request: InferRequest,
     results: Mapping[str, np.ndarray],
-    outputs: Sequence[TensorSpec],
+    outputs: Sequence[Spec],
     cache: HeaderCache | None = None,
 ) -> tuple[bytes, int | None]:
     """The response body and, when it carries binary tensors, its JSON header length.
@@ -352,29 +453,31 @@ def encode_response(
     if cache is not None and request.id is None:
         if len(wanted) == 1:  # one output (the usual case): no generator or list of one
             out_name, binary = wanted[0]
-            if binary:
-                a = results[out_name]
+            a = results[out_name]
+            if binary and a.dtype != object:  # (a BYTES tensor's header depends on its values' lengths)
                 key = (model_name, version, wanted, (a.shape, a.dtype))
                 cached = cache.responses.get(key)
                 if cached is not None:
                     return cached + _little_endian_bytes(a), len(cached)
-        elif all(binary for _, binary in wanted):
+        elif all(binary for _, binary in wanted) and all(results[name].dtype != object for name, _ in wanted):
             arrays = [results[name] for name, _ in wanted]
             key = (model_name, version, wanted, *((a.shape, a.dtype) for a in arrays))
             cached = cache.responses.get(key)
             if cached is not None:
                 tensors = [_little_endian_bytes(a) for a in arrays]
                 return cached + b"".join(tensors), len(cached)
-    datatypes = {s.name: MANIFEST_TO_V2[s.dtype] for s in outputs}  # ServedModel returns the served dtypes
+    datatypes = {s.name: v2_datatype(s) for s in outputs}  # ServedModel returns the served dtypes
     blobs: list[bytes] = []
     items = []
     for name, binary in wanted:
         arr = results[name]
         item: dict[str, Any] = {"name": name, "datatype": datatypes[name], "shape": list(arr.shape)}
         if binary:
-            raw = _little_endian_bytes(arr)
+            raw = _bytes_wire(arr) if arr.dtype == object else _little_endian_bytes(arr)
             item["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
+        elif arr.dtype == object:  # BYTES: strings (labels are UTF-8 text)
+            item["data"] = [_as_bytes(v).decode("utf-8", "replace") for v in arr.ravel()]
         else:
             flat = arr.ravel()
             values = flat.tolist()

@@ -508,8 +508,8 @@ class _Handler(BaseHTTPRequestHandler):
                 "name": name,
                 "versions": [str(m.version)],
                 "platform": m.compatibility.runtime,
-                "inputs": [tensor_metadata(s) for s in model.inputs],
-                "outputs": [tensor_metadata(s) for s in model.outputs],
+                "inputs": [tensor_metadata(s) for s in model.wire_inputs],
+                "outputs": [tensor_metadata(s) for s in model.wire_outputs],
             },
         )
 
@@ -590,9 +590,18 @@ class _Handler(BaseHTTPRequestHandler):
 
         def decode(model: ServedModel) -> Request:
             body = raw if encoding is None else inflate(raw, encoding, limit, reservation)
-            wire = decode_request(body, header_length, model.inputs, model.outputs, max_bytes=limit, cache=cache)
+            wire = decode_request(
+                body, header_length, model.wire_inputs, model.wire_outputs, max_bytes=limit, cache=cache
+            )
             return Request(
-                name, wire.inputs, version, wire, wire.timeout_s, lambda exc: self._answer_hung(name, exc), timing
+                name,
+                wire.inputs,
+                version,
+                wire,
+                wire.timeout_s,
+                lambda exc: self._answer_hung(name, exc),
+                timing,
+                raw=wire.raw,
             )
 
         def encode(request: Request) -> tuple[bytes, int | None]:
@@ -600,7 +609,7 @@ class _Handler(BaseHTTPRequestHandler):
             outputs = request.outputs
             if model is None or outputs is None:  # the pipeline sets both before it encodes
                 raise RuntimeFailure(f"model {name}: no outputs to encode")
-            return encode_response(name, request.served_version, request.wire, outputs, model.outputs, cache)
+            return encode_response(name, request.served_version, request.wire, outputs, model.wire_outputs, cache)
 
         return decode, encode
 
