@@ -21,7 +21,10 @@ _HISTOGRAMS = {
     "edgekit_request_duration_seconds": "request",
     "edgekit_batch_size": "batch",
     "edgekit_server_overhead_seconds": "overhead",
+    "edgekit_cache_hit_seconds": "cache_hit",
 }
+# result-cache counters kept per (model, what): lookups by result, and the time saved
+_CACHE_COUNTERS = {"edgekit_cache_lookups": "result", "edgekit_cache_saved_seconds": ""}
 
 
 @dataclass
@@ -61,11 +64,13 @@ class Histogram:
 
 @dataclass
 class Snapshot:
-    """Histograms keyed by (kind, model, stage), request counts by (model, code), gauges by (name, model)."""
+    """Histograms keyed by (kind, model, stage), request counts by (model, code), gauges by (name, model)
+    (the result cache's by (name, tier)), result-cache counters by (model, result or "saved_s")."""
 
     histograms: dict[tuple[str, str, str], Histogram] = field(default_factory=dict)
     requests: dict[tuple[str, str], float] = field(default_factory=dict)
     gauges: dict[tuple[str, str], float] = field(default_factory=dict)
+    cache: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def minus(self, earlier: Snapshot | None) -> Snapshot:
         if earlier is None:
@@ -74,6 +79,7 @@ class Snapshot:
             {k: h.minus(earlier.histograms.get(k)) for k, h in self.histograms.items()},
             {k: v - earlier.requests.get(k, 0.0) for k, v in self.requests.items()},
             dict(self.gauges),
+            {k: v - earlier.cache.get(k, 0.0) for k, v in self.cache.items()},
         )
 
     def models(self) -> list[str]:
@@ -100,6 +106,11 @@ def snapshot(families: Iterable[Any]) -> Snapshot:
                 snap.requests[(model, s.labels.get("code", ""))] = s.value
             elif family.name in ("edgekit_queue_depth", "edgekit_inflight"):
                 snap.gauges[(family.name, model)] = s.value
+            elif family.name in _CACHE_COUNTERS and s.name.endswith("_total"):
+                label = _CACHE_COUNTERS[family.name]
+                snap.cache[(model, s.labels[label] if label else "saved_s")] = s.value
+            elif family.name in ("edgekit_cache_entries", "edgekit_cache_bytes", "edgekit_cache_paused"):
+                snap.gauges[(family.name, s.labels.get("tier", ""))] = s.value
     return snap
 
 
@@ -128,6 +139,18 @@ def summarize(snap: Snapshot, interval_s: float | None = None) -> dict[str, Any]
             row["batches"] = int(batch.count)
             row["batch_mean"] = batch.mean
             row["batch_p95"] = batch.quantile(0.95)
+        lookups = {r: v for (m, r), v in snap.cache.items() if m == model and r != "saved_s"}
+        if any(lookups.values()):
+            hits, looked = lookups.get("hit", 0.0), lookups.get("hit", 0.0) + lookups.get("miss", 0.0)
+            hit_s = snap.histograms.get(("cache_hit", model, ""))
+            row["cache"] = {
+                "hits": int(hits),
+                "misses": int(lookups.get("miss", 0.0)),
+                "bypass": int(lookups.get("bypass", 0.0)),
+                "hit_rate": hits / looked if looked else None,
+                "hit_p50_ms": _ms(hit_s.quantile(0.5)) if hit_s is not None else None,
+                "saved_s": snap.cache.get((model, "saved_s"), 0.0),
+            }
         row["queue_depth"] = int(snap.gauges.get(("edgekit_queue_depth", model), 0))
         row["inflight"] = int(snap.gauges.get(("edgekit_inflight", model), 0))
         out[model] = row
@@ -168,7 +191,23 @@ def table(stats: dict[str, Any]) -> str:
         )
     if len(rows) == 1:
         return "no requests served yet"
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    cached = []
+    for model, s in sorted(stats.items()):
+        c = s.get("cache")
+        if c is not None:
+            rate = None if c["hit_rate"] is None else 100 * c["hit_rate"]
+            cached.append(
+                (model, str(c["hits"]), str(c["misses"]), str(c["bypass"]), _fmt(rate), _fmt(c["hit_p50_ms"]),
+                 _fmt(c["saved_s"]))
+            )  # fmt: skip
+    text = _aligned(rows)
+    if cached:
+        text += "\n" + _aligned([("CACHE", "HITS", "MISSES", "BYPASS", "HIT %", "HIT p50 ms", "SAVED s"), *cached])
+    return text
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in rows
     )

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from device_agents.cache.stage import policy, shared_cache
 from device_agents.cache.store import DB_NAME
@@ -20,6 +21,7 @@ from device_agents.config import AgentConfig, load_config
 from device_agents.lifecycle import Lifecycle
 from device_agents.metrics import AgentMetrics
 from device_agents.pipeline import Pipeline, Request
+from device_agents.stats import snapshot, summarize, table
 from edgekit.bundle.errors import ConfigError, InferenceInputError
 from edgekit.bundle.manifest import CachePolicy
 from tests.agent.bundles import read_manifest
@@ -202,3 +204,27 @@ def test_cache_hit_survives_a_restart(tmp_path: Path, keypair: tuple[Path, Path]
             np.testing.assert_array_equal(request.outputs[name], value)
     finally:
         again.stop()
+
+
+def test_cache_numbers_parse_back_into_stats_and_the_table() -> None:
+    metrics = AgentMetrics()
+    metrics.observe_request("tiny", 200, 0.001)
+    for _ in range(3):
+        metrics.cache.lookup("tiny", "hit", 0.00004, saved_s=0.01)
+    metrics.cache.lookup("tiny", "miss")
+    metrics.cache.lookup("tiny", "bypass")
+    text = metrics.exposition().decode()
+    snap = snapshot(text_string_to_metric_families(text))
+    row = summarize(snap)["tiny"]["cache"]
+    assert row["hits"] == 3 and row["misses"] == 1 and row["bypass"] == 1
+    assert row["hit_rate"] == 0.75
+    assert 0 < row["hit_p50_ms"] <= 0.05  # inside its (0, 0.05] ms bucket
+    assert abs(row["saved_s"] - 3 * (0.01 - 0.00004)) < 1e-9
+    lines = table(summarize(snap)).splitlines()
+    assert lines[2].split() == ["CACHE", "HITS", "MISSES", "BYPASS", "HIT", "%", "HIT", "p50", "ms", "SAVED", "s"]
+    assert lines[3].split()[:5] == ["tiny", "3", "1", "1", "75"]
+    metrics.cache.lookup("tiny", "hit", 0.00004)  # an interval: the difference of two snapshots
+    metrics.observe_request("tiny", 200, 0.001)
+    later = snapshot(text_string_to_metric_families(metrics.exposition().decode()))
+    interval = summarize(later.minus(snap))["tiny"]["cache"]
+    assert (interval["hits"], interval["misses"], interval["hit_rate"]) == (1, 0, 1.0)
