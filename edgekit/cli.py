@@ -87,6 +87,9 @@ def build_parser() -> Parser:
     from edgekit import doctor  # `edgekit doctor`: this machine's device class, SDKs, buildable targets, runtimes
 
     doctor.register(sub)
+    from edgekit.compress import command as compress_command  # `edgekit compress`: torch is imported only when run
+
+    compress_command.register(sub)
     from edgekit import board_commands  # `edgekit board ...`: pyserial is imported only when one runs
 
     board_commands.register(sub)
