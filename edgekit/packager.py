@@ -48,7 +48,13 @@ from edgekit.bundle.manifest import (
     Validation,
     utc_now,
 )
-from edgekit.errors import CalibrationDataError, ConfigError, EdgekitError, ValidationFailedError
+from edgekit.errors import (
+    CalibrationDataError,
+    ConfigError,
+    EdgekitError,
+    UnsupportedOpError,
+    ValidationFailedError,
+)
 from edgekit.optimize.data import DEFAULT_CALIB_SAMPLES
 from edgekit.package_checks import (
     check_data_sources,
@@ -356,20 +362,28 @@ def package(
         if preprocess is not None or postprocess is not None:
             run = _with_processing(run, preprocess, postprocess, labels_names, labels_file)
         static_shapes = resolve_static_shapes(prepared.served, run.calib, input_shapes)
+        errors: dict[str, str] = {}  # targets that failed: the other targets go on
         for t in names:
-            chosen[t].check_model(prepared.path)
             if chosen[t].static_shapes:  # before any conversion: a mismatch found after one wastes it
                 _check_static_fit(t, run.eval, static_shapes)
+            try:
+                chosen[t].check_model(prepared.path)
+            except UnsupportedOpError as exc:  # this target's converter cannot take the model; the others can
+                if len(names) == 1:
+                    raise
+                errors[t] = _one_line(exc)
+                say(f"[{t}] failed: {errors[t]}")
         bundles: dict[str, Path] = {}
         manifests: dict[str, Manifest] = {}
         rows: list[Row] = []
         failed: list[tuple[str, Comparison, tuple[str, ...]]] = []
-        errors: dict[str, str] = {}  # targets whose build could not be validated: the other targets go on
         reports: dict[str, Path] = {}
         kept_rows: list[dict[str, Any]] = []
         shared_builds: dict[Any, Any] = {}  # the engine's builds, reused across targets of this call
         timings["prepare"] = time.perf_counter() - started
         for t in names:
+            if t in errors:  # refused by its converter's op check
+                continue
             target_started = time.perf_counter()
             target_dir = work / t
             for folder in ("bundle", "work"):
@@ -397,37 +411,41 @@ def package(
                         t, chosen[t], ctx, model, engine, shared_builds, keep_dir, run, prepared.source, name, version,
                         private_key, static_shapes,
                     )  # fmt: skip
-                except ValidationFailedError as exc:  # this target cannot be checked here; the others still can
-                    errors[t] = str(exc)
-                    say(f"[{t}] failed: {exc}")
+                    result, searched, ctx = built.result, built.searched, built.ctx
+                    kept_rows += built.kept_rows
+                    gate_failed: list[str] = []  # the fallback chain: chosen candidates the final gate failed
+                    while True:
+                        manifest, comparison, row = _validate_and_describe(
+                            t,
+                            precisions[t],
+                            result,
+                            ctx,
+                            dataclasses.replace(run, say=target_say),
+                            prepared.source,
+                            name,
+                            version,
+                            expires_at,
+                            private_key,
+                            static_shapes,
+                            searched,
+                        )
+                        if comparison.passed or built.optimised is None:
+                            break
+                        nxt = _fall_back(chosen[t], ctx, built, comparison, engine, target_say)
+                        if nxt is None:
+                            break
+                        gate_failed.append(searched.chosen.name)
+                        built = nxt
+                        result, searched = built.result, built.searched
+                # One target's failure never stops the others: a converter may raise anything (coremltools
+                # on an op it lacks, LiteRT's converter on a select op); with one target, its own error.
+                except Exception as exc:
+                    if len(names) == 1 and not isinstance(exc, ValidationFailedError):
+                        raise
+                    errors[t] = _one_line(exc)
+                    say(f"[{t}] failed: {errors[t]}")
                     timings[t] = time.perf_counter() - target_started
                     continue
-                result, searched, ctx = built.result, built.searched, built.ctx
-                kept_rows += built.kept_rows
-                gate_failed: list[str] = []  # the fallback chain: chosen candidates the final gate failed
-                while True:
-                    manifest, comparison, row = _validate_and_describe(
-                        t,
-                        precisions[t],
-                        result,
-                        ctx,
-                        dataclasses.replace(run, say=target_say),
-                        prepared.source,
-                        name,
-                        version,
-                        expires_at,
-                        private_key,
-                        static_shapes,
-                        searched,
-                    )
-                    if comparison.passed or built.optimised is None:
-                        break
-                    nxt = _fall_back(chosen[t], ctx, built, comparison, engine, target_say)
-                    if nxt is None:
-                        break
-                    gate_failed.append(searched.chosen.name)
-                    built = nxt
-                    result, searched = built.result, built.searched
             if not comparison.passed:
                 tried = result.notes if searched is None else _tried_notes(searched, precisions[t])
                 if searched is not None and (gate_failed or searched.chosen.precision in FLOAT_PRECISIONS):
@@ -490,6 +508,13 @@ def _fall_back(
         f"next in the fallback chain: {nxt.search.chosen.name}"
     )
     return _Built(nxt.build, nxt.search, ctx, [], nxt)
+
+
+def _one_line(exc: BaseException) -> str:
+    """A target's failure in one line: our own errors by their message (it says what to do), any
+    other by its type and message."""
+    text = " ".join(str(exc).split())
+    return text if isinstance(exc, EdgekitError) else f"{type(exc).__name__}: {text}"[:500]
 
 
 def _chain_note(gate_failed: Sequence[str], last: Any) -> str:
