@@ -218,6 +218,40 @@ class ConsoleConfig:
             raise ValueError(f"baud and log_lines must be > 0, got {self.baud} and {self.log_lines}")
 
 
+@dataclass(frozen=True)
+class SplitConfig:
+    """``[split]``: split inference for the models whose bundle carries a split plan (the manifest's
+    ``split``): the head of the cut chosen for the current link runs here, the tail on the v2 server
+    at ``tail_url`` (edgekit serve-tail, Triton, KServe), as model ``<cut's tail_model>``. The
+    request runs locally (the full model in the bundle) when the tail is unreachable, slower than
+    ``deadline_ms``, answers garbage, or no cut beats local for the link measured
+    (device_agents.split)."""
+
+    tail_url: str  # http(s)://host:port of the v2 server
+    deadline_ms: float = 500.0  # the tail's answer must arrive within this (and the request's own deadline)
+    auth_token_file: Path | None = None  # sent as "Authorization: Bearer <its first line>"
+    client_cert_file: Path | None = None  # https: the device's certificate (PEM), with client_key_file
+    client_key_file: Path | None = None
+    ca_file: Path | None = None  # https: the CA that signed the server's certificate (else the system's)
+    probe_interval_s: float = 5.0  # a light probe of the link (GET /v2/health/ready) this often
+    retry_after_s: float = 10.0  # after a failed or garbage answer, local only this long (probes may end it)
+    ewma_alpha: float = 0.3  # weight of the newest sample in the RTT and bandwidth estimates
+    bandwidth_mbps: float = 10.0  # the estimate before the first measurement
+    models: tuple[str, ...] = ()  # split only these models; empty: every model with a split plan
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.tail_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"tail_url must be http(s)://HOST:PORT, got {self.tail_url!r}")
+        for name in ("deadline_ms", "probe_interval_s", "retry_after_s", "bandwidth_mbps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.ewma_alpha <= 1:
+            raise ValueError(f"ewma_alpha must be in (0, 1], got {self.ewma_alpha}")
+        if (self.client_cert_file is None) != (self.client_key_file is None):
+            raise ValueError("client_cert_file and client_key_file go together")
+
+
 def _planned(path: str) -> str:
     return f"{path} is planned, not in this agent version; remove it (or upgrade edgekit-agent)"
 
@@ -443,6 +477,7 @@ class AgentConfig:
     selftest: SelfTestConfig = field(default_factory=SelfTestConfig)
     updates: UpdatesConfig | None = None
     console: ConsoleConfig | None = None  # the serial console, off unless configured
+    split: SplitConfig | None = None  # split inference (head here, tail on a v2 server), off unless configured
     trusted: tuple[TrustedKey, ...] = ()  # keys limited to model name patterns
     # Installed models are verified at rest (signature with today's keys, every file's hash) at
     # start and every verify_interval_s while serving; 0 checks only at start.

@@ -172,6 +172,7 @@ STAGE_FACTORIES: dict[str, StageFactoryRef | None] = {
     # "admission": "device_agents.budgets.stage:admission",
     "cache_lookup": "device_agents.cache.stage:lookup",
     "preprocess": "device_agents.processing.stage:preprocess",
+    "split": "device_agents.split.stage:factory",
     INFER: None,
     "postprocess": "device_agents.processing.stage:postprocess",
     "cache_store": "device_agents.cache.stage:store",

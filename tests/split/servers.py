@@ -25,12 +25,14 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve_tail(
-    tails: Sequence[Path], *, name_prefix: str | None = None, port: int = 0
+    tails: Sequence[Path], *, name_prefix: str | None = None, trust: Path | None = None, port: int = 0
 ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """``edgekit serve-tail`` in a child process; yields (base URL, process) once it serves."""
     cmd = [sys.executable, "-m", "edgekit", "serve-tail", *map(str, tails), "--listen", f"127.0.0.1:{port}"]
     if name_prefix:
         cmd += ["--name-prefix", name_prefix]
+    if trust is not None:
+        cmd += ["--trust", str(trust)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=_env())
     try:
         url = _wait_line(proc, re.compile(r"serving .* at (http://\S+)"), 120)
