@@ -65,6 +65,7 @@ from edgekit.package_checks import (
     shape_flags,
 )
 from edgekit.targets import BuildContext, BuildResult, get_target, parse_targets
+from edgekit.targets.base import static_signature
 from edgekit.targets.options import check_option_targets, resolve_options
 from edgekit.targets.precisions import DEFAULT_PRECISION, choose_precisions
 from edgekit.targets.sdk_output import sdk_output_to
@@ -403,7 +404,7 @@ def package(
                     work_dir=target_dir / "work",
                     options=target_options[t],
                     progress=target_say,
-                    evaluate=_evaluator(run, _static_signature(prepared.served, static_shapes)),
+                    evaluate=_evaluator(run, static_signature(prepared.served, static_shapes)),
                 )
                 target_say(f"[{t}] building {precisions[t]}")
                 try:
@@ -711,7 +712,7 @@ def _validate_and_describe(
     for path in result.files:
         if path in (GOLDEN_FILE, MANIFEST_NAME, SIGNATURE_NAME):
             raise EdgekitError(f"target {target} wrote {path!r}, a name the packager owns")
-    served = _static_signature(run.served, static_shapes) if result.static else run.served
+    served = static_signature(run.served, static_shapes) if result.static else run.served
     artifact_files = file_entries(ctx.out_dir, result.files)
     size = sum(f.size_bytes for f in artifact_files if f.role == "artifact")
     provisional = _manifest(
@@ -900,7 +901,7 @@ def _keep_candidates(
         scratch = ctx.work_dir / "kept" / folder.name
         scratch.mkdir(parents=True)
         result = target_obj.finish(dataclasses.replace(ctx, out_dir=dest, work_dir=scratch), built, folder)
-        served = _static_signature(run.served, static_shapes) if result.static else run.served
+        served = static_signature(run.served, static_shapes) if result.static else run.served
         n = fixed_batch(served) or 1
         feed = pad_samples(take(run.eval, 0, n), n)
         np.savez(dest / GOLDEN_FILE, **{f"in_{k}": v for k, v in feed.items()})  # type: ignore[arg-type]  # numpy's savez kwargs stub is too narrow
@@ -985,26 +986,6 @@ def _round_up(x: float) -> float:
         return 0.0
     scale = 10.0 ** (math.floor(math.log10(x)) - 2)
     return float(f"{math.ceil(x / scale) * scale:.3g}")
-
-
-def _static_signature(served: Signature, shapes: Mapping[str, tuple[int, ...]]) -> Signature:
-    """Inputs fixed to ``shapes``; output dims named like a now-fixed input dim take its size."""
-    fixed: dict[str, int] = {}
-    inputs = []
-    for spec in served.inputs:
-        shape = shapes.get(spec.name)
-        if shape is None:
-            inputs.append(spec)
-            continue
-        for d, s in zip(spec.shape, shape, strict=True):
-            if isinstance(d, str):
-                fixed[d] = s
-        inputs.append(dataclasses.replace(spec, shape=tuple(shape)))
-    outputs = tuple(
-        dataclasses.replace(o, shape=tuple(fixed.get(d, d) if isinstance(d, str) else d for d in o.shape))
-        for o in served.outputs
-    )
-    return Signature(inputs=tuple(inputs), outputs=outputs)
 
 
 def _concrete_outputs(served: Signature, outputs: Mapping[str, np.ndarray]) -> Signature:

@@ -22,9 +22,10 @@ from edgekit.optimize.data import DEFAULT_CALIB_SAMPLES, search_data
 from edgekit.optimize.engine import Outcome, SearchResult, record_of, search
 from edgekit.optimize.profile import DeviceProfile
 from edgekit.optimize.record import choice_step
-from edgekit.targets.base import BuildContext, BuildResult
+from edgekit.targets.base import BuildContext, BuildResult, static_signature
 from edgekit.validate.calib import even_batch, fixed_batch, sample_count
 from edgekit.validate.metrics import output_kind, run_all
+from edgekit.validate.ort_runner import ort_open
 
 
 @dataclass(frozen=True)
@@ -73,17 +74,13 @@ def optimise(
     ``holdout_reference``: the FP32 outputs on the held-out evaluation inputs; for a classifier,
     their top-1 margins are what the selection predicts agreement at (``optimize.flip_risk``):
     only the FP32 model's outputs on them are used, never a candidate's."""
-    from edgekit.targets.cpu import ort_open
-
     settings = settings or EngineSettings()
     ref_path = reference_path or ctx.source_path or ctx.model_path
     reference_open = ort_open(ref_path)
     reference: RunFn = reference_open(0)
     served = ctx.served
     if getattr(target, "static_shapes", False):  # the artifact takes the static shapes only: measure at them
-        from edgekit.packager import _static_signature
-
-        served = _static_signature(ctx.served, ctx.static_shapes)
+        served = static_signature(ctx.served, ctx.static_shapes)
     kind = output_kind(ctx.served)
     batch = fixed_batch(ctx.served) or 16
     classes = None

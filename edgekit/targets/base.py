@@ -13,6 +13,7 @@ Targets import their SDKs inside their module only.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,27 @@ class BuildContext:
     # The source model as given (before opset upgrade and ORT's optimisation): toolchains that
     # expect the original graph (OpenVINO / NNCF) build from it. ``None``: use ``model_path``.
     source_path: Path | None = None
+
+
+def static_signature(served: Signature, shapes: Mapping[str, tuple[int, ...]]) -> Signature:
+    """``served`` with its inputs fixed to ``shapes`` (``BuildContext.static_shapes``), as a
+    static-shape artifact serves it; output dims named like a now-fixed input dim take its size."""
+    fixed: dict[str, int] = {}
+    inputs = []
+    for spec in served.inputs:
+        shape = shapes.get(spec.name)
+        if shape is None:
+            inputs.append(spec)
+            continue
+        for d, s in zip(spec.shape, shape, strict=True):
+            if isinstance(d, str):
+                fixed[d] = s
+        inputs.append(dataclasses.replace(spec, shape=tuple(shape)))
+    outputs = tuple(
+        dataclasses.replace(o, shape=tuple(fixed.get(d, d) if isinstance(d, str) else d for d in o.shape))
+        for o in served.outputs
+    )
+    return Signature(inputs=tuple(inputs), outputs=outputs)
 
 
 @dataclass(frozen=True)

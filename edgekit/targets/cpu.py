@@ -1,8 +1,8 @@
 """``cpu`` target: an artifact for any x86_64 / arm64 CPU, ONNX Runtime or OpenVINO.
 
 The target describes candidates; the optimisation engine (``edgekit.optimize``) builds them,
-measures them side by side on this host and chooses (FIELD_NOTES: which recipe is fastest
-differs per model and per CPU; measure, never assume). Candidates:
+measures them side by side on this host and chooses: which recipe is fastest differs per model
+and per CPU, so it is measured, never assumed. Candidates:
 
 - ``fp32``: the prepared graph (ONNX Runtime basic optimisation) — the baseline ``auto`` never
   ships anything slower than; under ``auto`` also ORT's offline *extended* optimisation, still
@@ -18,7 +18,8 @@ differs per model and per CPU; measure, never assume). Candidates:
   ``MatMulNBits`` with float compute and with accuracy level 4 (int8 compute); under ``auto``
   only where the graph has MatMul/Gemm weights;
 - under ``auto`` with OpenVINO installed: OpenVINO FP32 IR and NNCF INT8 IR built from the
-  original graph (NNCF needs it: FIELD_NOTES), served by the ``openvino`` runtime when one wins.
+  original graph (``edgekit.optimize.openvino_candidates`` says why), served by the ``openvino``
+  runtime when one wins.
 
 Explicit precisions keep ONNX Runtime as the runtime (a ``.onnx`` artifact); ``auto`` chooses the
 runtime too, and the manifest's runtime names it.
@@ -45,9 +46,10 @@ from edgekit.compress.ort_quant import (
     quantize_weights_int8,
 )
 from edgekit.errors import MissingSDKError
-from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, Refinement, RunFn
+from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, Refinement
 from edgekit.targets.base import BuildContext, BuildResult
 from edgekit.validate.calib import fixed_batch, take
+from edgekit.validate.ort_runner import ort_open
 from edgekit.validate.placement import ort_op_placement
 
 ARTIFACT = "model.onnx"
@@ -137,12 +139,12 @@ class CpuTarget:
                     ("openvino fp32 / nncf int8", "openvino is not installed (pip install 'edgekit[openvino]')")
                 )
             else:
-                from edgekit.targets import intel
+                from edgekit.optimize import openvino_candidates as ov
 
                 source = ctx.source_path or prepared
-                first.append(intel.ir_candidate("openvino fp32 ir", "fp32", source, device="CPU"))
+                first.append(ov.ir_candidate("openvino fp32 ir", "fp32", source, device="CPU"))
                 first.append(
-                    intel.nncf_candidate(source, intel.NncfRecipe("performance", True), device="CPU", prepared=prepared)
+                    ov.nncf_candidate(source, ov.NncfRecipe("performance", True), device="CPU", prepared=prepared)
                 )
         return CandidatePlan(
             first=tuple(first),
@@ -156,9 +158,9 @@ class CpuTarget:
         """The chosen candidate's files in ``ctx.out_dir``, described for the manifest."""
         opts: CpuOptions = ctx.options
         if built.runtime == "openvino":
-            from edgekit.targets import intel
+            from edgekit.optimize.openvino_candidates import ir_build_result
 
-            return intel.ir_build_result(ctx, built, built_dir, device="CPU", options=to_data(opts))
+            return ir_build_result(ctx, built, built_dir, device="CPU", options=to_data(opts))
         ort = _onnxruntime()
         out = ctx.out_dir / ARTIFACT
         shutil.copyfile(built_dir / ARTIFACT, out)
@@ -210,23 +212,6 @@ def candidate_configs(opts: CpuOptions) -> list[StaticQuantConfig]:
 
 
 # -- candidate builders -------------------------------------------------------------------------
-
-
-def ort_open(path: Path) -> Any:
-    """threads -> a runner of ``path`` with the device runtime's ONNX Runtime session settings."""
-
-    def open_(threads: int) -> RunFn:
-        import onnxruntime as ort
-
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads:
-            so.intra_op_num_threads = threads
-        session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        names = [o.name for o in session.get_outputs()]
-        return lambda feed: dict(zip(names, session.run(names, feed), strict=True))
-
-    return open_
 
 
 def _ort_candidate(
@@ -380,4 +365,4 @@ def _onnxruntime() -> Any:
     return onnxruntime
 
 
-__all__ = ["CpuOptions", "CpuTarget", "candidate_configs", "ort_open"]
+__all__ = ["CpuOptions", "CpuTarget", "candidate_configs"]

@@ -23,33 +23,31 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import numpy as np
-
-from edgekit.bundle.manifest import (
-    Compatibility,
-    OpPlacement,
-    OpPlacementEntry,
-    Precision,
-    Signature,
-    TensorMapping,
-    TensorSpec,
+from edgekit.bundle.manifest import Precision
+from edgekit.errors import ConfigError, ModelFormatError
+from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, Refinement
+from edgekit.optimize.openvino_candidates import (
+    ACCURACY_CONTROL_MAX_LAYERS,
+    ACCURACY_CONTROL_RANKING_SAMPLES,
+    NncfRecipe,
+    convert_onnx,
+    import_nncf,
+    import_openvino,
+    ir_build_result,
+    ir_built,
+    ir_candidate,
+    nncf_candidate,
+    ov_version,
 )
-from edgekit.errors import ConfigError, MissingSDKError, ModelFormatError
-from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, Refinement, RunFn
 from edgekit.targets.base import BuildContext, BuildResult
 from edgekit.targets.op_support import onnx_nodes_by_name, raise_unsupported
-from edgekit.validate.calib import fixed_batch, iter_batches, sample_count
 
 DEVICES = ("CPU", "GPU", "NPU", "AUTO")
 PRESETS = ("performance", "mixed")
-ARTIFACT_XML = "model.xml"
-ARTIFACT_BIN = "model.bin"
-_OV_DTYPES = {"f32": "float32", "f16": "float16", "i8": "int8", "u8": "uint8", "i32": "int32", "i64": "int64"}
 
 
 def _choice(path: str, value: str, choices: tuple[str, ...]) -> None:
@@ -69,12 +67,9 @@ class IntelOptions:
     int4_group_size: int = 128  # -1 = per output channel
     int4_ratio: float = 0.8  # share of the weights in INT4, the rest INT8
     int4_all_layers: bool = False  # also the first and last weight layers (NNCF keeps them INT8 by default)
-    # quantize_with_accuracy_control: the most layers it may revert to float (NNCF's default is every
-    # quantized layer, one full evaluation each: > 9 minutes on a MobileNetV3-small at 224x224 here),
-    # and the samples its layer ranking runs on (NNCF's default, 300: fewer ranked a tiny classifier's
-    # layers badly enough that all of them were reverted).
-    accuracy_control_max_layers: int = 8
-    accuracy_control_ranking_samples: int = 300
+    # quantize_with_accuracy_control's bounds (why these defaults: edgekit.optimize.openvino_candidates)
+    accuracy_control_max_layers: int = ACCURACY_CONTROL_MAX_LAYERS
+    accuracy_control_ranking_samples: int = ACCURACY_CONTROL_RANKING_SAMPLES
 
     def __post_init__(self) -> None:
         _choice("targets.intel.device", self.device, DEVICES)
@@ -89,47 +84,6 @@ class IntelOptions:
                 raise ConfigError(f"targets.intel.{key}: must be >= 1, got {getattr(self, key)}")
 
 
-def _import_openvino() -> Any:
-    try:
-        import openvino
-    except ImportError as exc:
-        raise MissingSDKError("openvino", "openvino", "the intel target") from exc
-    return openvino
-
-
-def _import_nncf() -> Any:
-    try:
-        import nncf
-    except ImportError as exc:
-        raise MissingSDKError("nncf", "openvino", "quantizing for the intel target") from exc
-    return nncf
-
-
-def ov_version(ov: Any) -> str:
-    return str(ov.get_version()).split("-")[0]
-
-
-@dataclass(frozen=True)
-class NncfRecipe:
-    """One ``nncf.quantize`` setting (``accuracy_control``: ``quantize_with_accuracy_control``)."""
-
-    preset: str
-    fast_bias_correction: bool
-    accuracy_control: bool = False
-    exclude: tuple[str, ...] = ()  # ONNX node names kept in float (NNCF IgnoredScope)
-    max_reverted_layers: int = IntelOptions.accuracy_control_max_layers  # accuracy control's bounds
-    ranking_samples: int = IntelOptions.accuracy_control_ranking_samples
-
-    @property
-    def label(self) -> str:
-        text = f"nncf int8 preset={self.preset} bias_correction={'fast' if self.fast_bias_correction else 'full'}"
-        if self.accuracy_control:
-            text += " accuracy-control"
-        if self.exclude:
-            text += f", {len(self.exclude)} layer(s) in float"
-        return text
-
-
 class IntelTarget:
     name: ClassVar[str] = "intel"
     runtime: ClassVar[str] = "openvino"
@@ -139,7 +93,7 @@ class IntelTarget:
 
     def check_model(self, model_path: Path) -> None:
         """Raise ``UnsupportedOpError`` for ops OpenVINO's ONNX frontend cannot convert."""
-        _import_openvino()
+        import_openvino()
         from openvino.frontend import FrontEndManager
 
         frontend = FrontEndManager().load_by_framework("onnx")
@@ -155,13 +109,13 @@ class IntelTarget:
             found = [nodes[name] for name in unconverted if name in nodes]
             if found:
                 raise_unsupported(
-                    self.name, f"OpenVINO {ov_version(_import_openvino())} ONNX frontend", model_path, found
+                    self.name, f"OpenVINO {ov_version(import_openvino())} ONNX frontend", model_path, found
                 )
             raise ModelFormatError(f"{model_path}: OpenVINO could not convert {', '.join(unconverted)}")
 
     def candidates(self, ctx: BuildContext) -> CandidatePlan:
-        """OpenVINO/NNCF get the original graph, not ORT's prepared one (FIELD_NOTES: NNCF INT8 on a
-        MobileNetV3-class graph kept 100% agreement on the original, 25% after ORT's optimisation)."""
+        """OpenVINO/NNCF get the original graph, not ORT's prepared one (see
+        ``edgekit.optimize.openvino_candidates``)."""
         opts: IntelOptions = ctx.options or IntelOptions()
         want, auto = ctx.precision, ctx.precision == "auto"
         source = ctx.source_path or ctx.model_path
@@ -211,178 +165,11 @@ class IntelTarget:
         return optimise(self, ctx).build
 
 
-# -- candidates (also used by the cpu target's OpenVINO runtime candidates) ------------------------
-def ov_open(xml: Path, device: str = "CPU") -> Callable[[int], RunFn]:
-    """threads -> a runner of the IR compiled the way the device runtime compiles it for ``device``."""
-
-    def open_(threads: int) -> RunFn:
-        ov = _import_openvino()
-        core = ov.Core()
-        config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": "f32"}
-        if threads:
-            config["INFERENCE_NUM_THREADS"] = threads
-        compiled = core.compile_model(core.read_model(str(xml)), device, config)
-        request = compiled.create_infer_request()
-        outputs = [(port.get_any_name(), port) for port in compiled.outputs]
-        names = {port.get_any_name(): port.get_names() for _, port in outputs}
-
-        def run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            result = request.infer(feed)
-            out: dict[str, np.ndarray] = {}
-            for any_name, port in outputs:
-                value = np.array(result[port])
-                for n in names[any_name]:
-                    out[n] = value
-            return out
-
-        return run
-
-    return open_
-
-
-def _ir_built(model: Any, space: BuildSpace, precision: Precision, device: str, fp16: bool = False, **kw: Any) -> Built:
-    ov = _import_openvino()
-    xml = space.work_dir / ARTIFACT_XML
-    ov.save_model(model, str(xml), compress_to_fp16=fp16)
-    core = ov.Core()
-    here = device in ("CPU", "AUTO") or _available(core, device)
-    cpu = ov_open(xml, "CPU")
-    return Built(
-        files={ARTIFACT_XML: "artifact", ARTIFACT_BIN: "artifact"},
-        runtime="openvino",
-        precision=precision,
-        open=cpu if here else None,  # another device's latency is not measured here
-        intermediate=None if here else cpu(0),
-        **kw,
-    )
-
-
-def ir_candidate(name: str, precision: str, source: Path, device: str, baseline: bool = False) -> Candidate:
-    def build(space: BuildSpace) -> Built:
-        ov = _import_openvino()
-        model = convert_onnx(ov, source)
-        if precision == "fp16":
-            act: Literal["fp16", "fp32"] = "fp16" if inference_precision(device, "fp16") == "f16" else "fp32"
-            prec = Precision("fp16", act, f"openvino {ov_version(ov)} convert, weights compressed to fp16")
-        else:
-            prec = Precision("fp32", "fp32", f"openvino {ov_version(ov)} convert")
-        return _ir_built(model, space, prec, device, fp16=precision == "fp16")
-
-    return Candidate(
-        name=name,
-        precision=precision,
-        runtime="openvino",
-        build=build,
-        settings={"recipe": name, "device": device},
-        family=name,
-        baseline=baseline,
-    )
-
-
-def nncf_candidate(source: Path, recipe: NncfRecipe, device: str, prepared: Path, model_type: str = "") -> Candidate:
-    """NNCF INT8 of the original graph; ``prepared``: the ORT-prepared graph layer sensitivity is
-    ranked on (its node names are the source graph's)."""
-
-    def build(space: BuildSpace) -> Built:
-        ov, nncf = _import_openvino(), _import_nncf()
-        batch = fixed_batch(space.served) or 1
-        samples = [feed for feed in iter_batches(space.calib, batch) if sample_count(feed) == batch]
-        if not samples:
-            raise ConfigError(f"--calib: the intel target needs at least {batch} calibration sample(s) for int8")
-        common: dict[str, Any] = {
-            "preset": nncf.QuantizationPreset(recipe.preset),
-            "target_device": nncf.TargetDevice.ANY if device == "AUTO" else nncf.TargetDevice(device),
-            "subset_size": len(samples),
-            "fast_bias_correction": recipe.fast_bias_correction,
-            "model_type": nncf.ModelType.TRANSFORMER if model_type == "transformer" else None,
-        }
-        if recipe.exclude:
-            # OpenVINO names a Conv with a bias "<onnx name>/WithoutBiases" and its Add "<onnx name>"
-            patterns = [re.escape(n) + "(/WithoutBiases)?" for n in recipe.exclude]
-            common["ignored_scope"] = nncf.IgnoredScope(patterns=patterns, validate=False)
-        model = convert_onnx(ov, source)
-        if recipe.accuracy_control:
-            bounds = restorer_parameters(nncf, recipe, len(samples))
-            quantized = _quantize_with_accuracy_control(ov, nncf, model, samples, common, bounds)
-        else:
-            quantized = nncf.quantize(model, nncf.Dataset(samples), **common)
-        kind = f" model_type={model_type}" if model_type else ""
-        recipe_text = recipe.label.removeprefix("nncf int8 ")
-        method = f"nncf {nncf.__version__} ptq {recipe_text}{kind} samples={len(samples) * batch}"
-        return _ir_built(quantized, space, Precision("int8", "int8", method), device, excluded_nodes=recipe.exclude)
-
-    def rank(space: BuildSpace, built: Built) -> list[tuple[tuple[str, ...], float]]:
-        from edgekit.compress.ort_quant import StaticQuantConfig, quantize_static_int8
-        from edgekit.optimize.sensitivity import rank_qdq_layers
-
-        folder = space.work_dir / "sensitivity"
-        folder.mkdir(exist_ok=True)
-        qdq = folder / "qdq.onnx"
-        quantize_static_int8(prepared, qdq, space.calib, StaticQuantConfig(), folder, space.calib_batch)
-        return rank_qdq_layers(prepared, qdq, space.calib, folder, space.calib_batch)
-
-    return Candidate(
-        name=recipe.label,
-        precision="int8",
-        runtime="openvino",
-        build=build,
-        settings={**asdict(recipe), "exclude": list(recipe.exclude), "device": device, "model_type": model_type},
-        family=f"nncf int8 {device}",
-        exclude=lambda nodes: nncf_candidate(source, replace(recipe, exclude=nodes), device, prepared, model_type),
-        rank_layers=rank,
-    )
-
-
-def restorer_parameters(nncf: Any, recipe: NncfRecipe, samples: int) -> Any:
-    """NNCF's ``AdvancedAccuracyRestorerParameters`` bounded by the recipe: at most
-    ``max_reverted_layers`` layers reverted to float, the ranking on at most ``ranking_samples``."""
-    from nncf.quantization.advanced_parameters import AdvancedAccuracyRestorerParameters
-
-    return AdvancedAccuracyRestorerParameters(
-        max_num_iterations=recipe.max_reverted_layers, ranking_subset_size=min(recipe.ranking_samples, samples)
-    )
-
-
-def _quantize_with_accuracy_control(
-    ov: Any, nncf: Any, model: Any, samples: list[Any], common: dict[str, Any], bounds: Any
-) -> Any:
-    """``nncf.quantize_with_accuracy_control`` with agreement to the FP32 IR on the calibration
-    samples as the metric (no labels here), allowed to drop 0.01."""
-    core = ov.Core()
-    reference = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
-    expected = [np.array(reference.create_infer_request().infer(s)[reference.outputs[0]]) for s in samples]
-
-    def metric(compiled: Any, data: Any) -> float:
-        request = compiled.create_infer_request()
-        scores = []
-        for feed, want in zip(data, expected, strict=False):
-            got = np.array(request.infer(feed)[compiled.outputs[0]]).reshape(want.shape[0], -1)
-            ref = want.reshape(want.shape[0], -1)
-            if ref.shape[1] > 1 and ref.ndim == 2 and want.ndim == 2:
-                scores.append(float(np.mean(got.argmax(-1) == ref.argmax(-1))))
-            else:
-                den = np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1)
-                scores.append(float(np.mean(np.sum(got * ref, axis=1) / np.maximum(den, 1e-12))))
-        return float(np.mean(scores))
-
-    dataset = nncf.Dataset(samples)
-    return nncf.quantize_with_accuracy_control(
-        model,
-        dataset,
-        dataset,
-        validation_fn=metric,
-        max_drop=0.01,
-        drop_type=nncf.DropType.ABSOLUTE,
-        advanced_accuracy_restorer_parameters=bounds,
-        **common,
-    )
-
-
 def _weights_candidate(source: Path, precision: str, opts: IntelOptions) -> Candidate:
     def build(space: BuildSpace) -> Built:
-        ov = _import_openvino()
+        ov = import_openvino()
         model, prec = _compress_weights(convert_onnx(ov, source), precision, opts)
-        return _ir_built(model, space, prec, opts.device)
+        return ir_built(model, space, prec, opts.device)
 
     settings = {"recipe": f"nncf compress_weights {precision}"}
     if precision == "int4-weights":
@@ -397,49 +184,8 @@ def _weights_candidate(source: Path, precision: str, opts: IntelOptions) -> Cand
     )
 
 
-def ir_build_result(
-    ctx: BuildContext, built: Built, built_dir: Path, device: str, options: dict[str, Any]
-) -> BuildResult:
-    """The chosen IR in ``ctx.out_dir``, described for the manifest (op placement from
-    ``query_model``, tensors matched to the served ones by name)."""
-    import shutil
-
-    ov = _import_openvino()
-    for name in (ARTIFACT_XML, ARTIFACT_BIN):
-        shutil.copyfile(built_dir / name, ctx.out_dir / name)
-    core = ov.Core()
-    saved = core.read_model(str(ctx.out_dir / ARTIFACT_XML))
-    notes = list(built.notes)
-    artifact_sig, mapping = _artifact_signature(saved, ctx.served)
-    placement = _op_placement(core, saved, device, notes)
-    here = device in ("CPU", "AUTO") or _available(core, device)
-    intermediate = None
-    if not here:
-        intermediate = served_fn(_compile_cpu(core, saved), ctx.served)
-        notes.append(f"device {device} is not on this host: validated with the CPU plugin on the same IR")
-    accelerator = {"GPU": "intel-gpu", "NPU": "intel-npu"}.get(device)
-    precision_name = "fp16" if built.precision.weights == "fp16" else "fp32"
-    return BuildResult(
-        files={ARTIFACT_XML: "artifact", ARTIFACT_BIN: "artifact"},
-        compatibility=Compatibility(runtime="openvino", runtime_version=ov_version(ov), accelerator=accelerator),
-        artifact_signature=artifact_sig,
-        mapping=mapping,
-        precision=built.precision,
-        runnable_here=here,
-        op_placement=placement,
-        notes=tuple(notes),
-        target_options={
-            **options,
-            "device": device,
-            "inference_precision": inference_precision(device, precision_name),
-        },
-        intermediate=intermediate,
-        intermediate_name="openvino CPU plugin (same IR)" if intermediate else "",
-    )
-
-
 def _compress_weights(source: Any, precision: str, opts: IntelOptions) -> tuple[Any, Precision]:
-    nncf = _import_nncf()
+    nncf = import_nncf()
     if precision == "int8-weights":
         mode, weights, extra = nncf.CompressWeightsMode.INT8_ASYM, "int8", {}
         method = "int8_asym per-channel"
@@ -468,51 +214,6 @@ def _compress_weights(source: Any, precision: str, opts: IntelOptions) -> tuple[
     return model, Precision(weights, "fp32", f"nncf {nncf.__version__} compress_weights {method} ({detail})")  # type: ignore[arg-type]  # int8/int4
 
 
-# -- helpers used by build -------------------------------------------------------------
-def inference_precision(device: str, precision: str) -> str:
-    """OpenVINO's ``INFERENCE_PRECISION_HINT`` that computes what the manifest's precision says.
-
-    Left to itself the CPU plugin computes in bf16 on CPUs that have it (AVX512-BF16, AMX), which
-    is not what an fp32 / int8 / fp16 manifest promises; the runtime sets this hint explicitly.
-    """
-    return "f16" if precision == "fp16" and device in ("GPU", "NPU") else "f32"
-
-
-def convert_onnx(ov: Any, path: Path) -> Any:
-    """The ONNX model as an OpenVINO model, the way ``ovc`` converts it.
-
-    ``Core.read_model`` on an ONNX file skips the MOC transformations ``convert_model`` runs: on
-    a model with dynamic height/width (paddle2onnx's PP-OCR classifier) it kept 191 ShapeOf and 53
-    Broadcast nodes for the conv biases and left HSwish unfused, which made the INT8 IR 1.8x the
-    size of the FP32 ONNX (XML 780 KB) and gave NNCF a graph it could not pattern-match.
-    """
-    return ov.convert_model(str(path))
-
-
-def _compile_cpu(core: Any, model: Any) -> Any:
-    return core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
-
-
-def _available(core: Any, device: str) -> bool:
-    """``GPU`` is available when OpenVINO lists ``GPU`` or ``GPU.0``, ``GPU.1``, ..."""
-    return any(device in (d, d.split(".")[0]) for d in core.available_devices)
-
-
-def served_fn(compiled: Any, served: Signature) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
-    """Served inputs -> served outputs on a compiled OpenVINO model (it keeps the ONNX tensor names)."""
-    ports = {name: port for port in compiled.outputs for name in port.get_names()}
-    missing = [o.name for o in served.outputs if o.name not in ports]
-    if missing:
-        raise ModelFormatError(f"the OpenVINO model lost output {missing[0]!r} of the source model")
-    outputs = [(o.name, ports[o.name]) for o in served.outputs]
-
-    def run(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        result = compiled.create_infer_request().infer(inputs)
-        return {name: np.array(result[port]) for name, port in outputs}
-
-    return run
-
-
 def _weight_types(model: Any) -> dict[str, int]:
     """How many constants of the model have each element type (``i4``, ``u8``, ``f32``, ...)."""
     counts: dict[str, int] = {}
@@ -521,63 +222,3 @@ def _weight_types(model: Any) -> dict[str, int]:
             name = op.get_output_element_type(0).get_type_name()
             counts[name] = counts.get(name, 0) + 1
     return counts
-
-
-def _port_dtype(port: Any) -> str:
-    name = port.get_element_type().get_type_name()
-    if name not in _OV_DTYPES:
-        raise ModelFormatError(
-            f"OpenVINO tensor {port.get_any_name()!r} has type {name}, which no manifest dtype matches"
-        )
-    return _OV_DTYPES[name]
-
-
-def _artifact_signature(model: Any, served: Signature) -> tuple[Signature, tuple[TensorMapping, ...]]:
-    """The IR's tensors, matched to the served ones by name (OpenVINO keeps ONNX names) or position."""
-
-    def specs(ports: list[Any], served_specs: tuple[TensorSpec, ...]) -> list[tuple[TensorSpec, TensorMapping]]:
-        if len(ports) != len(served_specs):
-            raise ModelFormatError(f"the IR has {len(ports)} tensors where the source model has {len(served_specs)}")
-        out = []
-        for i, (port, want) in enumerate(zip(ports, served_specs, strict=True)):
-            names = port.get_names()
-            name = want.name if want.name in names else port.get_any_name()
-            shape = port.get_partial_shape()
-            dims = tuple(
-                int(d.get_length())
-                if d.is_static
-                else (want.shape[k] if k < len(want.shape) and isinstance(want.shape[k], str) else f"d{i}_{k}")
-                for k, d in enumerate(shape)
-            )
-            spec = TensorSpec(name, _port_dtype(port), dims, layout=want.layout)
-            out.append((spec, TensorMapping(served=want.name, artifact=name)))
-        return out
-
-    ins = specs(list(model.inputs), served.inputs)
-    outs = specs(list(model.outputs), served.outputs)
-    sig = Signature(inputs=tuple(s for s, _ in ins), outputs=tuple(s for s, _ in outs))
-    return sig, tuple(m for _, m in (*ins, *outs))
-
-
-def _op_placement(core: Any, model: Any, device: str, notes: list[str]) -> OpPlacement:
-    """``query_model`` on ``device`` (CPU where the device is AUTO or not on this host)."""
-    queried = device
-    if device == "AUTO" or not _available(core, device):
-        queried = "CPU"
-        why = "a virtual device" if device == "AUTO" else "not on this host"
-        notes.append(f"op placement queried for CPU: {device} is {why}")
-    placed = core.query_model(model, queried)
-    entries = tuple(
-        OpPlacementEntry(
-            op=op.get_type_name(), node=op.get_friendly_name(), device=placed.get(op.get_friendly_name(), "none")
-        )
-        for op in model.get_ordered_ops()
-        if op.get_type_name() not in ("Constant", "Parameter", "Result")
-    )
-    on_device = sum(1 for e in entries if e.device == queried)
-    return OpPlacement(
-        tool=f"openvino query_model({queried})",
-        accelerated=on_device,
-        fallback=len(entries) - on_device,
-        entries=entries,
-    )

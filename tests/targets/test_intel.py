@@ -259,12 +259,12 @@ def test_intel_options_reject_an_unknown_device_with_the_nearest_choice() -> Non
 
 
 def test_intel_accuracy_control_is_bounded_by_the_target_options(tmp_path: Path, classifier: Path) -> None:
-    """NNCF's accuracy control reverts every quantized layer by default (one evaluation each: > 9 min
-    on a MobileNetV3-small here); the target passes its bounds to NNCF and records them."""
+    """NNCF's accuracy control reverts every quantized layer by default (one evaluation each: minutes
+    on a MobileNetV3-small); the target passes its bounds to NNCF and records them."""
     import nncf
 
+    from edgekit.optimize.openvino_candidates import NncfRecipe, restorer_parameters
     from edgekit.optimize.run import EngineSettings, optimise
-    from edgekit.targets.intel import NncfRecipe, restorer_parameters
 
     options = IntelOptions(accuracy_control_max_layers=2, accuracy_control_ranking_samples=5)
     ctx = _context(tmp_path, classifier, "int8", options)
