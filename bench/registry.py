@@ -136,6 +136,12 @@ BENCHMARKS: tuple[Entry, ...] = (
         "side by side in the self-test child (and vs the idle baseline the check used before)",
     ),
     Entry(
+        "images.detector",
+        "bench.images:run",
+        "JPEG in, boxes out: a 320x320 YOLO-style detector with pre/post-processing over HTTP vs the model's own "
+        "session.run, the agent's pre/post stage cost vs its runtime call, simplejpeg vs Pillow decoding",
+    ),
+    Entry(
         "agent.roundtrip",
         "bench.agent_roundtrip:run",
         "edgekit-agent v2 HTTP infer (tritonclient, 1 KB tensor) vs in-process onnxruntime session.run",

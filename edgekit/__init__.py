@@ -50,6 +50,8 @@ def package(
     max_drop: float | None = None,
     keep_candidates: str | Path | None = None,
     device_profile: str | Path | None = None,
+    postprocess: str | None = None,
+    labels_file: str | Path | None = None,
 ) -> PackageResult:
     """Convert, quantize and validate ``model`` (ONNX) for each of ``targets`` and write one signed
     bundle per target into ``out_dir`` (``NAME-TARGET-vVERSION.ekb``).
@@ -69,6 +71,9 @@ def package(
     are timed at; ``calib_samples``: the stratified calibration subset's size. ``keep_candidates``:
     a new folder to write every candidate that met the gate into, for ``edgekit bench --profile``
     on the device; ``device_profile``: the profile that wrote, to choose by device latency.
+    ``preprocess`` / ``postprocess`` (``"boxes=yolo,score=0.25,iou=0.45"`` or ``"topk=5"``) and
+    ``labels_file`` are recorded in the manifest for the agent: it then takes an encoded image and
+    answers boxes or classes, scores and labels.
 
     Returns a ``PackageResult``: ``bundles`` (target -> path), ``rows`` (the validation table),
     ``passed``, ``table()``, ``to_dict()``. Raises ``edgekit.errors.ConfigError`` and friends for
@@ -104,6 +109,8 @@ def package(
         max_drop=max_drop,
         keep_candidates=keep_candidates,
         device_profile=device_profile,
+        postprocess=postprocess,
+        labels_file=labels_file,
     )
 
 

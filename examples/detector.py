@@ -10,7 +10,8 @@ numpy, and so check decoding, NMS and the mapping back to the original image ind
 
 ``backbone`` adds that many 3x3 conv layers of ``width`` channels in front (seeded random
 weights), whose features nudge the box sizes by at most 1e-3 pixels: a model with a real
-detector's compute (for timing) whose detections stay the known function.
+detector's compute (for timing) whose detections stay the known function. ``sharpness`` raises
+each score to that power, so that only strongly coloured cells pass a score threshold.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def colour_detector(
     channels_last: bool = False,
     backbone: int = 0,
     width: int = 32,
+    sharpness: float = 1.0,
     seed: int = 0,
 ) -> Path:
     import onnx
@@ -48,8 +50,11 @@ def colour_detector(
     ]
     nodes = [
         helper.make_node("AveragePool", ["images"], ["pooled"], kernel_shape=[cell, cell], strides=[cell, cell]),
-        helper.make_node("Reshape", ["pooled", "score_shape"], ["scores"]),
+        helper.make_node("Reshape", ["pooled", "score_shape"], ["means" if sharpness != 1 else "scores"]),
     ]
+    if sharpness != 1:  # only strongly coloured cells score high: a photo gives tens of candidates, not all
+        inits.append(numpy_helper.from_array(np.array(sharpness, np.float32), "sharpness"))
+        nodes.append(helper.make_node("Pow", ["means", "sharpness"], ["scores"]))
     boxes = "anchors"
     if backbone:
         rng = np.random.default_rng(seed)
@@ -64,7 +69,7 @@ def colour_detector(
             ]
             x, c_in = f"r{i}", width
         inits += [
-            numpy_helper.from_array(np.array([1, 1, 1], np.float32).reshape(1, 1, 1) * 1e-3, "tiny"),
+            numpy_helper.from_array(np.full((1, 1, 1), 1e-3, np.float32), "tiny"),
             numpy_helper.from_array(np.array([0, 0, 1, 1], np.float32).reshape(1, 4, 1), "wh_only"),
         ]
         nodes += [
