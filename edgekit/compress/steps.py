@@ -325,8 +325,8 @@ def measure(
     import onnx
 
     from edgekit.compress.onnx_prep import served_signature
-    from edgekit.targets.cpu import ort_open
     from edgekit.validate.latency import call_with, stats_side_by_side
+    from edgekit.validate.ort_runner import ort_open
 
     kind = output_kind(served_signature(onnx.load(str(original), load_external_data=False)))
     ref_fn, cand_fn = ort_open(original)(0), ort_open(candidate)(0)
