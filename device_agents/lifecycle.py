@@ -18,6 +18,12 @@ Named fault points (``EDGEKIT_FAULT``) sit between the steps; what the store say
 ``switch`` self-test passed, status "switching", not promoted; ``commit`` promoted (the new
 version serves after a restart); ``cleanup`` promoted, old runtime closed.
 
+After a switch, whatever installed the bundle (the CLI, the HTTP install route, an MQTT notice),
+the new version serves through its health window (``device_agents.health``): the version it
+replaced stays loaded, a request the new one fails to run is replayed on it, and the lifecycle
+rolls back when the new version fails clearly more often on real traffic; the update client
+asks for the verdict (``health_verdict``) and reports it.
+
 ``start`` recovers after a crash: an install that was interrupted before ``promote`` is dropped
 (the previous version keeps serving); a version that keeps the agent from running through its
 health window for ``crash_loop_boots`` starts is rolled back.
@@ -35,6 +41,7 @@ from typing import Any, NoReturn
 
 from device_agents.config import DEFAULT_CRASH_LOOP_BOOTS, DEFAULT_HEALTH_WINDOW_S, AgentConfig
 from device_agents.faults import fault_point
+from device_agents.health import HealthWindows, Verdict
 from device_agents.integrity import PeriodicCheck, check_slot, retry_delays
 from device_agents.metrics import AgentMetrics
 from device_agents.platforms.compatibility import check_compatible
@@ -42,7 +49,6 @@ from device_agents.registry import Registry
 from device_agents.runtimes import ServedModel, load_model
 from device_agents.selftest import REPORT_NAME, SelfTestReport, latency_verdict, run_selftest
 from device_agents.store import ModelState, Slot, Store, atomic_write
-from device_agents.threads import NamedTimer
 from device_agents.updates.trust import bundle_trust
 from device_agents.validation_mark import check_validation_mark
 from edgekit.bundle import TrustStore
@@ -80,9 +86,16 @@ class Lifecycle:
         self.metrics = metrics or AgentMetrics()
         self.registry = Registry(self.store, self._open, self.metrics)
         self.health_window_s = config.updates.health_window_s if config.updates else DEFAULT_HEALTH_WINDOW_S
+        # every switched-to version's health window, whatever installed it (health.py)
+        self.health = HealthWindows(
+            self.metrics,
+            self.health_window_s,
+            serving=lambda name: self.registry.models().get(name),
+            rollback=self.rollback,
+            healthy=self._end_window,
+        )
         self.crash_loop_boots = config.updates.crash_loop_boots if config.updates else DEFAULT_CRASH_LOOP_BOOTS
         self.ready = False
-        self._timers: dict[str, threading.Timer] = {}
         self._rest_checks: PeriodicCheck | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -108,8 +121,7 @@ class Lifecycle:
         self.ready = False
         if self._rest_checks is not None:
             self._rest_checks.stop()
-        for timer in self._timers.values():
-            timer.cancel()
+        self.health.stop()
         if clean:
             self._uncount_this_start()
         self.registry.close_all()
@@ -186,7 +198,7 @@ class Lifecycle:
                     if ms.status == "degraded":  # an earlier start served the previous version for now
                         self._record(name, lambda s: replace(s, status="serving", error=""))
                     if not ms.active_healthy:
-                        self._arm_health_timer(name, active.version)
+                        self.health.open(name, active.version, None)  # restarted inside its window
                     return
             else:
                 why = f"cannot be verified ({check.why})"
@@ -331,11 +343,11 @@ class Lifecycle:
                 "%s: now serving v%d (was %s)", m.name, m.version, f"v{old.active.version}" if old.active else "none"
             )
             fault_point("commit")
-            if previous is not None:
-                self.registry.hold_or_retire(m.name, previous, hold=self.config.updates is not None)
+            if previous is not None:  # held through the health window: replays, an instant rollback
+                self.registry.hold_or_retire(m.name, previous, hold=True)
             fault_point("cleanup")
             self.store.cleanup()
-        self._arm_health_timer(m.name, m.version)
+        self.health.open(m.name, m.version, old.active.version if old.active else None)
         return InstallResult(m.name, m.version, True, old.active.version if old.active else None, origin, report)
 
     def _admissible(self, manifest: Manifest) -> None:
@@ -442,6 +454,7 @@ class Lifecycle:
                 raise
             previous = self.registry.serve(name, model, target.version)
         self.metrics.rollbacks.labels(name).inc()
+        self.health.switched(name)
         log.warning("%s: rolled back to v%d: %s", name, target.version, reason)
         if previous is not None:
             self.registry.retire(previous)
@@ -470,22 +483,21 @@ class Lifecycle:
                 )
                 log.info("%s: v%s is healthy", name, ms.active.version if ms.active else "?")
 
-    def _arm_health_timer(self, name: str, version: int) -> None:
-        def confirm() -> None:
-            if self.registry.models().get(name) == version:
-                self.registry.end_probation(name)
-                try:
-                    self.mark_healthy(name)
-                except StoreError as exc:
-                    log.error("%s: cannot record v%d as healthy: %s", name, version, exc)
+    def _end_window(self, name: str) -> None:
+        """A version ran through its health window: close the version it replaced, record it healthy."""
+        self.registry.end_probation(name)
+        self.mark_healthy(name)
 
-        old = self._timers.pop(name, None)
-        if old is not None:
-            old.cancel()
-        timer = NamedTimer(self.health_window_s, confirm)
-        timer.name, timer.daemon = f"health-{name}", True
-        self._timers[name] = timer
-        timer.start()
+    def health_verdict(self, name: str, version: int, stop: threading.Event | None = None) -> Verdict:
+        """The verdict on ``name`` v``version``'s health window, once there is one (``health.py``)."""
+        return self.health.wait(name, version, stop)
+
+    def model_state(self, name: str) -> ModelState:
+        """What the store records of ``name`` (for the update client, which never reads the store)."""
+        return self.store.model_state(name)
+
+    def model_states(self) -> dict[str, ModelState]:
+        return dict(self.store.load_state().models)
 
     # -- serving ------------------------------------------------------------------------
     def models(self) -> dict[str, int]:

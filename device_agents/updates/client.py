@@ -12,7 +12,11 @@ holds up another model's update::
 
     notice -> policy.decide -> download (resumable, capped, deadline, minimum rate) -> check the
     bundle is the one announced -> manager.install (verify, stage, child self-test, switch; one at
-    a time, under the store lock) -> remember the notice -> health window -> report
+    a time, under the store lock) -> remember the notice -> the lifecycle's health verdict -> report
+
+The client never reads or writes the store: it asks the lifecycle (``model_state``, ``install``,
+``record_notice``, ``health_verdict``), which judges every switched-to version's health window
+whatever installed it (``device_agents.health``).
 
 A device whose newest valid desired state has expired reports ``frozen`` (and
 ``edgekit_updates_frozen 1`` on ``/metrics``), updates nothing, and keeps serving.
@@ -36,7 +40,6 @@ from device_agents.threads import NamedThread
 from device_agents.updates.backoff import Backoff
 from device_agents.updates.connection import BrokerAddress, new_client, session_properties
 from device_agents.updates.download import DownloadError, DownloadLimits, download
-from device_agents.updates.health import Traffic, failure_verdict, traffic
 from device_agents.updates.policy import decide
 from device_agents.updates.protocol import (
     REPORTED_SCHEMA_VERSION,
@@ -60,7 +63,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgekit.agent.updates")
 
 _LOOP_S = 0.5  # how often the network loop looks at the stop flag
-_HEALTH_POLL_S = 0.2  # a scrape of the agent's own counters: cheap
 _RETRY_BASE_S = 2.0
 # Store statuses that say why the last update did not stick, as reported states.
 # Errors that retrying cannot fix: the notice is remembered as handled and the reason reported.
@@ -137,7 +139,6 @@ class UpdateClient:
         self._dirty = bool(self._states)
         self._frozen = ""  # why the device is frozen (reported), "" when its states are fresh
         self._retry: dict[str, Backoff] = {}
-        self._switched: dict[str, Traffic] = {}  # model name -> its traffic counters at the last switch
         self._threads: list[threading.Thread] = []
         self._report_lock = threading.Lock()
         self._report = self._initial_report()
@@ -377,7 +378,7 @@ class UpdateClient:
             self._set_report("idle", detail="the desired state is fresh again")
 
     def _handle(self, notice: Notice) -> None:
-        model = self.manager.store.model_state(notice.name)
+        model = self.manager.model_state(notice.name)
         decision = decide(
             notice,
             model,
@@ -425,7 +426,6 @@ class UpdateClient:
             self._reject(notice, str(exc), path)
             return
         self._set_report("installing", notice)
-        before = traffic(self.manager.metrics, notice.name).since(self._switched.get(notice.name, Traffic()))
         start = time.monotonic()
         try:
             with self._store_turn:
@@ -448,52 +448,20 @@ class UpdateClient:
         if not result.changed:
             self._set_report("serving", notice, metrics=metrics)
             return
-        self._check_health(notice, before, result.previous_version, metrics)
+        self._check_health(notice, metrics)
 
-    def _check_health(
-        self, notice: Notice, before: Traffic, previous_version: int | None, metrics: dict[str, float]
-    ) -> None:
-        """After the switch: watch the health window, roll back if the new version fails, report."""
-        what = f"{notice.name} v{notice.version}"
-        log.info(
-            "updates: %s switched in (was v%s); health window %g s",
-            what,
-            previous_version,
-            self.updates.health_window_s,
-        )
-        self._switched[notice.name] = traffic(self.manager.metrics, notice.name)
+    def _check_health(self, notice: Notice, metrics: dict[str, float]) -> None:
+        """After the switch: report ``checking``, then the lifecycle's verdict on the health window."""
         self._set_report("checking", notice, metrics=metrics)
-        why = self._watch_health(notice, before, previous_version)
-        if self._stop.is_set():  # the agent stops inside the health window: no verdict to report
+        verdict = self.manager.health_verdict(notice.name, notice.version, self._stop)
+        if self._stop.is_set() or verdict.outcome == "stopped":  # no verdict to report
             return
-        if why:
-            try:
-                with self._store_turn:
-                    self.manager.rollback(notice.name, why)
-            except EdgekitError as exc:
-                log.error("updates: %s is unhealthy (%s) but cannot be rolled back: %s", what, why, exc)
-                self._set_report("failed", notice, error=f"{why}; rollback failed: {exc}", metrics=metrics)
-                return
-            self._switched[notice.name] = traffic(self.manager.metrics, notice.name)
-            self._set_report("rolled_back", notice, error=why, metrics=metrics)
-            return
-        self._set_report("serving", notice, metrics=metrics)
-
-    def _watch_health(self, notice: Notice, before: Traffic, previous_version: int | None) -> str:
-        """Watch the switched-to version for the health window; return why to roll back, or ""."""
-        if previous_version is None:
-            return ""  # nothing to go back to
-        deadline = time.monotonic() + self.updates.health_window_s
-        while not self._stop.wait(_HEALTH_POLL_S):
-            if self.manager.models().get(notice.name) != notice.version:
-                return ""  # replaced meanwhile (a sideload, a crash-loop rollback): nothing of ours to judge
-            now = traffic(self.manager.metrics, notice.name).since(self._switched[notice.name])
-            why = failure_verdict(now, before, notice.version, previous_version)
-            if why:
-                return why
-            if time.monotonic() >= deadline:
-                return ""
-        return ""
+        if verdict.outcome == "rolled_back":
+            self._set_report("rolled_back", notice, error=verdict.reason, metrics=metrics)
+        elif verdict.outcome == "rollback_failed":
+            self._set_report("failed", notice, error=verdict.reason, metrics=metrics)
+        else:  # healthy; unjudged (nothing to go back to); replaced meanwhile: nothing of ours to judge
+            self._set_report("serving", notice, metrics=metrics)
 
     def _check_announced(self, notice: Notice, path: Path) -> None:
         """The downloaded bundle must be the one the notice announced (verified manifest)."""
@@ -542,7 +510,7 @@ class UpdateClient:
     # -- reporting ----------------------------------------------------------------------------
     def _initial_report(self) -> Reported:
         """What the store says after start: the latest rollback or rejection, else idle."""
-        states = self.manager.store.load_state().models
+        states = self.manager.model_states()
         latest = max(states.items(), key=lambda kv: kv[1].updated, default=None)
         state: UpdateState = "idle"
         name, error = "", ""

@@ -59,6 +59,9 @@ def test_install_switches_and_keeps_the_previous_slot(manager: Lifecycle, bundle
     second = manager.install(bundles.v2)
     assert (second.version, second.previous_version) == (2, 1)
     assert manager.models() == {"tiny": 2}
+    held = manager.registry._probation["tiny"]  # v1 stays loaded through v2's health window
+    assert held.model is old_model and old_model.runner.session is not None
+    manager.registry.end_probation("tiny")  # what the window's end does
     assert old_model.runner.session is None  # the old runtime was closed once idle
     st = manager.status()["tiny"]
     assert (st["serving"], st["active"], st["previous"], st["candidate"], st["status"]) == (2, 2, 1, None, "serving")
@@ -179,10 +182,15 @@ def test_a_request_holding_the_old_version_finishes_on_it(manager: Lifecycle, bu
     assert manager.models() == {"tiny": 2}  # new requests already go to v2
     assert lease.version == 1
     assert lease.model.infer({"input": X})["probs"].shape == (1, 10)  # v1 is still open for this one
-    assert installer.is_alive()  # install waits for it before closing v1
+    installer.join(timeout=60)  # v1 is held through v2's health window: install does not wait for it
+    closer = threading.Thread(target=manager.registry.end_probation, args=("tiny",))  # the window's end
+    closer.start()
+    time.sleep(0.2)
+    assert closer.is_alive()  # closing v1 waits for the request holding it
+    assert lease.model.infer({"input": X})["probs"].shape == (1, 10)
     lease.release()
-    installer.join(timeout=60)
-    assert not installer.is_alive()
+    closer.join(timeout=60)
+    assert not closer.is_alive()
     assert lease.model.runner.session is None
 
 

@@ -312,8 +312,8 @@ def test_concurrent_requests_are_batched_over_http(
 
 
 def test_health_counts_only_model_failures() -> None:
+    from device_agents.health import traffic
     from device_agents.metrics import AgentMetrics
-    from device_agents.updates.health import traffic
 
     metrics = AgentMetrics()
     for code in (200, 400, 429, 503, 504, 500):
