@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -238,3 +239,17 @@ def test_import_cycles_found_through_functions_type_checking_and_relative_import
     graph = import_graph(("pkg",), tmp_path)
     assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.a"} and graph["pkg.sub.c"] == {"pkg.d"}
     assert import_cycles(graph) == [["pkg.a", "pkg.b"], ["pkg.d", "pkg.sub.c"]]
+
+
+def test_bundle_errors_hold_only_errors_the_device_side_raises_or_catches() -> None:
+    """The contract's errors are those the agent (or the contract itself) uses; an error only the
+    host raises belongs in ``edgekit.errors``, so the agent cannot come to depend on it."""
+    from edgekit.bundle import errors
+
+    device_side = "\n".join(
+        p.read_text()
+        for p in [*(ROOT / "device_agents").rglob("*.py"), *(ROOT / "edgekit" / "bundle").rglob("*.py")]
+        if p.name != "errors.py" or p.parent.name != "bundle"
+    )
+    host_only = [name for name in errors.__all__ if not re.search(rf"\b{name}\b", device_side)]
+    assert not host_only, f"only the host uses {host_only}: move them to edgekit/errors.py"

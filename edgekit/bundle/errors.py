@@ -1,4 +1,5 @@
-"""Errors raised by edgekit and device_agents.
+"""Errors both sides raise: the base error, and what a config, a manifest, a bundle or a missing
+SDK can be wrong about. Errors only the host raises live in ``edgekit.errors``.
 
 Every error says what went wrong and what to do about it. The CLI prints ``str(error)`` and
 exits with ``error.exit_code``; the agent maps ``http_status`` onto its v2 responses.
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 __all__ = [
     "BundleError",
-    "CalibrationDataError",
     "ConfigError",
     "EdgekitError",
     "ExpiredError",
@@ -16,14 +16,11 @@ __all__ = [
     "InferenceInputError",
     "ManifestError",
     "MissingSDKError",
-    "ModelFormatError",
     "ModelNotFoundError",
     "RollbackError",
     "SelfTestError",
     "SignatureError",
     "StoreError",
-    "UnsupportedOpError",
-    "ValidationFailedError",
 ]
 
 
@@ -62,30 +59,6 @@ class RollbackError(BundleError):
 
 class IncompatibleError(BundleError):
     """The bundle is for other hardware or a runtime this device does not have."""
-
-
-class ModelFormatError(EdgekitError):
-    """The input model cannot be read (not ONNX, corrupt, unsupported op)."""
-
-    exit_code = 2
-
-
-class CalibrationDataError(EdgekitError):
-    """Calibration / evaluation data do not match the model's inputs."""
-
-    exit_code = 2
-
-
-class ValidationFailedError(EdgekitError):
-    """A converted artifact is outside the tolerance against the FP32 source model."""
-
-    exit_code = 3
-
-
-class UnsupportedOpError(EdgekitError):
-    """A target cannot take an op of the model."""
-
-    exit_code = 2
 
 
 class MissingSDKError(EdgekitError):
