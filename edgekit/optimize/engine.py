@@ -59,7 +59,7 @@ from edgekit.optimize.data import SearchData
 from edgekit.optimize.margin import selection_margin
 from edgekit.optimize.profile import DeviceLatency, candidate_key
 from edgekit.validate.calib import fixed_batch, pad_samples, take
-from edgekit.validate.latency import LatencyStats, call_with, stats_side_by_side
+from edgekit.validate.latency import LatencyStats, call_with, speedup_interval, stats_side_by_side
 from edgekit.validate.metrics import Comparison, Kind, compare, run_all
 
 REFERENCE = "onnxruntime fp32 (source)"
@@ -182,6 +182,7 @@ def search(
     time_budget_s: float | None = None,
     device_latency: DeviceLatency | None = None,
     dominated_factor: float | None = DOMINATED_FACTOR,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> SearchResult:
     """Run the search for one target. ``precision``: ``auto`` or the CLI precision requested
     (then only candidates of that precision are chosen; the baseline is measured for comparison).
@@ -195,7 +196,7 @@ def search(
     candidate or refinement (never the baseline, a fallback or a mixed-precision try) whose first
     calls measure more than this many times the target's FP32 baseline's (the FP32 source's where
     it has none) and more than ``DOMINATED_MIN_MS`` is recorded as skipped (dominated) before its
-    accuracy run; None: never."""
+    accuracy run; None: never. ``clock``: what the timing rounds read (seconds)."""
     t0 = time.perf_counter()
     say = progress
     auto = precision == "auto"
@@ -220,14 +221,14 @@ def search(
         """Why ``run`` is dominated on its first calls (slower than the target's FP32 baseline, or
         the FP32 source where the target has none, by more than ``dominated_factor`` and slower
         than ``DOMINATED_MIN_MS``), else ""."""
-        cand_ms = prescreen_ms(run, one, PRESCREEN_CALLS, statistic="min")
+        cand_ms = prescreen_ms(run, one, PRESCREEN_CALLS, statistic="min", clock=clock)
         if cand_ms <= DOMINATED_MIN_MS:
             return ""
         base = next((s for s in states if s.candidate.baseline and s.run is not None), None)
         name = base.candidate.name if base is not None else REFERENCE
         if name not in against:
             fn = base.run if base is not None and base.run is not None else reference_open(threads)
-            against[name] = prescreen_ms(fn, one, 5, statistic="median")  # once per search: a steadier median
+            against[name] = prescreen_ms(fn, one, 5, statistic="median", clock=clock)  # once: a steadier median
         factor = dominated_factor or 0.0
         if cand_ms <= factor * against[name]:
             return ""
@@ -290,8 +291,9 @@ def search(
 
     # quick latency round: what dominates what
     _time(
-        states, reference_open, one, threads, "quick", repeats=6, budget_s=latency_budget_s / 2, say=say, target=target
-    )
+        states, reference_open, one, threads, "quick", repeats=6, budget_s=latency_budget_s / 2, say=say, target=target,
+        clock=clock,
+    )  # fmt: skip
     if device_latency is not None:
         _device_times(states, device_latency)
     base_p50 = _p50(baseline)
@@ -348,8 +350,9 @@ def search(
     final_states = _final_round(states, baseline, auto, precision)
     final = _time(
         final_states, reference_open, one, threads, "final", repeats=20, budget_s=latency_budget_s, say=say,
-        target=target,
+        target=target, clock=clock,
     )  # fmt: skip
+    rounds: dict[str, Mapping[str, LatencyStats]] = {"final": final}  # round -> its stats by name
     reference_latency = final.get(REFERENCE)
     finalists = (
         _finalists(states, baseline, auto, precision) if objective == "latency" and device_latency is None else []
@@ -361,8 +364,9 @@ def search(
         # 0.212 vs 0.214 ms alone)
         again = _time(
             finalists, reference_open, one, threads, "finalists", repeats=60, budget_s=latency_budget_s, say=say,
-            target=target, discard=2,
+            target=target, discard=2, clock=clock,
         )  # fmt: skip
+        rounds["finalists"] = again
         reference_latency = again.get(REFERENCE, reference_latency)
         names = ", ".join(s.candidate.name for s in finalists)
         notes.append(f"finalists timed again side by side with {REFERENCE}: {names}")
@@ -390,12 +394,28 @@ def search(
     chosen, why = choose(choosable, objective, auto, base_out)
     everything = [o for o in outcomes if auto or o.precision == precision]
     chain = _chain(chosen, everything, objective, auto, base_out)
-    if chain and chain[0] is not chosen:  # the choice passed selection within its sampling error
+    noise: dict[str, str] = {}  # name -> its speed-up over the baseline with the interval, where measured
+    if auto and objective == "latency" and device_latency is None and base_out is not None:
+        chain, noise, dropped = _beyond_noise(chain, base_out, rounds)
+        if dropped:
+            notes.append(f"not faster than {base_out.name} beyond the measured noise, left out: " + "; ".join(dropped))
+    if chain and chain[0] is not chosen:  # within the sampling error of selection, or of the timing
+        behind = chosen.marginal or f"its speed-up is within the measured noise ({noise.get(chosen.name, '')})"
         why = (
-            f"first of the candidates that passed selection clear of its sampling error; {chosen.name} "
-            f"({why.split(' (')[0]}) ranks behind it, {chosen.marginal}"
+            f"first of the candidates that passed selection clear of its sampling error and beat "
+            f"{base_out.name if base_out else 'fp32'} beyond the timing noise; {chosen.name} "
+            f"({why.split(' (')[0]}) ranks behind it, {behind}"
         )
         chosen = chain[0]
+    elif not chain and auto and base_out is not None and chosen is not base_out and chosen.comparison is not None \
+            and chosen.comparison.passed and baseline is not None and baseline.built is not None:  # fmt: skip
+        why = (
+            f"no candidate beat {base_out.name} beyond the measured noise (the fastest within the budget, "
+            f"{chosen.name}: {noise.get(chosen.name, '')}); the plain fp32 artifact ships"
+        )
+        chosen = base_out
+    if chosen.name in noise:
+        why += f"; {noise[chosen.name]}"
     pending: tuple[Candidate, ...] = ()
     if auto:
         built_names = {s.candidate.name for s in states}
@@ -449,6 +469,31 @@ def search(
         pending=pending,
         build_late=late,
     )
+
+
+def _beyond_noise(
+    chain: list[Outcome], baseline: Outcome, rounds: Mapping[str, Mapping[str, LatencyStats]]
+) -> tuple[list[Outcome], dict[str, str], list[str]]:
+    """The chain less the candidates whose speed-up over ``baseline`` is not beyond the measured
+    noise: the lower end of its 95 % interval (``validate.latency.speedup_interval``, over the
+    paired rounds of the last round both were timed in) at or below 1. A candidate without such
+    rounds (not timed here) stays. Returns (chain, name -> speed-up text, what was left out)."""
+    kept: list[Outcome] = []
+    texts: dict[str, str] = {}
+    dropped: list[str] = []
+    for o in chain:
+        stats = rounds.get(o.timed_in, {})
+        cand, base = stats.get(o.name), stats.get(baseline.name)
+        interval = speedup_interval(cand, base) if cand is not None and base is not None else None
+        if interval is None:
+            kept.append(o)
+            continue
+        texts[o.name] = f"speed {interval.text(baseline.name)}"
+        if interval.low > 1.0:
+            kept.append(o)
+        else:
+            dropped.append(f"{o.name} {interval.text(baseline.name)}")
+    return kept, texts, dropped
 
 
 def _absent(o: Outcome, among: list[Outcome]) -> bool:
@@ -557,6 +602,7 @@ def _time(
     say: Callable[[str], None],
     target: str,
     discard: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, LatencyStats]:
     """Side-by-side latency of the runnable built states (and the reference); updates outcomes."""
     runnable = [s for s in states if s.run is not None and s.built is not None and s.built.open is not None]
@@ -567,7 +613,7 @@ def _time(
         if s.run is not None:
             fns[s.candidate.name] = call_with(s.run, one)
     say(f"[{target}] timing {len(runnable)} candidate(s) side by side ({threads} threads, batch 1)")
-    stats = stats_side_by_side(fns, repeats=repeats, budget_s=budget_s, min_repeats=3, discard=discard)
+    stats = stats_side_by_side(fns, repeats=repeats, budget_s=budget_s, min_repeats=3, discard=discard, clock=clock)
     ref = stats[REFERENCE].p50_ms
     for s in runnable:
         if s.outcome is not None:
@@ -599,15 +645,21 @@ def _device_times(states: list[_State], device: DeviceLatency) -> None:
         )
 
 
-def prescreen_ms(run: RunFn, feed: dict[str, np.ndarray], calls: int, statistic: str = "min") -> float:
+def prescreen_ms(
+    run: RunFn,
+    feed: dict[str, np.ndarray],
+    calls: int,
+    statistic: str = "min",
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Milliseconds per call of ``run`` on ``feed``: one warm-up call, then the min (or median) of
     ``calls`` timed calls (min: a candidate is called dominated only when even its fastest call is)."""
     run(feed)
     times = []
     for _ in range(calls):
-        started = time.perf_counter()
+        started = clock()
         run(feed)
-        times.append((time.perf_counter() - started) * 1e3)
+        times.append((clock() - started) * 1e3)
     return float(np.min(times) if statistic == "min" else np.median(times))
 
 

@@ -7,6 +7,8 @@ these numbers; they are measured and recorded.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -24,6 +26,52 @@ class LatencyStats:
     calls: int
     p25_ms: float = 0.0
     p75_ms: float = 0.0
+    # per round of a side-by-side run, the median of that round's block: rounds of the functions of
+    # one run are paired by index (``speedup_interval``); empty where not measured that way
+    rounds_ms: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Speedup:
+    """``baseline`` p50 / ``candidate`` p50 over paired rounds of one side-by-side run, with its 95 %
+    confidence interval: the geometric mean of the per-round ratios, and a t interval on their logs."""
+
+    ratio: float
+    low: float
+    high: float
+    rounds: int
+
+    def text(self, baseline: str) -> str:
+        return f"{self.ratio:.2f}x {baseline} (95 % CI {self.low:.2f}-{self.high:.2f}, {self.rounds} paired rounds)"
+
+
+def speedup_interval(candidate: LatencyStats, baseline: LatencyStats) -> Speedup | None:
+    """How much faster ``candidate`` ran than ``baseline`` in the same side-by-side run: per round
+    r, log(baseline_r / candidate_r) (the pairing cancels load drift that hits both); their mean
+    ± t(0.975, k-1) x sd / sqrt(k), exponentiated. None with fewer than 3 paired rounds."""
+    k = min(len(candidate.rounds_ms), len(baseline.rounds_ms))
+    if k < 3:
+        return None
+    logs = [math.log(b / c) for b, c in zip(baseline.rounds_ms[:k], candidate.rounds_ms[:k], strict=True) if b > 0 < c]
+    k = len(logs)
+    if k < 3:
+        return None
+    mean = sum(logs) / k
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (k - 1))
+    half = _t975(k - 1) * sd / math.sqrt(k)
+    return Speedup(math.exp(mean), math.exp(mean - half), math.exp(mean + half), k)
+
+
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def _t975(df: int) -> float:
+    """Student's t 0.975 quantile: tabled below 10 degrees of freedom, else the Cornish-Fisher
+    expansion about the normal's (within 0.1 % there)."""
+    if df in _T975:
+        return _T975[df]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
 def p50_side_by_side(
@@ -51,6 +99,7 @@ def stats_side_by_side(
     min_repeats: int = 5,
     block: int = 10,
     discard: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, LatencyStats]:
     """p50, p90 and IQR milliseconds per call of each function, measured interleaved in blocks.
 
@@ -63,7 +112,8 @@ def stats_side_by_side(
     3.5 ms interleaved with ONNX Runtime per call, 0.42 ms alone, on this 2-core machine); a
     discarded first call absorbs the previous runtime's threads still spinning (the optimisation
     engine discards one). Stops after ``repeats`` rounds, or after ``min_repeats`` rounds once
-    ``budget_s`` is spent.
+    ``budget_s`` is spent. ``clock``: seconds, for the calls and the budget (the engine's tests
+    give one that the functions advance by set amounts).
     """
     names = list(fns)
     if not names:
@@ -72,7 +122,8 @@ def stats_side_by_side(
         for name in names:
             fns[name]()
     times: dict[str, list[float]] = {n: [] for n in names}
-    start = time.perf_counter()
+    rounds: dict[str, list[float]] = {n: [] for n in names}
+    start = clock()
     shuffle = random.Random(0).shuffle
     for r in range(repeats):
         order = list(names)
@@ -82,12 +133,13 @@ def stats_side_by_side(
             for _ in range(discard):
                 fn()
             for _ in range(block):
-                t0 = time.perf_counter()
+                t0 = clock()
                 fn()
-                out.append(time.perf_counter() - t0)
-        if r + 1 >= min_repeats and time.perf_counter() - start > budget_s:
+                out.append(clock() - t0)
+            rounds[name].append(_quantile(sorted(out[-block:]), 0.5) * 1000.0)
+        if r + 1 >= min_repeats and clock() - start > budget_s:
             break
-    return {n: _stats(v) for n, v in times.items()}
+    return {n: dataclasses.replace(_stats(v), rounds_ms=tuple(rounds[n])) for n, v in times.items()}
 
 
 def _stats(values: list[float]) -> LatencyStats:
