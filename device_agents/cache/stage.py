@@ -213,6 +213,7 @@ class CacheStore:
                 version=version,
                 ttl_s=self.policy.ttl_s,
                 cost_s=time.perf_counter() - t0,
+                disk_on_hit=True,  # durable once it repeats: an answer never asked again costs no disk write
             )
         except UncacheableError:
             return

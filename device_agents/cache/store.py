@@ -75,30 +75,35 @@ class Hit:
 
 
 class _Entry:
-    __slots__ = ("cost_s", "expires_s", "key", "model", "outputs", "size", "version")
+    __slots__ = ("cost_s", "created_s", "expires_s", "key", "model", "on_disk", "outputs", "size", "version")
 
     def __init__(
-        self, key: bytes, outputs: dict[str, np.ndarray], size: int, expires_s: float, model: str, version: int,
-        cost_s: float,
+        self, key: bytes | CacheKey, outputs: dict[str, np.ndarray], size: int, expires_s: float, model: str,
+        version: int, cost_s: float,
     ) -> None:  # fmt: skip
         self.key, self.outputs, self.size, self.expires_s = key, outputs, size, expires_s
         self.model, self.version, self.cost_s = model, version, cost_s
+        self.on_disk = True  # in the file, or queued for it (False: written when first hit)
+        self.created_s = 0.0
 
 
 class _Write:
-    __slots__ = ("cost_s", "created_s", "digest", "done", "expires_s", "key", "model", "ok", "value", "version")
+    __slots__ = (
+        "cost_s", "created_s", "digest", "done", "expires_s", "key", "model", "ok", "size", "value", "version",
+    )  # fmt: skip
 
     def __init__(
-        self, digest: bytes, model: str, version: int, key: bytes, value: bytes, created_s: float,
+        self, digest: bytes, model: str, version: int, key: bytes | CacheKey, value: bytes, created_s: float,
         expires_s: float, cost_s: float, done: threading.Event | None,
     ) -> None:  # fmt: skip
         self.digest, self.model, self.version, self.key, self.value = digest, model, version, key, value
         self.created_s, self.expires_s, self.cost_s, self.done = created_s, expires_s, cost_s, done
         self.ok = False
+        self.size = (len(key) if isinstance(key, bytes) else key.nbytes) + len(value)
 
-    @property
-    def size(self) -> int:
-        return len(self.key) + len(self.value)
+    def key_bytes(self) -> bytes:
+        """The whole key as stored (built here, in the writer thread, from a key the memory tier kept)."""
+        return self.key if isinstance(self.key, bytes) else self.key.full()
 
 
 class _Sweep:
@@ -163,13 +168,19 @@ class ResultCache:
         with self._hot_lock:
             entry = self._hot.get(digest)
             if entry is not None:
-                if entry.expires_s > now and key.matches(entry.key):
-                    self._hot.move_to_end(digest)
-                    return Hit(entry.outputs, entry.version, entry.cost_s, "memory")
-                if entry.expires_s <= now:
-                    self._drop_hot(digest)
-                return None
-        return self._get_disk(key, model, now)
+                kept = entry.key
+                if entry.expires_s <= now or not (key.matches(kept) if isinstance(kept, bytes) else key.same(kept)):
+                    if entry.expires_s <= now:
+                        self._drop_hot(digest)
+                    return None
+                self._hot.move_to_end(digest)
+                promote = not entry.on_disk
+                entry.on_disk = True
+        if entry is None:
+            return self._get_disk(key, model, now)
+        if promote:  # it repeated: worth its disk write now
+            self._queue_write(digest, entry, None)
+        return Hit(entry.outputs, entry.version, entry.cost_s, "memory")
 
     def put(
         self,
@@ -181,23 +192,44 @@ class ResultCache:
         ttl_s: float,
         cost_s: float = 0.0,
         wait: bool = False,
+        disk_on_hit: bool = False,
     ) -> bool:
         """Store ``outputs`` under ``key``; in memory now, in the file by the writer. ``wait``:
-        return once the file's transaction committed (True) or failed (False). Without ``wait``,
-        True when queued. ``UncacheableError`` for outputs that are not plain numbers."""
+        return once the file's transaction committed (True) or failed (False); without it, True
+        when queued. ``disk_on_hit``: write it to the file only once it is hit (from memory), so
+        an answer that never repeats costs no disk write (an all-miss stream of large inputs
+        would write every input, since the whole key is stored) and one that repeats is made
+        durable at its first hit; an entry too big for the memory tier goes to the file now.
+        ``UncacheableError`` for outputs that are not plain numbers."""
         value = encode_tensors(outputs)
-        full = key.full()
         now = self.clock()
-        expires_s = now + ttl_s
         decoded = decode_tensors(value)  # read-only views: what a hit hands out, whatever the caller does next
-        self._put_hot(key.digest, _Entry(full, decoded, len(full) + len(value), expires_s, model, version, cost_s))
-        if self.state == "off" or len(full) + len(value) > self._budget(model):
+        if disk_on_hit:  # the memory tier keeps the request's own (now read-only) tensors: no copy on a miss
+            key.freeze()
+            entry = _Entry(key, decoded, key.nbytes + len(value), now + ttl_s, model, version, cost_s)
+        else:
+            full = key.full()
+            entry = _Entry(full, decoded, len(full) + len(value), now + ttl_s, model, version, cost_s)
+        entry.created_s = now
+        entry.on_disk = not disk_on_hit
+        if self._put_hot(key.digest, entry) and disk_on_hit:
+            return True
+        entry.on_disk = True
+        return self._queue_write(key.digest, entry, value, wait)
+
+    def _queue_write(self, digest: bytes, entry: _Entry, value: bytes | None, wait: bool = False) -> bool:
+        """Hand ``entry`` to the writer (``value``: its encoded outputs; None: encoded here)."""
+        now = self.clock()
+        if self.state == "off" or entry.size > self._budget(entry.model):
             return False
         if self.state == "paused" and now < self._retry_at:
             return False
+        if value is None:
+            value = encode_tensors(entry.outputs)
         write = _Write(
-            key.digest, model, version, full, value, now, expires_s, cost_s, threading.Event() if wait else None
-        )
+            digest, entry.model, entry.version, entry.key, value, entry.created_s or now, entry.expires_s,
+            entry.cost_s, threading.Event() if wait else None,
+        )  # fmt: skip
         with self._cond:
             if len(self._pending) >= self.max_pending:
                 self.series.write_dropped()
@@ -252,9 +284,10 @@ class ResultCache:
         return self._hot_bytes
 
     # -- memory tier ----------------------------------------------------------------------
-    def _put_hot(self, digest: bytes, entry: _Entry) -> None:
+    def _put_hot(self, digest: bytes, entry: _Entry) -> bool:
+        """Keep ``entry`` in memory (LRU by bytes); False when it is bigger than the memory tier."""
         if entry.size > self.memory_max_bytes:
-            return
+            return False
         evicted = 0
         with self._hot_lock:
             if digest in self._hot:
@@ -267,6 +300,7 @@ class ResultCache:
                 evicted += 1
         if evicted:
             self.series.evicted("memory", evicted)
+        return True
 
     def _drop_hot(self, digest: bytes) -> None:
         """(under _hot_lock)"""
@@ -282,15 +316,17 @@ class ResultCache:
             with self._read_lock:
                 if self._reader is None:
                     return None
-                row = self._reader.execute(
+                # fetchall: the statement runs to its end, so its read transaction ends with it (one
+                # left open pins the WAL: no checkpoint gets past it, and the WAL grows without end)
+                rows = self._reader.execute(
                     "SELECT key, value, version, expires_s, cost_s FROM entries WHERE digest = ?", (key.digest,)
-                ).fetchone()
+                ).fetchall()
         except sqlite3.Error as exc:
             self._read_failed(exc)
             return None
-        if row is None:
+        if not rows:
             return None
-        stored, value, version, expires_s, cost_s = row
+        stored, value, version, expires_s, cost_s = rows[0]
         if expires_s <= now or not key.matches(stored):
             return None
         try:
@@ -298,7 +334,9 @@ class ResultCache:
         except CacheFormatError as exc:
             log.warning("result cache: an entry of %s does not parse (%s); it is ignored", model, exc)
             return None
-        self._put_hot(key.digest, _Entry(stored, outputs, len(stored) + len(value), expires_s, model, version, cost_s))
+        entry = _Entry(stored, outputs, len(stored) + len(value), expires_s, model, version, cost_s)
+        entry.on_disk = True
+        self._put_hot(key.digest, entry)
         return Hit(outputs, int(version), float(cost_s), "disk")
 
     def _read_failed(self, exc: sqlite3.Error) -> None:
@@ -448,7 +486,7 @@ class ResultCache:
                     " (digest, model, version, key, value, size_bytes, created_s, expires_s, cost_s)"
                     " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
-                        item.digest, item.model, item.version, item.key, item.value, item.size,
+                        item.digest, item.model, item.version, item.key_bytes(), item.value, item.size,
                         item.created_s, item.expires_s, item.cost_s,
                     ),
                 )  # fmt: skip

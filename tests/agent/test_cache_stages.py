@@ -188,8 +188,12 @@ def test_cache_hit_survives_a_restart(tmp_path: Path, keypair: tuple[Path, Path]
     x = sample_inputs(1, seed=45)
     try:
         lc.install(bundles.v1)
-        first = _ask(_pipeline(lc), x)
+        pipeline = _pipeline(lc)
+        first = _ask(pipeline, x)
         assert first.response_parameters["cache"] == "miss"
+        once = _ask(_pipeline(lc), sample_inputs(1, seed=46))  # asked once: kept in memory only
+        assert once.response_parameters["cache"] == "miss"
+        assert _ask(pipeline, x).response_parameters["cache"] == "hit"  # it repeats: written to disk now
     finally:
         lc.stop()
     assert shared_cache(lc.config, lc.metrics.cache).flush()
@@ -202,6 +206,8 @@ def test_cache_hit_survives_a_restart(tmp_path: Path, keypair: tuple[Path, Path]
         assert list(request.outputs) == list(first.outputs)
         for name, value in first.outputs.items():
             np.testing.assert_array_equal(request.outputs[name], value)
+        never_repeated = _ask(_pipeline(again), sample_inputs(1, seed=46))
+        assert never_repeated.response_parameters["cache"] == "miss"
     finally:
         again.stop()
 

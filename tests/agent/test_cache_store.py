@@ -244,3 +244,31 @@ def test_cache_that_cannot_be_opened_caches_in_memory_only(tmp_path: Path) -> No
     hit = cache.get(key, "det")
     assert hit is not None and hit.tier == "memory"
     cache.close()
+
+
+def test_cache_disk_on_hit_writes_an_entry_to_disk_only_once_it_repeats(tmp_path: Path) -> None:
+    cache = _cache(tmp_path)
+    once, twice = _x(20), _x(21)
+    for x in (once, twice):
+        cache.put(_maker().key({"x": x}), {"y": _x(22, (2,))}, model="det", version=1, ttl_s=60, disk_on_hit=True)
+    assert not once.flags.writeable  # kept as the stored key, not copied: frozen against in-place writes
+    assert cache.flush() and cache.entries() == 0  # nothing written for answers asked once
+    hit = cache.get(_maker().key({"x": twice.copy()}), "det")
+    assert hit is not None and hit.tier == "memory"
+    assert cache.flush() and cache.entries() == 1  # its first hit wrote it
+    cache.close()
+    reopened = _cache(tmp_path)
+    assert reopened.get(_maker().key({"x": twice.copy()}), "det") is not None
+    assert reopened.get(_maker().key({"x": once.copy()}), "det") is None
+    reopened.close()
+
+
+def test_cache_memory_tier_compares_a_kept_key_in_full(tmp_path: Path) -> None:
+    cache = _cache(tmp_path)
+    x = _x(23)
+    key = _maker().key({"x": x})
+    cache.put(key, {"y": _x(24, (2,))}, model="det", version=1, ttl_s=60, disk_on_hit=True)
+    other = _maker().key({"x": _x(25)})
+    assert cache.get(CacheKey(key.digest, other.header, other.buffers), "det") is None
+    assert cache.get(_maker().key({"x": x.copy()}), "det") is not None
+    cache.close()
