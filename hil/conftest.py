@@ -84,8 +84,8 @@ class HilBundles:
     manifest: Any  # v1's verified manifest
     golden: dict[str, np.ndarray]  # v1's golden vectors: in_<name>, out_<name>
 
-    def package(self, version: int, out: Path) -> Path:
-        """Version ``version`` of the same model, packaged and signed like v1."""
+    def package(self, version: int, out: Path, name: str = MODEL) -> Path:
+        """Version ``version`` of the same model (as ``name``), packaged and signed like v1."""
         import edgekit
         from tests.factories import sample_inputs
 
@@ -95,7 +95,7 @@ class HilBundles:
             precision="fp32",
             eval={"input": sample_inputs(64, size=32, seed=version)},
             key=self.private_key,
-            name=MODEL,
+            name=name,
             version=version,
             out_dir=out,
         )

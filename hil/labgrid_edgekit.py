@@ -204,7 +204,7 @@ class EdgekitAgentDriver(Driver):  # type: ignore[misc]  # labgrid is untyped
         """Copy the bundle onto the board and hand it to the running agent (``edgekit-agent install``)."""
         if self.command is None:
             raise StrategyError("this board file has no SSHDriver: install over the network needs one")
-        remote = f"{self.agent.store}/../edgekit-hil-{bundle.name}"
+        remote = f"/tmp/edgekit-hil-{bundle.name}"
         config = self.agent.config
         if isinstance(self.command, VirtualBoardDriver) and self.command.board is not None:
             remote = str(self.command.board.workdir / f"incoming-{bundle.name}")

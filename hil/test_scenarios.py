@@ -64,6 +64,26 @@ def test_install_over_serial_only(agent: Any, hil_bundles: HilBundles, report: H
     )
 
 
+def test_install_over_the_network(agent: Any, hil_bundles: HilBundles, report: HilReport, tmp_path: Path) -> None:
+    """The bundle copied onto the board and handed to the running agent there (SSH on a real board:
+    ``edgekit-agent install``), then served over the network."""
+    if agent.command is None:
+        pytest.skip("the board file has no SSHDriver: install over the network needs a shell on the board")
+    name = f"{MODEL}-net"
+    bundle = hil_bundles.package(1, tmp_path, name=name)
+    started = time.monotonic()
+    printed = agent.install_network(bundle)
+    seconds = time.monotonic() - started
+    assert f"{name} v1" in printed, printed
+    assert _status(agent)["models"].get(name) == 1
+    x = {k.removeprefix("in_"): v for k, v in hil_bundles.golden.items() if k.startswith("in_")}
+    if agent.url:
+        out = agent.infer_http(name, x)
+        expected = hil_bundles.golden[next(k for k in hil_bundles.golden if k.startswith("out_"))]
+        np.testing.assert_allclose(next(iter(out.values())), expected, rtol=1e-4, atol=1e-5)
+    report.measure("install_over_the_network", install_s=seconds, printed=printed.strip())
+
+
 def test_golden_vectors_on_the_board(installed: Any, hil_bundles: HilBundles, report: HilReport) -> None:
     """The bundle's golden vectors, run on the board (console and network), within their tolerances."""
     golden = hil_bundles.manifest.golden

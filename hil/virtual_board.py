@@ -175,7 +175,9 @@ class VirtualBoard:
         lines = [
             "config_version = 2",
             f"store = {_toml_str(self.store)}",
-            f'listen = "{self.board_address}:{self.http_port}"',
+            # every address of the board: the host reaches it on its veth address, and
+            # `edgekit-agent install` on the board over loopback (the install route is loopback-only)
+            f'listen = "0.0.0.0:{self.http_port}"',
             f"trusted_keys = [{keys}]",
             "",
             "[console]",

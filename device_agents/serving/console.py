@@ -265,20 +265,22 @@ class ConsoleServer:
         port.flush()
 
     def _answer(self, port: Any, frame: Frame) -> None:
-        restart = False
+        """Answer one request: RESULT, or ERROR with its ``seq`` (0 is kept for frames not read)."""
         try:
             doc, blob = unpack_message(frame.payload) if frame.payload else ({}, b"")
             out, out_blob = self._dispatch(frame.type, doc, blob)
-            restart = frame.type is MessageType.RESTART
-        except EdgekitError as exc:
+            _, wire = self.writer.frame(MessageType.RESULT, pack_message(out, out_blob), frame.seq)
+        except EdgekitError as exc:  # a refusal, or an answer over the frame limit (FrameTooLargeError)
             self._send(port, MessageType.ERROR, _error_doc(exc), ack=frame.seq)
             return
         except Exception as exc:  # the front-end's boundary: one request fails, the session survives
             log.exception("console: %s failed", frame.type.name)
-            self._send(port, MessageType.ERROR, {"error": f"internal error: {exc}", "error_type": type(exc).__name__})
+            error = {"error": f"internal error: {exc}", "error_type": type(exc).__name__, "status": 500}
+            self._send(port, MessageType.ERROR, error, ack=frame.seq)
             return
-        self._send(port, MessageType.RESULT, out, out_blob, ack=frame.seq)
-        if restart:
+        port.write(wire)
+        port.flush()
+        if frame.type is MessageType.RESTART:
             log.info("console: restart asked; stopping (the supervisor starts the agent again)")
             self.on_restart()
 
