@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from device_agents.faults import fault_active, fault_point
+from device_agents.processing.golden import check_golden_image
 from device_agents.runtimes.options import RuntimesConfig
 from edgekit.bundle.codec import from_data, to_data
 from edgekit.bundle.errors import SelfTestError
@@ -326,9 +327,15 @@ def _child(model_dir: Path, options: RuntimesConfig, plan: ChildPlan) -> SelfTes
     try:
         inputs, expected = _golden(model_dir, manifest)
         checks = compare_outputs(_infer_batches(model, manifest, inputs), expected, manifest.golden)
+        # a bundle that pre- and post-processes also carries an image and the host's whole-pipeline answer
+        image = check_golden_image(manifest, model_dir, model.infer)
+        if image is not None:
+            checks.append(OutputCheck("golden image", float(image[0]), 0.0, float(image[0]), None, image[0]))
         failed = [c for c in checks if not c.passed]
         reason = ""
-        if failed:
+        if image is not None and not image[0]:
+            reason = image[1]
+        elif failed:
             c = failed[0]
             reason = (
                 f"output {c.name!r} does not match the golden vectors: cosine {c.cosine:.4f} "

@@ -83,10 +83,22 @@ from edgekit.validate.calib import (
     take,
 )
 from edgekit.validate.latency import LatencyStats, call_with, stats_side_by_side
-from edgekit.validate.metrics import MEASURES, Comparison, Kind, RunFn, compare, output_kind, run_all, tolerance_with
+from edgekit.validate.metrics import (
+    MEASURES,
+    Comparison,
+    Kind,
+    RunFn,
+    compare,
+    kind_of,
+    output_kind,
+    output_tasks,
+    parse_tasks,
+    run_all,
+    tolerance_with,
+)
 from edgekit.validate.ort_runner import ort_cpu_runner
 from edgekit.validate.postprocess import LABELS_FILE, Postprocess, read_labels_file
-from edgekit.validate.preprocess import Preprocess
+from edgekit.validate.preprocess import Preprocess, image_files
 from edgekit.validate.table import format_table
 
 GOLDEN_FILE = "golden.npz"
@@ -192,6 +204,11 @@ class _Run:
     manifest_extras: dict[str, Any] = dataclasses.field(default_factory=dict)
     # files every bundle carries beside the artifact: path in the bundle -> (source file, role)
     bundle_files: dict[str, tuple[Path, str]] = dataclasses.field(default_factory=dict)
+    # each output's task (``validate.metrics.output_tasks``) and the notes naming the gate used
+    tasks: Mapping[str, str] | None = None
+    gate_notes: tuple[str, ...] = ()
+    # an encoded image whose whole-pipeline answer the golden vectors carry (with pre/post-processing)
+    golden_image: bytes | None = None
 
 
 def package(
@@ -224,6 +241,7 @@ def package(
     device_profile: str | Path | None = None,
     postprocess: Postprocess | str | None = None,
     labels_file: str | Path | None = None,
+    task: str | Mapping[str, str] | None = None,
 ) -> PackageResult:
     """Package ``model`` (ONNX) for ``targets`` and write one signed bundle per target.
 
@@ -326,7 +344,9 @@ def package(
         prepared = prepare_model(model, work / "prepared", say)
         if profile is not None:
             profile.check(prepared.source.sha256, model.name, names)
-        kind = output_kind(prepared.served)
+        given_tasks = parse_tasks(task, [o.name for o in prepared.served.outputs])
+        first_output = prepared.served.outputs[0].name
+        kind = kind_of(given_tasks, prepared.served) if first_output in given_tasks else output_kind(prepared.served)
         if max_drop is not None:
             if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) or not 0 <= max_drop <= 1:
                 raise ConfigError(
@@ -360,8 +380,13 @@ def package(
             say=say,
             manifest_extras=data_manifest_fields(calib_arrays, calib, prepared.served, preprocess),
         )
+        # each output's gate: --task, else from its shape and the fp32 values (named in the validation notes)
+        tasks, gate_notes = output_tasks(prepared.served, run.reference, given_tasks)
+        run = dataclasses.replace(run, kind=kind_of(tasks, prepared.served), tasks=tasks, gate_notes=gate_notes)
+        engine = dataclasses.replace(engine, tasks=tuple(tasks.items()))
         if preprocess is not None or postprocess is not None:
-            run = _with_processing(run, preprocess, postprocess, labels_names, labels_file)
+            image = _first_image(eval if eval is not None else calib)
+            run = _with_processing(run, preprocess, postprocess, labels_names, labels_file, image)
         static_shapes = resolve_static_shapes(prepared.served, run.calib, input_shapes)
         errors: dict[str, str] = {}  # targets that failed: the other targets go on
         for t in names:
@@ -687,7 +712,7 @@ def _evaluator(run: _Run, static: Signature) -> Callable[[RunFn], Comparison]:
 
     def evaluate(fn: RunFn) -> Comparison:
         outputs = run_all(fn, run.eval, batch, pad=True)
-        return compare(run.reference, outputs, run.kind, run.tolerance, run.labels)
+        return compare(run.reference, outputs, run.kind, run.tolerance, run.labels, run.tasks)
 
     return evaluate
 
@@ -746,7 +771,7 @@ def _validate_and_describe(
     try:
         run.say(f"[{target}] validating on {sample_count(run.eval)} held-out samples ({measured_on})")
         outputs = run_all(fn, run.eval, batch, pad=pad)
-        comparison = compare(run.reference, outputs, run.kind, run.tolerance, run.labels)
+        comparison = compare(run.reference, outputs, run.kind, run.tolerance, run.labels, run.tasks)
         if result.static:  # the frozen artifact's outputs have one shape: serve that one
             served = _concrete_outputs(served, outputs)
         if searched is not None:
@@ -799,7 +824,7 @@ def _validate_and_describe(
         latency_p90_ms=latency["artifact"].p90_ms if latency else None,
         latency_iqr_ms=latency["artifact"].iqr_ms if latency else None,
         measured_on=measured_on,
-        notes=(*(f"prepared: {s}" for s in run.steps), *result.notes, *slower_note),
+        notes=(*(f"prepared: {s}" for s in run.steps), *run.gate_notes, *result.notes, *slower_note),
         failures=comparison.failures,
         slower_than_fp32=slower,
     )
@@ -832,10 +857,13 @@ def _with_processing(
     postprocess: Postprocess | None,
     labels: tuple[str, ...] | None,
     labels_file: str | Path | None,
+    image: Path | None = None,
 ) -> _Run:
     """``run`` with the manifest's processing steps (checked against the model's shapes) and the
     labels file. The post-processing runs here, on the FP32 outputs of an evaluation sample, as
-    the agent will run it: a step that cannot apply fails the packaging, not the device."""
+    the agent will run it: a step that cannot apply fails the packaging, not the device. ``image``
+    (the first image file of the data, if any) goes into the golden vectors with the whole
+    pipeline's answer, which the device's self-test checks."""
     from device_agents.processing.post import Postprocessor
 
     extras = dict(run.manifest_extras)
@@ -853,7 +881,36 @@ def _with_processing(
         found = post.run(one, None)
         run.say(f"post-processing: {', '.join(f'{k} {list(v.shape)}' for k, v in found.items())} on one sample")
         extras["postprocess"] = steps
-    return dataclasses.replace(run, manifest_extras=extras, bundle_files=bundle_files)
+    golden = image.read_bytes() if image is not None and "preprocess" in extras and postprocess is not None else None
+    return dataclasses.replace(run, manifest_extras=extras, bundle_files=bundle_files, golden_image=golden)
+
+
+def _first_image(source: ArraysLike | None) -> Path | None:
+    """The first image file of a folder or glob of images, else None."""
+    if source is None or isinstance(source, Mapping):
+        return None
+    files = image_files(source)
+    return files[0] if files else None
+
+
+def _golden_image(run: _Run, served: Signature, fn: RunFn) -> dict[str, np.ndarray]:
+    """The golden vectors' image entries: ``run.golden_image`` through the whole pipeline with ``fn``."""
+    from device_agents.processing.golden import golden_arrays, run_pipeline
+    from device_agents.processing.signature import image_input_of
+
+    if run.golden_image is None:
+        return {}
+    pre, post = run.manifest_extras["preprocess"], run.manifest_extras["postprocess"]
+    batch = fixed_batch(served) or 1
+
+    def infer(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: v[:1] for k, v in fn(pad_samples(feed, batch)).items()}
+
+    files = {path: src for path, (src, _) in run.bundle_files.items()}
+    answer = run_pipeline(pre, post, served, run.golden_image, infer, lambda path: files[path].read_bytes())
+    name = image_input_of(pre, served)
+    run.say(f"golden image: {len(answer['scores'])} result(s) from the whole pipeline, checked by the self-test")
+    return golden_arrays(name or served.inputs[0].name, run.golden_image, answer)
 
 
 def _own_fp32(searched: Any, v: Validation) -> tuple[str, float] | None:
@@ -952,6 +1009,7 @@ def _write_golden(
             min_top1_agreement=t.min_top1_agreement if run.kind == "classifier" else None,
         )
     arrays = {f"in_{k}": v for k, v in inputs.items()} | {f"out_{k}": v for k, v in expected.items()}
+    arrays |= _golden_image(run, served, artifact if artifact is not None else run.fp32)
     np.savez(out_dir / GOLDEN_FILE, **arrays)  # type: ignore[arg-type]  # numpy's savez kwargs stub is too narrow
     return golden
 

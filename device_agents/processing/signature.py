@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from edgekit.bundle.manifest import Manifest, ProcessingStep, TensorSpec
+from edgekit.bundle.manifest import Manifest, ProcessingStep, Signature, TensorSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +45,15 @@ def processed_outputs(steps: Sequence[ProcessingStep]) -> tuple[WireTensor, ...]
 
 def image_input(manifest: Manifest) -> str | None:
     """The input an encoded image goes to (None: the manifest does not pre-process)."""
-    if not manifest.preprocess:
+    return image_input_of(manifest.preprocess, manifest.signature)
+
+
+def image_input_of(preprocess: Sequence[ProcessingStep], signature: Signature) -> str | None:
+    """``image_input`` from the steps and the served signature."""
+    if not preprocess:
         return None
-    named = {s.tensor for s in manifest.preprocess if s.tensor is not None}
-    return named.pop() if len(named) == 1 else manifest.signature.inputs[0].name
+    named = {s.tensor for s in preprocess if s.tensor is not None}
+    return named.pop() if len(named) == 1 else signature.inputs[0].name
 
 
 def wire_signature(

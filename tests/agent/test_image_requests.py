@@ -273,3 +273,26 @@ def test_a_corrupt_image_is_a_400_naming_the_reason(agent) -> None:  # type: ign
     with pytest.raises(urllib.error.HTTPError) as info:
         _post(f"{agent.url}/v2/models/det/infer", json.dumps(bad).encode())
     assert info.value.code == 400 and "not a readable JPEG" in info.value.read().decode()
+
+
+def test_golden_vectors_carry_an_image_the_self_test_checks(
+    workspace: dict[str, Path], keypair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    import tarfile
+
+    from tests.agent.bundles import rebundle
+
+    with tarfile.open(workspace["det"], "r:gz") as tar:
+        golden = np.load(io.BytesIO(tar.extractfile("golden.npz").read()))  # type: ignore[union-attr]  # a regular file
+        arrays = {k: golden[k] for k in golden.files}
+    assert arrays["image_images"].dtype == np.uint8 and arrays["image_images"][:2].tobytes() == b"\xff\xd8"
+    assert arrays["expected_boxes"].shape[1] == 4 and arrays["expected_labels"].dtype.kind == "S"
+    # the same bundle whose host answer names another class for the best box: the device disagrees
+    arrays["expected_classes"] = (arrays["expected_classes"] + 1) % len(CLASSES)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    bad = rebundle(workspace["det"], keypair[0], tmp_path / "det-bad.ekb", files={"golden.npz": buf.getvalue()})
+    config = write_config(tmp_path / "agent", keypair[1])
+    done = agent_cli("install", str(bad), "--config", str(config))
+    assert done.returncode != 0
+    assert "golden image's best class is" in done.stdout + done.stderr
