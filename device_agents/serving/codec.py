@@ -80,6 +80,9 @@ class InferRequest:
     # inputs that are not model tensors yet: a BYTES tensor (numpy object array of bytes), or the
     # uint8 pixels sent to an image input (see ``device_agents.processing.signature``)
     raw: dict[str, np.ndarray] = field(default_factory=dict)
+    # the request's v2 "parameters" as sent (e.g. {"cache": "bypass"}); shared by the requests of one
+    # cached header: read, never written
+    parameters: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,7 @@ def decode_request(
         binary_output=bool(params.get("binary_data_output", False)),
         timeout_s=_timeout_s(params),
         raw=raw,
+        parameters=params,
     )
     if header is not None and cache is not None and binary == len(tensors) and not raw:
         cache.keep_plan(
@@ -443,11 +447,14 @@ def encode_response(
     results: Mapping[str, np.ndarray],
     outputs: Sequence[Spec],
     cache: HeaderCache | None = None,
+    parameters: Mapping[str, Any] | None = None,
 ) -> tuple[bytes, int | None]:
     """The response body and, when it carries binary tensors, its JSON header length.
 
     ``cache``: the JSON header of a binary-only response without an ``id`` is built once per
-    model, version, outputs asked for and their shapes and dtypes."""
+    model, version, outputs asked for, their shapes and dtypes and the response ``parameters``
+    (the v2 response's own, e.g. ``{"cache": "hit"}``; values must be hashable)."""
+    extra = tuple(parameters.items()) if parameters else ()
     wanted = request.outputs if request.outputs is not None else tuple((s.name, request.binary_output) for s in outputs)
     key: tuple[Any, ...] | None = None
     if cache is not None and request.id is None:
@@ -455,13 +462,13 @@ def encode_response(
             out_name, binary = wanted[0]
             a = results[out_name]
             if binary and a.dtype != object:  # (a BYTES tensor's header depends on its values' lengths)
-                key = (model_name, version, wanted, (a.shape, a.dtype))
+                key = (model_name, version, wanted, extra, (a.shape, a.dtype))
                 cached = cache.responses.get(key)
                 if cached is not None:
                     return cached + _little_endian_bytes(a), len(cached)
         elif all(binary for _, binary in wanted) and all(results[name].dtype != object for name, _ in wanted):
             arrays = [results[name] for name, _ in wanted]
-            key = (model_name, version, wanted, *((a.shape, a.dtype) for a in arrays))
+            key = (model_name, version, wanted, extra, *((a.shape, a.dtype) for a in arrays))
             cached = cache.responses.get(key)
             if cached is not None:
                 tensors = [_little_endian_bytes(a) for a in arrays]
@@ -486,6 +493,8 @@ def encode_response(
             item["data"] = values
         items.append(item)
     doc: dict[str, Any] = {"model_name": model_name, "model_version": str(version)}
+    if parameters:
+        doc["parameters"] = dict(parameters)
     if request.id is not None:
         doc["id"] = request.id
     doc["outputs"] = items

@@ -220,3 +220,23 @@ def test_encode_writes_big_endian_results_as_little_endian_binary() -> None:
     body, hlen = encode_response("m", 1, req, results, OUTPUTS)
     assert hlen is not None
     assert body[hlen:] == np.array([[0.25, -1.5]], "<f4").tobytes() + np.array([7], "<i8").tobytes()
+
+
+def test_decode_keeps_the_request_parameters_and_encode_writes_the_response_s() -> None:
+    from device_agents.serving.codec import HeaderCache
+
+    body = json.dumps({"inputs": [], "parameters": {"cache": "bypass", "priority": 2}}).encode()
+    req = decode_request(body, None, (), OUTPUTS)
+    assert req.parameters == {"cache": "bypass", "priority": 2}
+    results = {"y": np.array([[0.25, -1.5]], np.float32), "z": np.array([7], np.int64)}
+    binary = decode_request(
+        json.dumps({"inputs": [], "parameters": {"binary_data_output": True}}).encode(), None, (), OUTPUTS
+    )
+    cache = HeaderCache()
+    for state in ("miss", "hit", "miss"):  # a cached binary header per response parameters, not one for all
+        out, hlen = encode_response("m", 1, binary, results, OUTPUTS, cache, parameters={"cache": state})
+        parsed = InferResult.from_response_body(out, header_length=hlen)
+        assert parsed.get_response()["parameters"] == {"cache": state}
+        np.testing.assert_array_equal(parsed.as_numpy("y"), results["y"])
+    plain, _ = encode_response("m", 1, req, results, OUTPUTS)
+    assert "parameters" not in json.loads(plain)
