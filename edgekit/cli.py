@@ -180,6 +180,13 @@ def _register_package(sub: Any) -> None:
         "scores); activation=softmax|sigmoid|none, output=NAME",
     )
     p.add_argument(
+        "--task",
+        metavar="TASK|OUTPUT=TASK,...",
+        help="how the outputs are judged against fp32: classify (top-1 agreement), regress (relative error), "
+        "embed, detect, segment (cosine, relative error, worst live channel); one task for every output or "
+        "OUTPUT=TASK per output (default: from each output's shape and values; the validation notes say which)",
+    )
+    p.add_argument(
         "--labels-file",
         type=Path,
         metavar="CLASSES.txt",
@@ -340,6 +347,7 @@ def _package_or_raise(args: argparse.Namespace) -> int:
             device_profile=args.device_profile,
             postprocess=args.postprocess,
             labels_file=args.labels_file,
+            task=args.task,
         )
     except PackageValidationError as exc:
         error, result = exc, exc.result

@@ -24,7 +24,7 @@ from edgekit.optimize.profile import DeviceProfile
 from edgekit.optimize.record import choice_step
 from edgekit.targets.base import BuildContext, BuildResult, static_signature
 from edgekit.validate.calib import even_batch, fixed_batch, sample_count
-from edgekit.validate.metrics import output_kind, run_all
+from edgekit.validate.metrics import kind_of, output_kind, run_all
 from edgekit.validate.ort_runner import ort_open
 
 
@@ -43,6 +43,8 @@ class EngineSettings:
     time_budget_s: float | None = 420.0
     # latency measured on the device (``edgekit bench --profile``), used instead of the host's
     device_profile: DeviceProfile | None = None
+    # (output, task) per output (``validate.metrics.output_tasks``); empty: the kind from the shapes
+    tasks: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -81,7 +83,8 @@ def optimise(
     served = ctx.served
     if getattr(target, "static_shapes", False):  # the artifact takes the static shapes only: measure at them
         served = static_signature(ctx.served, ctx.static_shapes)
-    kind = output_kind(ctx.served)
+    tasks = dict(settings.tasks) or None
+    kind = kind_of(tasks, ctx.served) if tasks else output_kind(ctx.served)
     batch = fixed_batch(ctx.served) or 16
     classes = None
     if kind == "classifier":
@@ -117,6 +120,7 @@ def optimise(
         shared=shared,
         time_budget_s=settings.time_budget_s,
         device_latency=settings.device_profile.for_target(target.name) if settings.device_profile else None,
+        tasks=tasks,
     )
     return _finished(target, ctx, settings, result)
 

@@ -26,6 +26,12 @@ from edgekit.errors import ConfigError
 from edgekit.validate.calib import iter_batches, pad_samples, sample_count
 
 Kind = Literal["classifier", "dense"]
+# What an output is, which decides how it is judged: ``classify`` (top-1 agreement, the first
+# output), ``regress`` (its own relative error: a score's cosine across samples says nothing, its
+# top-1 over three MOS-like scores is noise), ``embed``/``detect``/``segment`` (the dense gate).
+Task = Literal["classify", "regress", "embed", "detect", "segment"]
+TASKS: tuple[str, ...] = ("classify", "regress", "embed", "detect", "segment")
+REGRESS_MAX_COLUMNS = 4  # at most this many unbounded values per sample, not probabilities: regression
 RunFn = Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]]
 # The measures a Comparison shares with the manifest's Validation, by the same names.
 MEASURES = (
@@ -101,14 +107,105 @@ def run_all(fn: RunFn, arrays: Mapping[str, np.ndarray], batch: int = 1, pad: bo
     return {name: np.concatenate(values, axis=0) for name, values in parts.items()}
 
 
+def parse_tasks(given: str | Mapping[str, str] | None, outputs: list[str]) -> dict[str, str]:
+    """``--task``: one task for every output (``regress``), or ``OUTPUT=TASK`` items, comma-separated
+    or a mapping; checked against ``TASKS`` and the model's output names."""
+    if given is None or given == "" or given == {}:
+        return {}
+    items: dict[str, str] = {}
+    if isinstance(given, str):
+        for part in (p.strip() for p in given.split(",") if p.strip()):
+            name, sep, task = part.rpartition("=")
+            if not sep:
+                items.update({o: task for o in outputs})
+            else:
+                items[name.strip()] = task.strip()
+    else:
+        items = {str(k): str(v) for k, v in given.items()}
+    for name, task in items.items():
+        if task not in TASKS:
+            raise ConfigError(f"--task {name}={task}: choose one of {', '.join(TASKS)}")
+        if name not in outputs:
+            near = difflib.get_close_matches(name, outputs, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(
+                f"--task {name}={task}: the model has no output {name!r} (outputs: {', '.join(outputs)}){hint}"
+            )
+    return items
+
+
+def output_tasks(
+    served: Signature, reference: Mapping[str, np.ndarray], given: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], tuple[str, ...]]:
+    """Each output's task (``given`` where named, else from its shape and the FP32 values in
+    ``reference``) and one note per output naming the gate used and why:
+
+    - one value per sample (``[N]``, ``[N, 1]``): regress;
+    - ``[N, C]`` rows that are probabilities (in [0, 1], summing to 1): classify; of unit L2 norm:
+      embed; at most ``REGRESS_MAX_COLUMNS`` other values: regress; more: classify (scores);
+    - rank 3 (per anchor): detect; rank 4 and up (maps): segment."""
+    given = dict(given or {})
+    tasks: dict[str, str] = {}
+    notes: list[str] = []
+    for spec in served.outputs:
+        values = np.asarray(reference[spec.name]) if spec.name in reference else None
+        shape = tuple(values.shape) if values is not None else tuple(spec.shape)
+        if spec.name in given:
+            task, why = given[spec.name], "given by --task"
+        else:
+            task, why = _infer_task(shape, values)
+        tasks[spec.name] = task
+        notes.append(
+            f"gate: output {spec.name!r} judged as {task} "
+            f"({_gate_text(task, spec.name == served.outputs[0].name)}); {why}"
+        )
+    return tasks, tuple(notes)
+
+
+def kind_of(tasks: Mapping[str, str], served: Signature) -> Kind:
+    """The gate's kind: a classifier when the first output is class scores."""
+    return "classifier" if tasks.get(served.outputs[0].name) == "classify" else "dense"
+
+
+def _infer_task(shape: tuple[Any, ...], values: np.ndarray | None) -> tuple[str, str]:
+    if len(shape) <= 1 or (len(shape) == 2 and shape[1] == 1):
+        return "regress", f"one value per sample (shape {list(shape)})"
+    if len(shape) == 2:
+        if values is not None and values.size:
+            rows = values.reshape(len(values), -1).astype(np.float64)
+            if rows.min() >= -1e-6 and rows.max() <= 1 + 1e-6 and np.allclose(rows.sum(axis=1), 1.0, atol=1e-3):
+                return "classify", "its rows are probabilities (in [0, 1], summing to 1)"
+            if np.allclose(np.linalg.norm(rows, axis=1), 1.0, atol=1e-3):
+                return "embed", "its rows have unit L2 norm"
+            if isinstance(shape[1], int) and shape[1] <= REGRESS_MAX_COLUMNS:
+                return "regress", (
+                    f"{shape[1]} values per sample that are not probabilities (<= {REGRESS_MAX_COLUMNS}: regression)"
+                )
+        return "classify", f"a score vector per sample (shape {list(shape)})"
+    if len(shape) == 3:
+        return "detect", f"values per anchor (shape {list(shape)})"
+    return "segment", f"a map per sample (shape {list(shape)})"
+
+
+def _gate_text(task: str, first: bool) -> str:
+    if task == "classify":
+        return "top-1 agreement with fp32" if first else "recorded; the first output's top-1 gates"
+    if task == "regress":
+        return "its relative error to fp32"
+    return "mean cosine, relative error and the worst live channel's cosine"
+
+
 def compare(
     reference: Mapping[str, np.ndarray],
     candidate: Mapping[str, np.ndarray],
     kind: Kind,
     tolerance: Tolerance,
     labels: np.ndarray | None = None,
+    tasks: Mapping[str, str] | None = None,
 ) -> Comparison:
-    """Compare ``candidate`` outputs with FP32 ``reference`` outputs (same names, samples on axis 0)."""
+    """Compare ``candidate`` outputs with FP32 ``reference`` outputs (same names, samples on axis 0).
+    ``tasks`` (``output_tasks``): a ``regress`` output is judged by its own relative error, and left
+    out of the cosine and worst-channel measures."""
     names = list(reference)
     missing = [n for n in names if n not in candidate]
     if missing:
@@ -117,6 +214,9 @@ def compare(
     samples = int(ref0.shape[0])
     cosines, abs_err, ref_abs, max_abs = [], [], [], 0.0
     worst: tuple[float, str, int] | None = None  # (cosine, output, channel)
+    regressed: list[str] = []  # regression outputs over the relative error
+    dense_cosines: list[float] = []
+    dense_err: list[tuple[float, float]] = []  # (mean |a - b|, mean |b|) of the outputs the dense gate judges
     for n in names:
         r = reference[n].astype(np.float64).reshape(samples, -1)
         c = candidate[n].astype(np.float64).reshape(samples, -1)
@@ -127,10 +227,18 @@ def compare(
         abs_err.append(diff.mean())
         ref_abs.append(np.abs(r).mean())
         max_abs = max(max_abs, float(diff.max(initial=0.0)))
+        if tasks is not None and tasks.get(n) == "regress":
+            own = float(diff.mean() / max(float(np.abs(r).mean()), 1e-12))
+            limit = tolerance.max_relative_error
+            if limit is not None and own > limit:
+                regressed.append(_short(f"output {n!r} (regression) relative error to fp32", own, limit, "<="))
+            continue
+        dense_cosines.append(cosines[-1])
+        dense_err.append((abs_err[-1], ref_abs[-1]))
         found = worst_channel(reference[n], candidate[n])
         if found is not None and (worst is None or found[0] < worst[0]):
             worst = (found[0], n, found[1])
-    cosine = min(cosines)
+    cosine = min(dense_cosines or cosines)
     mean_abs = float(np.mean(abs_err))
     relative = float(np.mean(abs_err) / max(float(np.mean(ref_abs)), 1e-12))
     values: dict[str, Any] = {
@@ -157,11 +265,14 @@ def compare(
                     f"top-1 accuracy dropped {drop:.3f} (from {fp32_acc:.3f} to {acc:.3f}), over the allowed "
                     f"{t.max_top1_drop:.3f} by {drop - t.max_top1_drop:.3f}"
                 )
-    else:
+    elif dense_cosines or tasks is None:
         if t.min_cosine is not None and cosine < t.min_cosine:
             failures.append(_short("mean cosine to fp32", cosine, t.min_cosine, ">="))
-        if t.max_relative_error is not None and relative > t.max_relative_error:
-            failures.append(_short("relative error to fp32", relative, t.max_relative_error, "<="))
+        judged = relative
+        if tasks is not None and dense_err:  # the outputs the dense gate judges (regression ones: above)
+            judged = float(np.mean([e for e, _ in dense_err]) / max(float(np.mean([r for _, r in dense_err])), 1e-12))
+        if t.max_relative_error is not None and judged > t.max_relative_error:
+            failures.append(_short("relative error to fp32", judged, t.max_relative_error, "<="))
         if t.min_channel_cosine is not None and worst is not None and worst[0] < t.min_channel_cosine:
             failures.append(
                 f"output {worst[1]!r} channel {worst[2]} cosine {worst[0]:.2f} (< {t.min_channel_cosine:.4g}): the "
@@ -169,6 +280,7 @@ def compare(
                 "crushed the small ones; keep the head in float (--precision auto / --mixed-precision) or normalize "
                 "before the concat"
             )
+    failures += regressed
     return Comparison(kind=kind, samples=samples, tolerance=tolerance, failures=tuple(failures), **values)
 
 
