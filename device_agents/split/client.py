@@ -120,21 +120,31 @@ class TailClient:
     def _call(
         self, method: str, path: str, body: bytes, headers: dict[str, str], timeout_s: float
     ) -> tuple[int, bytes, int | None]:
-        conn = self._connection(max(0.001, timeout_s))
-        try:
-            if conn.sock is None:
-                conn.connect()
-                _no_delay(conn)
-            conn.request(method, path, body=body or None, headers=headers)
-            response = conn.getresponse()
-            reply = response.read()
-            length = response.getheader("Inference-Header-Content-Length")
-        except TimeoutError as exc:
-            self.close()  # a late answer must not be read as the next request's
-            raise TailError(f"tail: no answer within {timeout_s * 1000:.0f} ms", "deadline") from exc
-        except (OSError, http.client.HTTPException) as exc:
-            self.close()
-            raise TailError(f"tail unreachable: {exc}", "unreachable") from exc
+        """One request; on a kept-alive connection the server closed meanwhile (it answers nothing:
+        RemoteDisconnected, reset, broken pipe), once more on a fresh connection (v2 infer is
+        idempotent)."""
+        for attempt in (0, 1):
+            conn = self._connection(max(0.001, timeout_s))
+            reused = conn.sock is not None
+            try:
+                if not reused:
+                    conn.connect()
+                    _no_delay(conn)
+                conn.request(method, path, body=body or None, headers=headers)
+                response = conn.getresponse()
+                reply = response.read()
+                length = response.getheader("Inference-Header-Content-Length")
+                break
+            except TimeoutError as exc:
+                self.close()  # a late answer must not be read as the next request's
+                raise TailError(f"tail: no answer within {timeout_s * 1000:.0f} ms", "deadline") from exc
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
+                self.close()
+                if not reused or attempt:
+                    raise TailError(f"tail unreachable: {exc}", "unreachable") from exc
+            except (OSError, http.client.HTTPException) as exc:
+                self.close()
+                raise TailError(f"tail unreachable: {exc}", "unreachable") from exc
         try:
             json_len = int(length) if length is not None else None
         except ValueError as exc:

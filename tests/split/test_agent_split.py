@@ -24,7 +24,7 @@ from device_agents.serving.http import AgentServer
 from device_agents.split.stage import SplitMetrics, SplitStage
 from edgekit.bundle.archive import read_unverified_manifest
 from tests.split.conftest import SplitBuild
-from tests.split.servers import serve_tail
+from tests.split.servers import kserve_tail, serve_tail
 
 
 def _config(root: Path, pub: Path, tail_url: str, **split: Any) -> AgentConfig:
@@ -109,7 +109,10 @@ def test_agent_splits_and_loses_nothing_when_the_tail_is_killed_mid_stream(
             assert len(answers) == 40
             for a in answers:
                 np.testing.assert_allclose(a, split_build.want, rtol=1e-4, atol=1e-5)
-            assert _metric(url, "edgekit_split_fallbacks_total", reason="unreachable") >= 1
+            # seen first by a request or by a probe, whichever came first
+            unreachable = _metric(url, "edgekit_split_fallbacks_total", reason="unreachable")
+            unreachable += _metric(url, "edgekit_split_fallbacks_total", reason="probe_unreachable")
+            assert unreachable >= 1
             assert _metric(url, "edgekit_split_chosen", model="m", cut="local") == 1
             assert _metric(url, "edgekit_split_link_rtt_ms", model="m") > 0
 
@@ -182,3 +185,19 @@ def test_split_stage_choice_follows_the_bandwidth_estimate(tmp_path: Path, split
         assert stage.choose(manifest.split) is None
     finally:
         stage.close()
+
+
+def test_agent_splits_against_kserves_own_model_server(tmp_path: Path, split_build: SplitBuild) -> None:
+    from edgekit.split.export import export_kserve
+
+    manifest, _ = read_unverified_manifest(split_build.bundles.device)
+    assert manifest.split is not None
+    tails = {m.cut.id: m.tail_path for m in split_build.run.measured.cuts}
+    export_kserve([(c.tail_model, tails[c.id]) for c in manifest.split.cuts], tmp_path / "kserve")
+    with kserve_tail(tmp_path / "kserve") as (tail_url, _):
+        config = _config(tmp_path, split_build.public_key, tail_url)
+        with _agent(config, split_build.bundles.device) as url:
+            for _ in range(10):
+                np.testing.assert_allclose(_infer(url, split_build.x), split_build.want, rtol=1e-4, atol=1e-5)
+            assert _metric(url, "edgekit_split_requests_total") == 10
+            assert _metric(url, "edgekit_split_fallbacks_total") == 0
