@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -212,7 +213,7 @@ class VirtualBoard:
             if procs is not None:
                 procs.write_text(str(os.getpid()))
 
-        command = ["ip", "netns", "exec", self.netns, sys.executable, "-m", "device_agents.cli"]
+        command = [*self._inside(), sys.executable, "-m", "device_agents.cli"]
         with open(self.log_path, "ab") as log:
             log.write(f"--- power on {time.strftime('%H:%M:%S')} ---\n".encode())
             log.flush()
@@ -245,11 +246,19 @@ class VirtualBoard:
         self._proc = None
         return code
 
+    def _inside(self) -> list[str]:
+        """The command prefix that runs a program in the board's network namespace. Not
+        ``ip netns exec``: it mounts a fresh /sys for the namespace, without /sys/fs/cgroup, and the
+        agent would not see its CPU quota (it sizes its runtimes' thread pools to it)."""
+        if shutil.which("nsenter"):
+            return ["nsenter", f"--net=/var/run/netns/{self.netns}"]
+        return ["ip", "netns", "exec", self.netns]
+
     # -- what a board offers ------------------------------------------------------------
     def run(self, *cmd: str, timeout_s: float = 600.0) -> subprocess.CompletedProcess[str]:
         """A command on the board (in its namespace), as SSH would run it on a real one."""
         return subprocess.run(
-            ["ip", "netns", "exec", self.netns, *cmd],
+            [*self._inside(), *cmd],
             capture_output=True,
             text=True,
             timeout=timeout_s,

@@ -70,3 +70,5 @@ def test_virtual_board_installs_over_serial_and_answers_golden_vectors(tmp_path:
     assert (report / "report.md").read_text().startswith("# edgekit HIL report: virtual")
     assert not (tmp_path / "vb" / "console").exists()  # torn down: the console link is gone
     assert not os.path.ismount(tmp_path / "vb" / "store")  # the tmpfs is unmounted
+    if len(os.sched_getaffinity(0)) > 1:  # the agent saw its half-core quota (device_agents.cpus)
+        assert "CPUs: this agent may use 1 of" in (tmp_path / "vb" / "agent.log").read_text()
