@@ -1,4 +1,5 @@
-"""``edgekit split plan`` (and ``edgekit serve-tail``): registered on the ``edgekit`` parser."""
+"""``edgekit split plan``, ``edgekit split package`` and ``edgekit serve-tail``: registered on the
+``edgekit`` parser."""
 
 from __future__ import annotations
 
@@ -22,6 +23,49 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
             "plan.json, plan.txt and latency.png under --output-dir."
         ),
     )
+    _plan_arguments(plan)
+    plan.set_defaults(func=_plan)
+
+    pkg = split_sub.add_parser(
+        "package",
+        help="plan, then write the split device bundle and one tail bundle per useful cut",
+        description=(
+            "Plan as `edgekit split plan` does, then write the device bundle NAME-cpu-vN.ekb (the full model FP32 as "
+            "the local fallback, one head per cut chosen at some planned bandwidth (or --cuts), the plan in the "
+            "manifest) and NAME-tail-<cut>-cpu-vN.ekb per cut, all signed with --key. When no cut helps at any "
+            "planned bandwidth, only the ordinary bundle is written, and the command says why."
+        ),
+    )
+    _plan_arguments(pkg)
+    pkg.add_argument("--key", "--signing-key", dest="key", type=Path, required=True, help="Ed25519 private key")
+    pkg.add_argument("--name", help="model name (default: MODEL's stem)")
+    pkg.add_argument("--version", type=int, default=1)
+    pkg.add_argument("--cuts", default="auto", metavar="auto|ID,...", help="cuts to ship (auto: those chosen)")
+    pkg.add_argument("--bundle-dir", type=Path, default=Path("."), help="where the bundles go (default: .)")
+    pkg.set_defaults(func=_package)
+
+    tail = subparsers.add_parser(
+        "serve-tail",
+        help="serve split tails over v2 REST (KServe/Triton protocol), or export them for Triton / KServe",
+        description=(
+            "Serve each TAIL (.onnx: packaged into an FP32 cpu bundle signed for this run; .ekb: installed as it is, "
+            "its signer trusted with --trust) through the agent's own v2 front-end, service and pipeline, from a "
+            "store in a temporary directory. With --triton-repo / --kserve, write the .onnx tails as a Triton model "
+            "repository / a KServe layout instead."
+        ),
+    )
+    tail.add_argument("tails", type=Path, nargs="+", metavar="TAIL", help="tail .onnx files or .ekb tail bundles")
+    tail.add_argument("--listen", default="127.0.0.1:8600", metavar="HOST:PORT", help="where to serve (port 0: any)")
+    tail.add_argument("--trust", type=Path, action="append", default=[], metavar="KEY.pub", help="signer of .ekb tails")
+    tail.add_argument(
+        "--name-prefix", metavar="P", help="serve TAIL as P-<file stem> (as the plan names tails: MODEL-tail-<cut>)"
+    )
+    tail.add_argument("--triton-repo", type=Path, metavar="DIR", help="write a Triton model repository and exit")
+    tail.add_argument("--kserve", type=Path, metavar="DIR", help="write DIR/<name>/model.onnx for KServe and exit")
+    tail.set_defaults(func=_serve_tail)
+
+
+def _plan_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("model", type=Path, help="the ONNX model")
     plan.add_argument("--target", default="cpu", help="device target (cpu: measured with ONNX Runtime here)")
     plan.add_argument("--input-shape", action="append", default=[], metavar="NAME=1x3x320x320")
@@ -45,37 +89,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     plan.add_argument("--output-dir", "-o", type=Path, help="where to write (default: MODEL's stem + '-split')")
     plan.add_argument("--save-profile", type=Path, metavar="P.json", help="write this host's times as a profile")
     plan.add_argument("--no-plot", action="store_true", help="skip latency.png")
-    plan.set_defaults(func=_plan)
-
-    tail = subparsers.add_parser(
-        "serve-tail",
-        help="serve split tails over v2 REST (KServe/Triton protocol), or export them for Triton / KServe",
-        description=(
-            "Serve each TAIL (.onnx: packaged into an FP32 cpu bundle signed for this run; .ekb: installed as it is, "
-            "its signer trusted with --trust) through the agent's own v2 front-end, service and pipeline, from a "
-            "store in a temporary directory. With --triton-repo / --kserve, write the .onnx tails as a Triton model "
-            "repository / a KServe layout instead."
-        ),
-    )
-    tail.add_argument("tails", type=Path, nargs="+", metavar="TAIL", help="tail .onnx files or .ekb tail bundles")
-    tail.add_argument("--listen", default="127.0.0.1:8600", metavar="HOST:PORT", help="where to serve (port 0: any)")
-    tail.add_argument("--trust", type=Path, action="append", default=[], metavar="KEY.pub", help="signer of .ekb tails")
-    tail.add_argument(
-        "--name-prefix", metavar="P", help="serve TAIL as P-<file stem> (as the plan names tails: MODEL-tail-<cut>)"
-    )
-    tail.add_argument("--triton-repo", type=Path, metavar="DIR", help="write a Triton model repository and exit")
-    tail.add_argument("--kserve", type=Path, metavar="DIR", help="write DIR/<name>/model.onnx for KServe and exit")
-    tail.set_defaults(func=_serve_tail)
 
 
 def _plan(args: Any) -> int:
+    run = _run_plan(args)
+    print(run.table)
+    print(f"wrote {run.out_dir}/plan.json, plan.txt" + ("" if args.no_plot else ", latency.png") + ", heads/, tails/")
+    return 0
+
+
+def _run_plan(args: Any) -> Any:
     from edgekit.compress.onnx_prep import parse_input_shape
     from edgekit.split.plan import parse_bandwidths
     from edgekit.split.planner import plan_model
 
     bandwidths = parse_bandwidths(args.bandwidth_mbps)
     out = args.output_dir or args.model.with_name(args.model.stem + "-split")
-    run = plan_model(
+    return plan_model(
         args.model,
         out,
         bandwidths,
@@ -93,8 +123,37 @@ def _plan(args: Any) -> int:
         save_profile=args.save_profile,
         plot=not args.no_plot,
     )
+
+
+def _package(args: Any) -> int:
+    import numpy as np
+
+    from edgekit.split.bundles import write_split_bundles
+    from edgekit.split.graph import load_model
+    from edgekit.split.planner import sample_feeds
+
+    run = _run_plan(args)
     print(run.table)
-    print(f"wrote {out}/plan.json, plan.txt" + ("" if args.no_plot else ", latency.png") + ", heads/, tails/")
+    heads = {m.cut.id: m.head_path for m in run.measured.cuts}
+    tails = {m.cut.id: m.tail_path for m in run.measured.cuts}
+    feeds, _ = sample_feeds(load_model(args.model), args.calib, max(args.samples, 16))
+    calib = {name: np.concatenate([f[name] for f in feeds]) for name in feeds[0]}
+    cuts = None if args.cuts == "auto" else [c.strip() for c in args.cuts.split(",") if c.strip()]
+    result = write_split_bundles(
+        args.model,
+        run.plan,
+        heads,
+        tails,
+        calib,
+        key=args.key,
+        name=args.name or args.model.stem,
+        out_dir=args.bundle_dir,
+        version=args.version,
+        cuts=cuts,
+    )
+    print(f"device bundle: {result.device} ({result.note})")
+    for cut_id, path in result.tails.items():
+        print(f"tail bundle {cut_id}: {path}")
     return 0
 
 
