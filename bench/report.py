@@ -153,11 +153,6 @@ def is_speed(m: Measurement) -> bool:
     return m.unit in ("ms", "s") and ("latency" in m.metric or "time to serving" in m.metric)
 
 
-def load_rows(path: Path) -> list[Measurement]:
-    """The measurements of a ``latest.json`` (to re-plot without re-measuring)."""
-    return load_doc_rows(json.loads(Path(path).read_text()))
-
-
 def load_doc_rows(doc: dict[str, Any]) -> list[Measurement]:
     """The measurements of a parsed ``latest.json``."""
     rows = []

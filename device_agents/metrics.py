@@ -58,7 +58,6 @@ _LATENCY_BUCKETS_S = (
 )
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STAGES = ("decode", "queue", "infer", "encode")
-REJECT_REASONS = ("queue_full", "deadline", "decode_busy", "connections", "draining", "hung")
 # Exact server-side overheads and queue + infer times kept per model (the last ones), for
 # percentiles finer than buckets.
 OVERHEAD_SAMPLES = 4096

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Literal
 
 COMPUTE_UNITS = ("ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY")
-TENSORRT_FALLBACKS = ("ort-trt", "ort-cuda")
 
 
 def _check_non_negative(**numbers: int) -> None:

@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 NOTICE_SCHEMA_VERSION = 2  # of the Signed envelope (1 was an unsigned notice)
-KEYS_SCHEMA_VERSION = 1
 REPORTED_SCHEMA_VERSION = 1
 MAX_PAYLOAD_BYTES = 64 * 1024
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")

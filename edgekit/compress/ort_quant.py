@@ -246,17 +246,6 @@ def matmul_weight_share(model_path: Path) -> float:
     return matmul / (matmul + conv) if matmul + conv else 0.0
 
 
-def matmul_weight_count(model_path: Path) -> int:
-    """MatMul/Gemm nodes with a constant weight (what the weight-only quantizers act on)."""
-    import onnx
-
-    model = onnx.load(str(model_path))
-    inits = {i.name for i in model.graph.initializer}
-    return sum(
-        1 for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in inits
-    )
-
-
 def op_types(model: Any) -> set[str]:
     return {n.op_type for n in model.graph.node}
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from edgekit.bundle.manifest import Precision, Signature
 
 RunFn = Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]]
-Objective = Literal["latency", "size"]
 OBJECTIVES: tuple[str, ...] = ("latency", "size")
 
 

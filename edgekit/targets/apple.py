@@ -56,8 +56,6 @@ from edgekit.targets.base import BuildContext, BuildResult
 from edgekit.targets.op_support import raise_unsupported
 
 PACKAGE = "model.mlpackage"
-DEPLOYMENT_TARGETS = ("iOS16", "iOS17", "iOS18", "macOS13", "macOS14", "macOS15")
-COMPUTE_UNITS = ("ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY")
 _PALETTE_BITS = {"palettize6": 6, "palettize4": 4}
 _IOS18 = ("iOS18", "macOS15")
 _PIP_NAMES = {"sklearn": "scikit-learn"}

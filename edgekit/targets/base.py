@@ -112,12 +112,3 @@ class Target(Protocol):
 
     def build(self, ctx: BuildContext) -> BuildResult: ...
 
-
-class EngineTarget(Target, Protocol):
-    """A target whose artifact is chosen by the optimisation engine: it describes candidates
-    (``edgekit.optimize.candidates``) and turns the chosen build into its ``BuildResult``."""
-
-    def candidates(self, ctx: BuildContext) -> Any:  # -> edgekit.optimize.candidates.CandidatePlan
-        ...
-
-    def finish(self, ctx: BuildContext, built: Any, built_dir: Path) -> BuildResult: ...
