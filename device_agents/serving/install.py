@@ -1,0 +1,62 @@
+"""The loopback-only ``POST /edgekit/v1/install`` that ``edgekit-agent install`` hands bundles to:
+``{"bundle": "/absolute/path.ekb", "origin": "cli"}`` -> the install result (200), or the
+refusal with its error type and exit code (400); 403 from anywhere but loopback, or without
+``Content-Type: application/json``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from device_agents.serving.transport import JSON, RequestHandler, is_loopback
+from device_agents.serving.v2 import V2Server
+from edgekit.bundle.codec import to_data
+from edgekit.bundle.errors import EdgekitError, InferenceInputError
+
+
+class _Forbidden(EdgekitError):
+    http_status = 403
+
+
+class InstallRoute(RequestHandler):
+    """The install route, on the agent's server (its ``service``)."""
+
+    server: V2Server
+
+    def install_post(self) -> None:
+        """Answer ``POST /edgekit/v1/install`` (the body read within the buffer budget)."""
+        reservation = self._reservation()
+        try:
+            self._check_loopback()
+            self._check_json()
+            self._install(self._read_body(reservation))
+        except EdgekitError as exc:
+            self._send_error(exc)
+        finally:
+            reservation.close()
+
+    def _check_loopback(self) -> None:
+        if not is_loopback(self.client_address[0]):
+            self.close_connection = True  # the body stays unread
+            raise _Forbidden("this route answers only on loopback; run `edgekit-agent` on the device itself")
+
+    def _check_json(self) -> None:
+        """A web page open on the device can POST to loopback, but only as a "simple" request
+        (form or text/plain): requiring application/json forces a CORS preflight, never answered."""
+        if self.headers.get_content_type() != JSON:
+            self.close_connection = True  # the body stays unread
+            raise _Forbidden("install takes Content-Type: application/json")
+
+    def _install(self, body: bytes | bytearray) -> None:
+        try:
+            doc = json.loads(body)
+            bundle = Path(doc["bundle"])
+            origin = str(doc.get("origin", "cli"))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InferenceInputError('install takes {"bundle": "/absolute/path.ekb"}') from exc
+        try:
+            result = self.server.service.install(bundle, origin=origin)
+        except EdgekitError as exc:
+            self._send_json(400, {"error": str(exc), "error_type": type(exc).__name__, "exit_code": exc.exit_code})
+            return
+        self._send_json(200, to_data(result))

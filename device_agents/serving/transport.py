@@ -1,0 +1,477 @@
+"""The agent's HTTP/1.1 transport: connections, request parsing and limits, and writing answers.
+Nothing here knows the v2 protocol or the service: routes (``serving.v2``, ``serving.install``)
+are methods of a handler class built on ``RequestHandler``, and a server built on ``Transport``
+serves them (``serving.http`` puts the agent's together).
+
+Stdlib ``ThreadingHTTPServer`` with HTTP/1.1 keep-alive and TCP_NODELAY (without it, Nagle plus
+delayed ACKs add 40+ ms per request). Each response is written with one ``send``.
+
+Limits (``[server]``): a connection idle for ``idle_timeout_s`` is closed; at
+``max_connections`` the oldest idle connection is closed to make room (if none is idle, the new
+one gets a 503 and is closed: sockets never pile up unanswered); bodies over ``max_request_mb``
+(before or after gzip) are 413; every body byte held is reserved from ``max_buffered_mb``.
+"""
+
+from __future__ import annotations
+
+import gc
+import ipaddress
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from email.utils import formatdate
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Literal
+from urllib.parse import unquote
+
+from device_agents import __version__
+from device_agents.config import ServerConfig
+from device_agents.errors import RequestTooLargeError, ServingError
+from device_agents.serving.bodies import ByteBudget, Reservation, inflate
+from device_agents.threads import set_os_name
+from edgekit.bundle.errors import EdgekitError, InferenceInputError
+
+log = logging.getLogger("edgekit.agent.http")
+access_log = logging.getLogger("edgekit.agent.access")
+
+JSON = "application/json"
+BINARY = "application/octet-stream"
+_REASONS = {s.value: s.phrase for s in HTTPStatus}
+_SERVER = f"edgekit-agent/{__version__}"
+# The status line and Server header of the usual answers, built once.
+_STATUS_LINES = {code: f"HTTP/1.1 {code} {_REASONS[code]}\r\nServer: {_SERVER}\r\n" for code in (200, 400, 404, 413)}
+_MAX_LINE = 65536
+
+
+class _Headers(dict[str, str]):
+    """Request headers by lower-case name: the part of ``email.message.Message`` this server uses.
+
+    The stdlib parses headers with the ``email`` package: 108 us for tritonclient's six headers
+    on this machine, more than the rest of a small request costs.
+    """
+
+    def get(self, key: str, default: str | None = None) -> str | None:  # type: ignore[override]  # case-insensitive
+        return dict.get(self, key.lower(), default)
+
+    def get_content_type(self) -> str:
+        return (self.get("content-type") or "text/plain").split(";", 1)[0].strip().lower()
+
+
+_MAX_HEADERS = 100
+# Header blocks remembered as parsed (at most this many, each at most this long: 256 KiB in all)
+_HEADER_BLOCKS = 256
+_HEADER_BLOCK_MAX_BYTES = 1024
+
+
+class _Connection:
+    """One open connection: its socket and whether a request is being handled on it (a new
+    connection counts as busy until its handler waits for a request line)."""
+
+    __slots__ = ("busy", "idle_since", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.busy = True
+        self.idle_since = time.monotonic()
+
+
+class Transport(ThreadingHTTPServer):
+    """The HTTP server of a front-end: ``serve_forever`` in a thread, ``shutdown`` from another.
+    ``handler``: its ``RequestHandler`` subclass (the routes); ``count_reject(model, reason)``
+    counts a refusal (a connection over the cap: model "", reason "connections")."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: type[RequestHandler],
+        limits: ServerConfig,
+        count_reject: Callable[[str, str], None] = lambda model, reason: None,
+    ) -> None:
+        if ":" in host:
+            self.address_family = socket.AF_INET6
+        self.limits = limits
+        self.count_reject = count_reject
+        self.max_request_bytes = self.limits.max_request_bytes
+        self.budget = ByteBudget(self.limits.max_buffered_bytes)  # bodies as received
+        self.inflate_budget = ByteBudget(self.limits.max_buffered_bytes)  # what gzip/deflate bodies inflate to
+        self.request_queue_size = min(max(128, self.limits.max_connections), socket.SOMAXCONN)
+        self.header_blocks: dict[bytes, _Headers] = {}  # HTTP header blocks seen before: not parsed again
+        self._header_blocks_lock = threading.Lock()
+        self._conns: dict[int, _Connection] = {}
+        self._conns_lock = threading.Lock()
+        super().__init__((host, port), handler)
+        # What the agent loaded to get here (SDKs, models, config: ~100k objects) lives as long as the
+        # process: out of the collector's sight, a full collection no longer walks it. A full
+        # collection of it took 85-120 ms here, every thread stopped; it came once in ~2000 small
+        # requests of a fresh agent (a tail the batching p99 and the overhead p99 both see). Frozen
+        # objects freed later by reference counting still go; only cycles among them stay.
+        gc.freeze()
+
+    def keep_header_block(self, block: bytes, headers: _Headers) -> None:
+        """Remember what ``block`` parsed to (a copy), if it is small; the oldest goes at the bound."""
+        if len(block) > _HEADER_BLOCK_MAX_BYTES:
+            return
+        with self._header_blocks_lock:
+            while len(self.header_blocks) >= _HEADER_BLOCKS:
+                del self.header_blocks[next(iter(self.header_blocks))]
+            self.header_blocks[block] = _Headers(headers)
+
+    @property
+    def url(self) -> str:
+        host, port = str(self.server_address[0]), self.server_address[1]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    # -- the connection cap -------------------------------------------------------------
+    def process_request(self, request: Any, client_address: Any) -> None:
+        sock: socket.socket = request
+        with self._conns_lock:
+            if len(self._conns) >= self.limits.max_connections:
+                idle = [c for c in self._conns.values() if not c.busy]
+                if not idle:
+                    self._refuse(sock)
+                    return
+                oldest = min(idle, key=lambda c: c.idle_since)
+                self._conns.pop(oldest.sock.fileno(), None)
+                _shut(oldest.sock)  # its handler sees EOF and ends
+            self._conns[sock.fileno()] = _Connection(sock)
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        set_os_name("http-conn")  # a connection's thread, to top -H (device_agents.threads)
+        super().process_request_thread(request, client_address)
+
+    def connection(self, sock: socket.socket) -> _Connection | None:
+        with self._conns_lock:
+            return self._conns.get(sock.fileno())
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._conns_lock:
+            conn = self._conns.get(request.fileno())
+            if conn is not None and conn.sock is request:
+                del self._conns[request.fileno()]
+        super().shutdown_request(request)
+
+    def _refuse(self, sock: socket.socket) -> None:
+        self.count_reject("", "connections")
+        body = b'{"error":"too many open connections (server.max_connections); retry later"}'
+        head = (
+            f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: {JSON}\r\nContent-Length: {len(body)}\r\n"
+            f"Retry-After: {self.limits.retry_after_s}\r\nConnection: close\r\n\r\n"
+        )
+        try:
+            sock.settimeout(1.0)
+            sock.sendall(head.encode("latin-1") + body)
+        except OSError:
+            pass  # the client went away: nothing to answer
+        _shut(sock)
+        sock.close()
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed by the peer
+
+
+class RequestHandler(BaseHTTPRequestHandler):
+    """Reads requests off one connection and writes their answers; subclasses add the routes
+    (``do_GET``, ``do_POST``)."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = _SERVER
+    disable_nagle_algorithm = True  # sets TCP_NODELAY on every accepted socket
+    server: Transport
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.limits.idle_timeout_s)  # a read that waits this long: closed
+        self._conn = self.server.connection(self.connection)
+        self._status = 0
+        self._sent = 0
+
+    # -- plumbing -----------------------------------------------------------------------
+    def handle_one_request(self) -> None:
+        """The stdlib's, with the connection marked idle while it waits for a request line."""
+        conn = self._conn
+        if conn is not None:
+            conn.busy, conn.idle_since = False, time.monotonic()
+        try:
+            self.raw_requestline = self.rfile.readline(_MAX_LINE + 1)
+        except (TimeoutError, OSError):
+            self.close_connection = True  # idle past server.idle_timeout_s, or evicted for a new one
+            return
+        self._received = time.perf_counter()  # the request line is in: the request was received
+        if conn is not None:
+            conn.busy = True
+        if len(self.raw_requestline) > _MAX_LINE:
+            self.requestline = self.request_version = self.command = ""
+            self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG)
+            return
+        if not self.raw_requestline:
+            self.close_connection = True
+            return
+        if not self.parse_request():
+            return
+        handler = getattr(self, f"do_{self.command}", None)
+        if handler is None:
+            self.send_error(HTTPStatus.NOT_IMPLEMENTED, f"Unsupported method ({self.command!r})")
+            return
+        self._start = time.perf_counter()
+        self._status, self._sent, self._answered = 0, 0, False
+        try:
+            handler()
+            self.wfile.flush()
+        except (TimeoutError, ConnectionError):
+            self.close_connection = True  # the client stalled mid-body or went away
+        if not self._answered:  # else the watchdog's answer logged it
+            self._log_access()
+
+    def _log_access(self) -> None:
+        if access_log.isEnabledFor(logging.DEBUG):
+            access_log.debug(
+                '%s "%s %s" %d %d %.3fms',
+                self.client_address[0],
+                self.command,
+                self.path,
+                self._status,
+                self._sent,
+                (time.perf_counter() - self._start) * 1000,
+            )
+
+    def parse_request(self) -> bool:
+        """The request line and headers (HTTP/1.0 and 1.1); False after answering a 4xx."""
+        self.command = ""
+        self.request_version = "HTTP/1.1"
+        self.requestline = line = self.raw_requestline.decode("iso-8859-1").rstrip("\r\n")
+        words = line.split()
+        if len(words) != 3 or words[2] not in ("HTTP/1.0", "HTTP/1.1"):
+            self.close_connection = True
+            self.send_error(HTTPStatus.BAD_REQUEST, f"Bad request line {line[:100]!r}")
+            return False
+        self.command, self.path, self.request_version = words
+        self.close_connection = self.request_version == "HTTP/1.0"
+        block = self._header_block()
+        if block is False:
+            return False
+        if block is None:
+            headers = _Headers()
+            for _ in range(_MAX_HEADERS + 1):
+                raw = self.rfile.readline(_MAX_LINE + 1)
+                if raw in (b"\r\n", b"\n", b""):
+                    break
+                if len(raw) > _MAX_LINE or not self._add_header(headers, raw.decode("iso-8859-1")):
+                    return False
+            else:
+                self.close_connection = True
+                self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"More than {_MAX_HEADERS} headers")
+                return False
+        else:
+            headers = block
+        self.headers = headers  # type: ignore[assignment]  # _Headers offers what this server reads of Message
+        connection = (dict.get(headers, "connection") or "").lower()
+        if connection == "close":
+            self.close_connection = True
+        elif connection == "keep-alive":
+            self.close_connection = False
+        if (dict.get(headers, "expect") or "").lower() == "100-continue":
+            self.send_response_only(HTTPStatus.CONTINUE)
+            self.end_headers()
+        return True
+
+    def _header_block(self) -> _Headers | Literal[False] | None:
+        """The headers when all of them are in the read buffer already (the usual case: one
+        ``peek``, one ``split``); None to read them line by line; False after answering a 4xx.
+
+        A client sends the same header block with every request of one kind (tritonclient: the
+        same six headers, byte for byte): a block parsed before is a dict look-up
+        (``AgentServer.header_blocks``; only blocks that parsed without a 4xx are kept)."""
+        buffered = self.rfile.peek(_MAX_LINE)  # type: ignore[attr-defined]  # rfile is a BufferedReader
+        if buffered.startswith(b"\r\n"):
+            self.rfile.read(2)  # no headers: the blank line only
+            return _Headers()
+        end = buffered.find(b"\r\n\r\n")  # the first blank line ends the headers
+        if end < 0:  # not all in yet
+            return None
+        block = buffered[:end]
+        known = self.server.header_blocks.get(block)
+        if known is not None:
+            self.rfile.read(end + 4)
+            return _Headers(known)  # a copy: nothing a request does to its headers reaches the next
+        if buffered.count(b"\n", 0, end) != buffered.count(b"\r\n", 0, end):  # bare-LF lines
+            return None
+        self.rfile.read(end + 4)
+        headers = self._parse_block(block)
+        if headers is not False:
+            self.server.keep_header_block(block, headers)
+        return headers
+
+    def _parse_block(self, block: bytes) -> _Headers | Literal[False]:
+        """The ``Name: value`` lines of ``block`` (CRLF between them); False after answering a 4xx."""
+        lines = block.decode("iso-8859-1").split("\r\n")
+        if len(lines) > _MAX_HEADERS:
+            self.close_connection = True
+            self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"More than {_MAX_HEADERS} headers")
+            return False
+        headers = _Headers()
+        for line in lines:
+            # _add_header's checks inline for a well-formed line (a call per header costs ~0.5 us)
+            name, sep, value = line.partition(":")
+            key = name.strip().lower()
+            if not sep or not key or (key == "content-length" and key in headers):  # bad, or a second length
+                if not self._add_header(headers, line):
+                    return False
+                continue
+            headers[key] = value.strip()
+        return headers
+
+    def _add_header(self, headers: _Headers, line: str) -> bool:
+        """Add one ``Name: value`` line; False after answering a 400 (bad line, request smuggling)."""
+        name, sep, value = line.partition(":")
+        key = name.strip().lower()
+        value = value.strip()
+        if not sep or not key:
+            self.close_connection = True
+            self.send_error(HTTPStatus.BAD_REQUEST, "Bad header line")
+            return False
+        if key == "content-length" and dict.get(headers, key, value) != value:  # request smuggling
+            self.close_connection = True
+            self.send_error(HTTPStatus.BAD_REQUEST, "Conflicting Content-Length headers")
+            return False
+        headers[key] = value
+        return True
+
+    def log_message(self, format: str, *args: Any) -> None:  # stdlib signature
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def _send(
+        self,
+        code: int,
+        body: bytes = b"",
+        content_type: str = JSON,
+        headers: tuple[tuple[str, str], ...] = (),
+        extra: str = "",
+    ) -> None:
+        """Write one response; ``extra``: more header lines, each ending in CRLF, as they are."""
+        if headers:
+            extra += "".join(f"{k}: {v}\r\n" for k, v in headers)
+        if self.close_connection:
+            extra += "Connection: close\r\n"
+        status = _STATUS_LINES.get(code) or f"HTTP/1.1 {code} {_REASONS.get(code, '')}\r\nServer: {_SERVER}\r\n"
+        head = (
+            f"{status}Date: {_http_date()}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\n{extra}\r\n"
+        )
+        data = head.encode("latin-1") + body
+        self._write_start, cpu = time.perf_counter(), time.thread_time()
+        self.connection.sendall(data)  # (what wfile.write does, less a Python call and a memoryview)
+        self._written = time.perf_counter()  # as soon as the write returned: not after the CPU clock read below
+        # the write's own CPU time too: a write that wakes the client can be preempted by it (on a
+        # busy 2-core machine, the client is woken onto this core), and that wait is the client's
+        self._write_cpu_s = time.thread_time() - cpu
+        self._status, self._sent = code, len(body)
+
+    def _send_json(self, code: int, doc: Any, headers: tuple[tuple[str, str], ...] = ()) -> None:
+        self._send(code, json.dumps(doc, separators=(",", ":")).encode(), headers=headers)
+
+    def _send_error(self, exc: Exception) -> None:
+        code = exc.http_status if isinstance(exc, EdgekitError) else 500
+        headers: tuple[tuple[str, str], ...] = ()
+        if isinstance(exc, ServingError):
+            if exc.retry_after_s is not None:
+                headers = (("Retry-After", str(exc.retry_after_s)),)
+            if exc.reason:
+                self.server.count_reject(self._label, exc.reason)
+        self._send_json(code, {"error": str(exc)}, headers)
+
+    _label = ""
+
+    def _read_raw_body(self, reservation: Reservation) -> bytes:
+        """The body as sent (``Content-Length`` bytes), its size reserved from the buffer budget."""
+        # a _Headers: lower-case keys, read with dict.get (no .lower() per look-up)
+        headers: dict[str, str] = self.headers  # type: ignore[assignment]
+        if dict.get(headers, "transfer-encoding"):
+            self.close_connection = True
+            raise InferenceInputError("chunked request bodies are not supported; send Content-Length")
+        try:
+            length = int(dict.get(headers, "content-length", "0"))
+        except ValueError as exc:
+            self.close_connection = True
+            raise InferenceInputError("Content-Length is not a number") from exc
+        limit = self.server.max_request_bytes
+        if length > limit or length < 0:
+            self.close_connection = True  # the body stays unread
+            raise RequestTooLargeError(f"request body of {length} bytes is over server.max_request_mb ({limit} bytes)")
+        try:
+            reservation.add(length)
+        except ServingError:
+            self.close_connection = True  # the body stays unread
+            raise
+        body = self.rfile.read(length)
+        if len(body) != length:
+            self.close_connection = True
+            raise InferenceInputError("the request body ended early")
+        return body
+
+    def _read_body(self, reservation: Reservation) -> bytes | bytearray:
+        return inflate(
+            self._read_raw_body(reservation),
+            self.headers.get("Content-Encoding"),
+            self.server.max_request_bytes,
+            reservation,
+        )
+
+    def _reservation(self) -> Reservation:
+        return Reservation(self.server.budget, self.server.limits.retry_after_s, self.server.inflate_budget)
+
+    def _not_found(self) -> None:
+        self._send_json(404, {"error": f"no route {self.command} {self.path}"})
+
+    def _discard(self) -> None:
+        """A 404 for a request with a body: the body is read (within the budget) to keep the
+        connection usable."""
+        reservation = self._reservation()
+        try:
+            self._read_raw_body(reservation)
+            self._not_found()
+        except EdgekitError as exc:
+            self._send_error(exc)
+        finally:
+            reservation.close()
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and IPv4-mapped loopback (``::ffff:127.0.0.1``)."""
+    try:
+        addr = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return addr.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def route(path: str) -> list[str]:
+    path = path.split("?", 1)[0]
+    parts = path.strip("/").split("/")
+    return [unquote(p) for p in parts] if "%" in path else parts
+
+
+_date_cache: tuple[int, str] = (0, "")
+_date_lock = threading.Lock()
+
+
+def _http_date() -> str:
+    global _date_cache
+    now = int(time.time())
+    if _date_cache[0] != now:
+        with _date_lock:
+            _date_cache = (now, formatdate(now, usegmt=True))
+    return _date_cache[1]
