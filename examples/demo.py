@@ -4,7 +4,7 @@
 
 1. makes a signing key in a scratch folder (``.edgekit-demo/``, git-ignored, wiped at start);
 2. packages ``examples/digits/model.onnx`` for all five targets in one ``edgekit.package`` call
-   (int8, except ``apple``, which builds no int8 activations: 4-bit palettized weights there),
+   (int8, except ``apple``: 4-bit palettized weights there, its smallest artifact),
    calibrated on ``calib.npz`` and validated on the held-out split with its labels;
 3. prints the validation table (size, top-1 and host p50 latency, each against FP32);
 4. starts the real agent (``edgekit-agent run``) on a free loopback port, installs the ``cpu``
@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WORKDIR = REPO / ".edgekit-demo"
 MARKER = ".edgekit-demo-scratch"  # only a folder holding this file is ever wiped
 MODEL_NAME = "digits"
-# apple (Core ML) builds no int8 activations. Of its weight compressions, 4-bit palettization made the
-# digits model smallest (0.13x fp32, int8-weights 0.26x) with top-1 unchanged on the held-out digits.
+# apple: of its compressions, 4-bit palettization made the digits model smallest (0.13x fp32; int8 W8A8
+# and int8-weights about 0.26x) with top-1 unchanged on the held-out digits.
 DEFAULT_PRECISIONS = {"*": "int8", "apple": "palettize4"}
 
 

@@ -271,7 +271,7 @@ def search(
                 comparison = flip_gate(comparison, ref_out, outputs, data, tolerance)
             marginal = selection_margin(ref_out, outputs, comparison)
         # A candidate's SDK may raise anything (ORT's quantizer raised ValueError from numpy on an
-        # int32-input model, FIELD_NOTES): that candidate failed, the search goes on.
+        # int32-input model): that candidate failed, the search goes on.
         except Exception as exc:
             st.run = None
             st.error = exc

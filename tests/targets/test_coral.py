@@ -347,7 +347,7 @@ def test_freeze_graph_refuses_a_static_shape_of_the_wrong_rank(yolo: Path, tmp_p
 def test_coral_auto_packages_a_dynamic_hw_yolo_style_detector_and_records_its_candidates(
     yolo: Path, keypair: tuple[Path, Path], open_bundle: Callable[[Path], tuple[Path, Manifest]]
 ) -> None:
-    # Without freezing, onnx2tf 1.28.8 fails on this graph in a Shape->Slice chain (FIELD_NOTES).
+    # Without freezing, onnx2tf 1.28.8 fails on this graph in a Shape->Slice chain (edgekit.compress.freeze).
     calib = {"images": sample_inputs(40, size=64, seed=8)}
     with no_network():
         result = edgekit.package(
