@@ -130,6 +130,12 @@ BENCHMARKS: tuple[Entry, ...] = (
         "1000 idle connections (health probe latency, idle timeout) and 4 parallel gzip bombs (agent RSS)",
     ),
     Entry(
+        "cache.exact",
+        "bench.cache:run",
+        "result cache: xxh3-128 vs blake2b on 600 KB; an exact hit vs the model in process; hit vs miss over HTTP "
+        "(tritonclient, a detector at 320²); all-miss throughput with the cache vs without at 1 and 16 clients",
+    ),
+    Entry(
         "selftest.load",
         "bench.selftest_load:run",
         "self-test latency check under steady client load: an identical candidate vs the serving version, "
