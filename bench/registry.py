@@ -148,6 +148,12 @@ BENCHMARKS: tuple[Entry, ...] = (
         "session.run, the agent's pre/post stage cost vs its runtime call, simplejpeg vs Pillow decoding",
     ),
     Entry(
+        "compress.digits",
+        "bench.compress:run",
+        "50% channel pruning, a distilled student and 50% low-rank on the digits example, alone and with INT8: "
+        "size, held-out top-1 and p50 latency vs FP32 and INT8 alone, side by side",
+    ),
+    Entry(
         "agent.roundtrip",
         "bench.agent_roundtrip:run",
         "edgekit-agent v2 HTTP infer (tritonclient, 1 KB tensor) vs in-process onnxruntime session.run",
