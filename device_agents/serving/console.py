@@ -39,11 +39,9 @@ from typing import Any
 
 from device_agents import __version__
 from device_agents.config import AgentConfig, ConsoleConfig
-from device_agents.errors import RuntimeFailure, ServingError
-from device_agents.pipeline import Request
-from device_agents.runtimes import ServedModel
+from device_agents.errors import ServingError
 from device_agents.service import AgentService
-from device_agents.serving.codec import HeaderCache, decode_request, encode_response
+from device_agents.serving.codec import HeaderCache
 from device_agents.serving.console_frames import (
     MAX_BODY_BYTES,
     VERSION,
@@ -55,6 +53,7 @@ from device_agents.serving.console_frames import (
     pack_message,
     unpack_message,
 )
+from device_agents.serving.v2 import v2_codec
 from device_agents.store import fsync_dir
 from device_agents.threads import NamedThread
 from edgekit.bundle.codec import to_data
@@ -334,19 +333,14 @@ class ConsoleServer:
             raise InferenceInputError(f"version must be an integer, got {version!r}")
         if header_length is not None and (not isinstance(header_length, int) or isinstance(header_length, bool)):
             raise InferenceInputError(f"header_length must be an integer, got {header_length!r}")
-        limit = self.service.config.server.max_request_bytes
-        cache = self.header_cache
-
-        def decode(model: ServedModel) -> Request:
-            wire = decode_request(body, header_length, model.inputs, model.outputs, max_bytes=limit, cache=cache)
-            return Request(name, wire.inputs, version, wire, wire.timeout_s)
-
-        def encode(request: Request) -> tuple[bytes, int | None]:
-            model, outputs = request.model, request.outputs
-            if model is None or outputs is None:  # the pipeline sets both before it encodes
-                raise RuntimeFailure(f"model {name}: no outputs to encode")
-            return encode_response(name, request.served_version, request.wire, outputs, model.outputs, cache)
-
+        decode, encode = v2_codec(
+            name,
+            version,
+            body,
+            header_length=header_length,
+            max_bytes=self.service.config.server.max_request_bytes,
+            cache=self.header_cache,
+        )
         out, json_length = self.service.infer(name, version, decode, encode)
         return {"header_length": json_length}, out
 
