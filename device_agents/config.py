@@ -45,8 +45,9 @@ directory of the config file. A format change bumps ``CONFIG_VERSION`` and adds 
 A version 1 file (no ``config_version``) migrates: ``[runtime]`` spreads over the
 ``[runtimes.*]`` tables it applied to, ``max_request_mb`` moves to ``[server]``, and tables new in
 version 2 (``[models]``, ``[budgets]``, ``[server]``) are kept. Planned settings (a model's
-``route``, ``variants``; ``[budgets]``) are documented and refused with a clear error:
-nothing in the file is silently ignored.
+``route``, ``variants``; the ``variant`` and ``batch`` steps of ``[budgets] degrade``) are
+documented and refused with a clear error: nothing in the file is silently ignored. ``[budgets]``
+(memory, power and thermal) is described on ``BudgetsConfig``.
 """
 
 from __future__ import annotations
@@ -402,18 +403,92 @@ class ModelConfig:
                 )
 
 
+BUDGET_WHEN_FULL = ("refuse", "unload_idle")
+BUDGET_RELOAD = ("on_request", "retry_after")
+BUDGET_DEGRADE = ("drop", "shed")  # in order; a smaller variant and smaller batches are planned
+_BUDGET_DEGRADE_PLANNED = ("variant", "batch")
+
+
 @dataclass(frozen=True)
 class BudgetsConfig:
-    """``[budgets]`` (planned: memory, power and thermal budgets). Every field is refused if set."""
+    """``[budgets]``: memory, power and thermal budgets (``device_agents.budgets``); all off by default.
+
+    ``memory_mb`` bounds the agent's whole RSS (its own baseline included): a model load that does
+    not fit is refused, or (``when_full = "unload_idle"``) the least recently used model is
+    unloaded for it (an idle one first, else a busy one once its running calls end); an unloaded
+    model's next request loads it again (``reload = "on_request"``) or, unless it fits without
+    unloading another, gets a 503 + Retry-After (``"retry_after"``).
+
+    ``power_w`` (average watts over ``power_window_s``) or ``energy_j`` (joules per window) is the
+    power budget; over it, the agent degrades through ``degrade`` in order (``drop``: refuse
+    requests whose parameters say ``droppable``; ``shed``: refuse every request with 503 +
+    Retry-After), and it backs off the same way ``thermal_margin_c`` before a thermal zone's trip
+    point (or ``thermal_c``). Energy is read from the board's sensors; where there is none,
+    ``device_power_w`` models it (busy time x that power) and a power budget without either is a
+    warning at start, not a failed start. ``nvpmodel_mode`` sets a Jetson's power mode at start
+    (read-only otherwise). ``sysfs_root`` is where the sensors are read (``/``).
+    """
 
     memory_mb: int | None = None
-    power_mw: int | None = None
+    when_full: str = "refuse"
+    reload: str = "on_request"
+    power_w: float | None = None
+    energy_j: float | None = None
+    power_window_s: float = 30.0
+    device_power_w: float | None = None
     thermal_c: float | None = None
+    thermal_margin_c: float = 5.0
+    degrade: tuple[str, ...] = BUDGET_DEGRADE
+    hysteresis: float = 0.15  # of the bucket (or of thermal_margin_c): how far past a level's threshold to leave it
+    min_dwell_s: float = 2.0  # how long past it before stepping one level down
+    sample_interval_s: float = 1.0  # how often the sensors are read
+    nvpmodel_mode: int | None = None
+    sysfs_root: Path = Path("/")
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if getattr(self, f.name) is not None:
-                raise ValueError(_planned(f.name))
+        if self.memory_mb is not None and self.memory_mb <= 0:
+            raise ValueError(f"memory_mb must be > 0, got {self.memory_mb}")
+        if self.when_full not in BUDGET_WHEN_FULL:
+            raise ValueError(f"when_full {self.when_full!r} must be one of {', '.join(BUDGET_WHEN_FULL)}")
+        if self.reload not in BUDGET_RELOAD:
+            raise ValueError(f"reload {self.reload!r} must be one of {', '.join(BUDGET_RELOAD)}")
+        if self.power_w is not None and self.energy_j is not None:
+            raise ValueError("power_w and energy_j are two ways to say one budget: set one of them")
+        for label, number in (
+            ("power_w", self.power_w),
+            ("energy_j", self.energy_j),
+            ("power_window_s", self.power_window_s),
+            ("device_power_w", self.device_power_w),
+            ("thermal_margin_c", self.thermal_margin_c),
+            ("sample_interval_s", self.sample_interval_s),
+        ):
+            if number is not None and not number > 0:
+                raise ValueError(f"{label} must be > 0, got {number}")
+        if not 0 < self.hysteresis < 1 or self.min_dwell_s < 0:
+            raise ValueError("hysteresis must be between 0 and 1, and min_dwell_s >= 0")
+        if not self.degrade:
+            raise ValueError(f"degrade is empty: list the steps, in order, from {', '.join(BUDGET_DEGRADE)}")
+        for step in self.degrade:
+            if step in _BUDGET_DEGRADE_PLANNED:
+                raise ValueError(_planned(f"degrade step {step!r}"))
+            if step not in BUDGET_DEGRADE or self.degrade.count(step) > 1:
+                raise ValueError(f"degrade: {step!r} must be one of {', '.join(BUDGET_DEGRADE)}, each once")
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return None if self.memory_mb is None else self.memory_mb * _MB
+
+    @property
+    def budget_w(self) -> float | None:
+        """The power budget as average watts over ``power_window_s`` (from ``energy_j`` if given so)."""
+        if self.energy_j is not None:
+            return self.energy_j / self.power_window_s
+        return self.power_w
+
+    @property
+    def degrades(self) -> bool:
+        """Whether anything drives a degradation level (a power budget or a temperature limit)."""
+        return self.budget_w is not None or self.thermal_c is not None
 
 
 @dataclass(frozen=True)

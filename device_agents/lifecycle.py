@@ -39,6 +39,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
+from device_agents.budgets.memory import MemoryBudgetError
+from device_agents.budgets.state import Budgets
 from device_agents.config import DEFAULT_CRASH_LOOP_BOOTS, DEFAULT_HEALTH_WINDOW_S, AgentConfig
 from device_agents.faults import fault_point
 from device_agents.health import HealthWindows, Verdict
@@ -84,7 +86,12 @@ class Lifecycle:
         # the config's keys, plus the fleet's keys document where one was accepted (updates.trust)
         self.trust: TrustStore = bundle_trust(config)
         self.metrics = metrics or AgentMetrics()
-        self.registry = Registry(self.store, self._open, self.metrics)
+        self.registry = Registry(self.store, lambda slot: self._open(slot, on_demand=True), self.metrics)
+        # [budgets]: model loads are admitted by its memory budget (which unloads idle models via the registry)
+        self.budgets = Budgets(config.budgets, config.store, retry_after_s=config.server.retry_after_s)
+        if self.budgets.memory is not None:
+            self.budgets.memory.evict = self.registry.unload_lru
+        self.budgets.register(self.metrics.registry)
         self.health_window_s = config.updates.health_window_s if config.updates else DEFAULT_HEALTH_WINDOW_S
         # every switched-to version's health window, whatever installed it (health.py)
         self.health = HealthWindows(
@@ -101,6 +108,7 @@ class Lifecycle:
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
         """Recover the store after a crash and load every model's active version."""
+        self.budgets.start()
         with self.store.lock():
             self.store.cleanup()
             for name, ms in sorted(self.store.load_state().models.items()):
@@ -125,6 +133,7 @@ class Lifecycle:
         if clean:
             self._uncount_this_start()
         self.registry.close_all()
+        self.budgets.stop()
 
     def _uncount_this_start(self) -> None:
         try:
@@ -191,6 +200,11 @@ class Lifecycle:
             if check.ok:
                 try:
                     model = self._open(active)
+                except MemoryBudgetError as exc:  # not transient: retrying does not free memory
+                    refused = f"not loaded: {exc}"
+                    log.error("%s: v%d %s", name, active.version, refused)
+                    self._record(name, lambda s, why=refused: replace(s, error=why))  # type: ignore[misc]  # bound now (B023)
+                    return
                 except Exception as exc:  # a runtime may raise anything; retried, then the previous serves
                     why = f"does not load ({type(exc).__name__}: {exc})"
                 else:
@@ -326,9 +340,9 @@ class Lifecycle:
                 self._reject(m.name, f"v{m.version} failed its self-test: {report.reason}", old)
             self.store.update_model(m.name, lambda s: replace(s, status="switching"))
             try:
-                model = load_model(
-                    self.store.model_dir(slot), m, self.config.runtime_options(m.name, m.compatibility.runtime)
-                )
+                model = self._load(slot, m)
+            except MemoryBudgetError as exc:
+                self._reject(m.name, f"v{m.version} passed its self-test but does not fit: {exc}", old)
             except Exception as exc:  # a runtime may raise anything; the old version keeps serving
                 self._reject(m.name, f"v{m.version} passed its self-test but does not load in the agent: {exc}", old)
             fault_point("switch")
@@ -356,6 +370,8 @@ class Lifecycle:
         check_compatible(manifest)
         check_validation_mark(manifest, self.config.allow_failed_validation)
         self.config.model(manifest.name).check(manifest.name, manifest)
+        if self.budgets.memory is not None:
+            self.budgets.memory.check_installable(manifest)
 
     def _selftest(self, name: str, slot: Slot, host_p50_ms: float | None) -> SelfTestReport:
         cfg = self.config.selftest
@@ -504,9 +520,21 @@ class Lifecycle:
         """Served (loaded) model names and their versions."""
         return self.registry.models()
 
-    def _open(self, slot: Slot) -> ServedModel:
-        m = self.store.manifest_of(slot)
-        return load_model(self.store.model_dir(slot), m, self.config.runtime_options(m.name, m.compatibility.runtime))
+    def _open(self, slot: Slot, *, on_demand: bool = False) -> ServedModel:
+        return self._load(slot, self.store.manifest_of(slot), on_demand=on_demand)
+
+    def _load(self, slot: Slot, m: Manifest, *, on_demand: bool = False) -> ServedModel:
+        """Load ``slot`` in-process, admitted by the memory budget where there is one
+        (``MemoryBudgetError`` when it does not fit). ``on_demand``: a request's reload."""
+
+        def load() -> ServedModel:
+            return load_model(
+                self.store.model_dir(slot), m, self.config.runtime_options(m.name, m.compatibility.runtime)
+            )
+
+        if self.budgets.memory is None:
+            return load()
+        return self.budgets.memory.load(m, load, on_demand=on_demand)
 
     # -- reporting ----------------------------------------------------------------------
     def selftest_report(self, name: str, which: str = "active") -> SelfTestReport | None:

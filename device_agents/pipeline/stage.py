@@ -169,7 +169,7 @@ INFER = "infer"
 # its stage is not configured for that model. Read when a pipeline is built, so an entry added
 # at run time (a test's) applies to pipelines built after it.
 STAGE_FACTORIES: dict[str, StageFactoryRef | None] = {
-    # "admission": "device_agents.budgets.stage:admission",
+    "admission": "device_agents.budgets.stage:admission",
     "cache_lookup": "device_agents.cache.stage:lookup",
     "preprocess": "device_agents.processing.stage:preprocess",
     "split": "device_agents.split.stage:factory",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -84,6 +84,8 @@ class ServedModel:
         # Some runtimes (LiteRT interpreters) are not re-entrant; one lock per model keeps all safe.
         self._lock = threading.Lock() if getattr(runner, "serialize", False) else None
         self.latency = LatencyWindow()  # runtime time of each successful ``infer`` (self-test baseline)
+        # Called once after the runtime is closed (the memory budget gives back what the model held).
+        self.on_close: Callable[[], None] | None = None
         # Whether an exception of the runtime says "this input is wrong" (a 400, not a model failure).
         self._rejects_input = getattr(runner, "rejects_input", None)
         # What check_inputs compares, built once: (name, dtype, shape with None for dynamic axes)
@@ -214,7 +216,12 @@ class ServedModel:
         return result, run_s
 
     def close(self) -> None:
-        self.runner.close()
+        try:
+            self.runner.close()
+        finally:
+            on_close, self.on_close = self.on_close, None
+            if on_close is not None:
+                on_close()
 
 
 def _to_artifact(arr: np.ndarray, m: TensorMapping | None, spec: TensorSpec | None) -> np.ndarray:

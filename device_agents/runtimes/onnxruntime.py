@@ -75,4 +75,11 @@ class OnnxRuntimeRunner:
         return {"runtime": "onnxruntime", "version": ort.__version__, "providers": self.session.get_providers()}
 
     def close(self) -> None:
-        self.session = None  # released; the runner is not used again
+        # Released; the runner is not used again. ``_run`` holds the C++ session too: without
+        # dropping it the session's memory stayed allocated until the runner itself was collected.
+        self.session = None
+        self._run = _closed
+
+
+def _closed(*args: Any) -> Any:
+    raise RuntimeError("this model was closed")
