@@ -7,7 +7,7 @@
    switch). Interleaved rounds, medians.
 2. v2 inference requests run in a loop through every switch of (1); the failures are counted.
 3. 50 simulated devices (real ``UpdateClient`` instances, each with its own store, against a
-   stand-in manager that stages and promotes without loading a runtime) take one group notice;
+   stand-in lifecycle that stages and promotes without loading a runtime) take one group notice;
    then the broker is SIGKILLed and restarted. A is 50 plain paho clients with paho's own
    reconnect (exponential, no jitter) on the same broker at the same time; B is the update
    clients (full jitter). Reported: how far their reconnects are spread out in time.
@@ -254,7 +254,7 @@ def _fleet(ctx: BenchContext, name: str, work: Path, broker: Any, files: Any, de
 
         def converged() -> bool:
             for i, c in enumerate(clients):
-                if i not in done and c.manager.models().get("sim") == 1:
+                if i not in done and c.lifecycle.models().get("sim") == 1:
                     done[i] = time.perf_counter() - t0
             return len(done) == devices
 
@@ -284,7 +284,7 @@ def _fleet(ctx: BenchContext, name: str, work: Path, broker: Any, files: Any, de
     return [
         Measurement(name, f"{devices} devices, one group notice", "publish to serving", "s", "first device",
                     "last device", min(done.values()), max(done.values()),
-                    "stand-in manager: stage + promote, no runtime"),
+                    "stand-in lifecycle: stage + promote, no runtime"),
         Measurement(name, "reconnects after broker restart", "spread (last - first)", "s", "paho fixed backoff",
                     "edgekit full jitter", theirs[-1] - theirs[0], ours[-1] - ours[0], spread_note),
         Measurement(name, "reconnects after broker restart", "median reconnect", "s", "paho fixed backoff",

@@ -204,12 +204,12 @@ def _publish_address(path: Path, url: str) -> None:
         log.error("cannot write %s (%s); serving anyway, but `install` will not find this daemon", path, exc)
 
 
-def _update_client(config: AgentConfig, manager: Any) -> Any:
+def _update_client(config: AgentConfig, lifecycle: Any) -> Any:
     try:
         from device_agents.updates.client import UpdateClient
     except ImportError as exc:
         raise EdgekitError(f"[updates] is configured but the update client cannot be loaded ({exc})") from exc
-    return UpdateClient(config, manager)
+    return UpdateClient(config, lifecycle)
 
 
 def cmd_install(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ of the fresh desired states to a worker thread of its own, so that one slow down
 holds up another model's update::
 
     notice -> policy.decide -> download (resumable, capped, deadline, minimum rate) -> check the
-    bundle is the one announced -> manager.install (verify, stage, child self-test, switch; one at
+    bundle is the one announced -> lifecycle.install (verify, stage, child self-test, switch; one at
     a time, under the store lock) -> remember the notice -> the lifecycle's health verdict -> report
 
 The client never reads or writes the store: it asks the lifecycle (``model_state``, ``install``,
@@ -90,24 +90,24 @@ class _TrustMetrics:
 
 
 class UpdateClient:
-    """``start()`` after ``manager.start()``; ``stop()`` before ``manager.stop()``."""
+    """``start()`` after ``lifecycle.start()``; ``stop()`` before ``lifecycle.stop()``."""
 
-    def __init__(self, config: AgentConfig, manager: Lifecycle) -> None:
+    def __init__(self, config: AgentConfig, lifecycle: Lifecycle) -> None:
         if config.updates is None:
             raise ConfigError("agent.updates: the update client needs an [updates] table (broker, fleet, device_id)")
         self.config = config
         self.updates = u = config.updates
-        self.manager = manager
+        self.lifecycle = lifecycle
         self.address = BrokerAddress(u.broker_tls, u.broker_host, u.broker_port, u.ca, u.cert, u.key)
         self.download_dir = Path(u.download_dir) if u.download_dir else config.store / "downloads"
         self.max_bundle_bytes = min(config.max_bundle_bytes, u.max_bundle_bytes)
         self.topics = (device_desired_topic(u.fleet, u.device_id), *(group_desired_topic(u.fleet, g) for g in u.groups))
         self.trust = FleetTrust(config)
-        manager.trust = self.trust.bundle_trust()  # with the keys document accepted before a restart
+        lifecycle.trust = self.trust.bundle_trust()  # with the keys document accepted before a restart
         self.limits = DownloadLimits(
             u.download_deadline_s, u.download_min_bytes_per_s, u.download_stall_s, allow_http=u.allow_http
         )
-        self._metrics = _TrustMetrics(manager.metrics.registry)
+        self._metrics = _TrustMetrics(lifecycle.metrics.registry)
         self.reported_topic = reported_topic(u.fleet, u.device_id)
         self.connections = 0  # successful connects since start
         self.last_connected_at: float | None = None  # time.time() of the last successful connect
@@ -254,7 +254,7 @@ class UpdateClient:
             return
         if doc is None:
             return
-        self.manager.trust = self.trust.bundle_trust()
+        self.lifecycle.trust = self.trust.bundle_trust()
         log.warning(
             "updates: keys document v%d accepted: %d notice key(s), %d bundle key(s) added; revoked: %s",
             doc.version,
@@ -378,7 +378,7 @@ class UpdateClient:
             self._set_report("idle", detail="the desired state is fresh again")
 
     def _handle(self, notice: Notice) -> None:
-        model = self.manager.model_state(notice.name)
+        model = self.lifecycle.model_state(notice.name)
         decision = decide(
             notice,
             model,
@@ -400,7 +400,7 @@ class UpdateClient:
             with self._cond:
                 self._due[notice.name] = time.monotonic() + (decision.retry_in_s or 0.0)
             self._set_report("deferred", notice, detail=decision.reason)
-        elif notice.version == self.manager.models().get(notice.name) and (
+        elif notice.version == self.lifecycle.models().get(notice.name) and (
             self._report.notice_id != notice.notice_id or self._report.state not in ("checking", "serving")
         ):
             self._set_report("serving", notice)  # e.g. switched in just before a restart
@@ -429,7 +429,7 @@ class UpdateClient:
         start = time.monotonic()
         try:
             with self._store_turn:
-                result = self.manager.install(path, origin=f"mqtt notice {notice.notice_id}")
+                result = self.lifecycle.install(path, origin=f"mqtt notice {notice.notice_id}")
         except _REJECTIONS as exc:
             self._reject(notice, str(exc), path)
             return
@@ -453,7 +453,7 @@ class UpdateClient:
     def _check_health(self, notice: Notice, metrics: dict[str, float]) -> None:
         """After the switch: report ``checking``, then the lifecycle's verdict on the health window."""
         self._set_report("checking", notice, metrics=metrics)
-        verdict = self.manager.health_verdict(notice.name, notice.version, self._stop)
+        verdict = self.lifecycle.health_verdict(notice.name, notice.version, self._stop)
         if self._stop.is_set() or verdict.outcome == "stopped":  # no verdict to report
             return
         if verdict.outcome == "rolled_back":
@@ -465,7 +465,7 @@ class UpdateClient:
 
     def _check_announced(self, notice: Notice, path: Path) -> None:
         """The downloaded bundle must be the one the notice announced (verified manifest)."""
-        m = read_verified_manifest(path, self.manager.trust, max_bundle_bytes=self.max_bundle_bytes).manifest
+        m = read_verified_manifest(path, self.lifecycle.trust, max_bundle_bytes=self.max_bundle_bytes).manifest
         if (m.name, m.version) != (notice.name, notice.version):
             raise BundleError(
                 f"{notice.url} holds {m.name} v{m.version}, but the notice announced {notice.name} v{notice.version}; "
@@ -493,7 +493,7 @@ class UpdateClient:
     def _remember(self, notice: Notice) -> None:
         """Record ``notice`` as handled (the replay guard of ``policy.decide``), durably."""
         with self._store_turn:
-            self.manager.record_notice(notice.name, notice.notice_id, notice.issued)
+            self.lifecycle.record_notice(notice.name, notice.notice_id, notice.issued)
 
     def _drop_other_downloads(self) -> None:
         """Partial downloads of bundles no fresh state asks for will not be resumed: free their space.
@@ -510,7 +510,7 @@ class UpdateClient:
     # -- reporting ----------------------------------------------------------------------------
     def _initial_report(self) -> Reported:
         """What the store says after start: the latest rollback or rejection, else idle."""
-        states = self.manager.model_states()
+        states = self.lifecycle.model_states()
         latest = max(states.items(), key=lambda kv: kv[1].updated, default=None)
         state: UpdateState = "idle"
         name, error = "", ""
@@ -531,7 +531,7 @@ class UpdateClient:
         detail: str = "",
         metrics: dict[str, float] | None = None,
     ) -> Reported:
-        models = self.manager.models()
+        models = self.lifecycle.models()
         u = self.updates
         return Reported(
             REPORTED_SCHEMA_VERSION, u.device_id, u.fleet, state, utc_now(), name=name, version=models.get(name, 0),
