@@ -14,7 +14,7 @@ BIN    := $(VENV)/bin
 LOCK   := requirements/lock.txt
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # The lock pins torch 2.13.0+cpu for CPython 3.11 on x86_64 Linux: on PyPI torch is a CUDA build.
-# Where a folder of local wheels holds it (this workplace's /opt/wheels) it is used; elsewhere pass
+# Where /opt/wheels (a folder of local wheels) exists it is searched for it; elsewhere pass
 # TORCH_FIND_LINKS=https://download.pytorch.org/whl/cpu/torch (or any folder holding that wheel).
 TORCH_FIND_LINKS ?= $(wildcard /opt/wheels)
 UV_FLAGS := --python $(BIN)/python $(if $(TORCH_FIND_LINKS),--find-links $(TORCH_FIND_LINKS))
