@@ -85,7 +85,7 @@ def _targets(*names: str) -> dict:
 
 
 def test_choose_precisions_default_int8_is_w8a8_for_apple_too() -> None:
-    # issue 12: for apple, int8 means W8A8 once the target builds it (it does: activation quantization
+    # for apple, int8 means W8A8 once the target builds it (it does: activation quantization
     # on the torch intermediate), so the default precision packages all five targets.
     chosen = choose_precisions("int8", _targets("cpu", "intel", "coral", "jetson", "apple"))
     assert set(chosen.values()) == {"int8"}
