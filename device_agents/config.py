@@ -45,7 +45,7 @@ directory of the config file. A format change bumps ``CONFIG_VERSION`` and adds 
 A version 1 file (no ``config_version``) migrates: ``[runtime]`` spreads over the
 ``[runtimes.*]`` tables it applied to, ``max_request_mb`` moves to ``[server]``, and tables new in
 version 2 (``[models]``, ``[budgets]``, ``[server]``) are kept. Planned settings (a model's
-``route``, ``variants``; the ``variant`` and ``batch`` steps of ``[budgets] degrade``) are
+``variants``; the ``variant`` and ``batch`` steps of ``[budgets] degrade``) are
 documented and refused with a clear error: nothing in the file is silently ignored. ``[budgets]``
 (memory, power and thermal) is described on ``BudgetsConfig``.
 """
@@ -355,27 +355,43 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class RouteConfig:
+    """``[models.<name>.route]``: ``<name>`` is a cascade (``device_agents.pipeline.cascade``), not a
+    model: ``members`` (served model names, smallest first) are asked in order, and the next one
+    only while the answer's confidence (best score, or top-1 probability) is below ``threshold``.
+    Each member stays addressable under its own name."""
+
+    members: tuple[str, ...]
+    threshold: float
+
+    def __post_init__(self) -> None:
+        if len(self.members) < 2 or len(set(self.members)) != len(self.members):
+            raise ValueError(f"members must name two or more different models, got {list(self.members)}")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must be between 0 and 1, got {self.threshold}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """``[models.<served name>]``: how one served name is run.
 
-    ``cache`` is the result cache (``ModelCacheConfig``); ``route`` (a cascade) and ``variants`` (a
-    variant set under budgets) are planned by later agent versions; setting them is refused, never
-    ignored.
+    ``cache`` is the result cache (``ModelCacheConfig``); ``route`` makes the name a cascade of
+    other models (``RouteConfig``); ``variants`` (a variant set under budgets) is planned by later
+    agent versions: setting it is refused, never ignored.
     """
 
     threads: int = 0  # overrides [runtimes.<runtime>] threads for this model; 0 = the runtime's setting
     workers: int = 0  # runtime calls of this model at once; 0 = server.workers
     batching: BatchingConfig | None = None
     cache: ModelCacheConfig | None = None  # None: the manifest's cache policy, if it has one
-    route: dict[str, Any] | None = None  # planned
+    route: RouteConfig | None = None
     variants: tuple[str, ...] | None = None  # planned
 
     def __post_init__(self) -> None:
         if self.threads < 0 or self.workers < 0:
             raise ValueError(f"threads and workers must be >= 0, got {self.threads} and {self.workers}")
-        for key in ("route", "variants"):
-            if getattr(self, key) is not None:
-                raise ValueError(_planned(key))
+        if self.variants is not None:
+            raise ValueError(_planned("variants"))
 
     def check(self, name: str, manifest: Manifest) -> None:
         """``ConfigError`` when this table cannot serve ``manifest`` (batching a static batch axis or a

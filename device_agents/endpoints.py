@@ -1,8 +1,9 @@
 """Endpoints: a served name -> an ``Endpoint``. The only place that knows the mapping.
 
-Today every endpoint is one model (``ModelEndpoint``: the model of that name in the registry,
-behind its pipeline). A route/cascade, a variant set under budgets and a split pipeline are
-planned endpoint kinds; they plug in here, and nothing above (service, front-ends) changes.
+An endpoint is one model (``ModelEndpoint``: the model of that name in the registry, behind its
+pipeline) or a cascade of such endpoints (``[models.<name>.route]``:
+``device_agents.pipeline.cascade``). A variant set under budgets and a split pipeline are planned
+endpoint kinds; they plug in here, and nothing above (service, front-ends) changes.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from device_agents.config import AgentConfig
+from device_agents.config import AgentConfig, RouteConfig
 from device_agents.metrics import AgentMetrics
 from device_agents.pipeline import Pipeline, Request
+from device_agents.pipeline.cascade import CascadeEndpoint
 from device_agents.pipeline.slots import Slots
 from device_agents.registry import Registry
 from device_agents.runtimes import ServedModel
+from edgekit.bundle.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -82,10 +85,14 @@ class Endpoints:
         metrics.watch_queues(self._depths)
 
     def get(self, name: str) -> Endpoint:
-        """The endpoint of ``name``; ``ModelNotFoundError`` when no model of that name is installed."""
+        """The endpoint of ``name``; ``ModelNotFoundError`` when no model of that name is installed
+        (for a cascade, ``[models.<name>.route]``: when one of its members is not)."""
         endpoint = self._endpoints.get(name)
         if endpoint is not None:
             return endpoint
+        route = self.config.model(name).route
+        if route is not None:
+            return self._cascade(name, route)
         self.registry.get(name)  # ModelNotFoundError for a name that is not served: no endpoint for it
         with self._lock:
             endpoint = self._endpoints.get(name)
@@ -94,11 +101,23 @@ class Endpoints:
                 endpoint = self._endpoints[name] = ModelEndpoint(name, self.registry, pipeline)
         return endpoint
 
+    def _cascade(self, name: str, route: RouteConfig) -> Endpoint:
+        for member in route.members:
+            if self.config.model(member).route is not None:
+                raise ConfigError(f"agent.models.{name}.route: member {member!r} is a cascade itself; name models")
+        members = [self.get(member) for member in route.members]
+        with self._lock:
+            endpoint = self._endpoints.get(name)
+            if endpoint is None:
+                endpoint = self._endpoints[name] = CascadeEndpoint(name, members, route.threshold, self.metrics)
+        return endpoint
+
     def has(self, name: str) -> bool:
         return name in self._endpoints
 
     def names(self) -> list[str]:
-        return sorted(set(self.registry.models()) | set(self.registry.installed()))
+        routes = {name for name, m in self.config.models.items() if m.route is not None}
+        return sorted(set(self.registry.models()) | set(self.registry.installed()) | routes)
 
     def _depths(self) -> list[tuple[str, int, int]]:
         with self._lock:

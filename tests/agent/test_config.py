@@ -80,7 +80,11 @@ def test_config_without_updates_table_has_none(tmp_path: Path) -> None:
         (BASE + "[models.m.cache]\nmax_mb = 0\n", "agent.models.m.cache: max_mb must be > 0"),
         (BASE + "[models.m.cache]\nrecheck_fraction = 0.1\n", "agent.models.m.cache: recheck_fraction applies to"),
         (BASE + "[cache]\nmax_mbytes = 5\n", "agent.cache: unknown key 'max_mbytes' (did you mean 'max_mb'?"),
-        (BASE + "[models.m]\nroute = {}\n", "agent.models.m: route is planned, not in this agent version"),
+        (BASE + "[models.m.route]\nmembers = ['a']\nthreshold = 0.5\n", "agent.models.m.route: members must name two"),
+        (
+            BASE + "[models.m.route]\nmembers = ['a', 'b']\nthreshold = 0.5\nurl = 'x'\n",
+            "agent.models.m.route: unknown key",
+        ),
         (BASE + "[models.m]\nvariants = ['a']\n", "agent.models.m: variants is planned, not in this agent version"),
         (BASE + "[budgets]\nmemory_mb = 0\n", "agent.budgets: memory_mb must be > 0"),
         (

@@ -1,0 +1,96 @@
+"""Cascades (``[models.<name>.route]``): a small model answers what it is sure of, a larger one the
+rest; the answer says which member gave it; members stay addressable. Two real classifiers
+installed in a real agent service, checked against ONNX Runtime on each model directly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from device_agents.config import load_config
+from device_agents.pipeline import Request
+from device_agents.service import AgentService
+from edgekit.bundle.errors import ConfigError, ModelNotFoundError
+from tests.agent.conftest import write_config
+from tests.factories import make_cpu_bundle, tiny_classifier
+
+THRESHOLD = 0.6
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory, keypair: tuple[Path, Path]) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cascade")
+    out: dict[str, Path] = {}
+    for name, seed, output in (("small", 0, "probs"), ("large", 1, "probs"), ("other", 2, "scores")):
+        onnx_path = tiny_classifier(root / f"{name}.onnx", classes=4, seed=seed, output_name=output)
+        out[name] = onnx_path
+        out[f"{name}.ekb"] = make_cpu_bundle(root / f"{name}.ekb", onnx_path, keypair[0], name=name)
+    return out
+
+
+def _service(tmp: Path, pub: Path, models: dict[str, Path], route: str) -> AgentService:
+    config = write_config(tmp, pub, route)
+    service = AgentService(load_config(config))
+    service.start()
+    for name in ("small", "large", "other"):
+        result = service.install(models[f"{name}.ekb"])
+        assert result.changed and result.name == name, result
+    return service
+
+
+def _ask(service: AgentService, name: str, x: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    def decode(model: Any) -> Request:
+        return Request(name, {"input": x})
+
+    def encode(request: Request) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        assert request.outputs is not None
+        return dict(request.response_parameters), request.outputs
+
+    return service.infer(name, None, decode, encode)
+
+
+def test_cascade_escalates_only_the_unsure_answers(
+    models: dict[str, Path], keypair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    import onnxruntime as ort
+
+    route = f'[models.both.route]\nmembers = ["small", "large"]\nthreshold = {THRESHOLD}\n'
+    service = _service(tmp_path / "agent", keypair[1], models, route)
+    try:
+        small = ort.InferenceSession(str(models["small"]))
+        large = ort.InferenceSession(str(models["large"]))
+        rng = np.random.default_rng(5)
+        seen = {"small": 0, "large": 0}
+        for _ in range(40):
+            x = (rng.standard_normal((1, 3, 16, 16)) * 3).astype(np.float32)
+            sure = float(small.run(None, {"input": x})[0].max()) >= THRESHOLD
+            params, outputs = _ask(service, "both", x)
+            want = (small if sure else large).run(None, {"input": x})[0]
+            assert params == {"member": "small" if sure else "large", "escalated": not sure}
+            assert np.allclose(outputs["probs"], want, atol=1e-5)
+            seen[params["member"]] += 1
+        assert seen["small"] and seen["large"], seen  # both paths ran
+        # the members answer under their own names as well
+        params, outputs = _ask(service, "large", x)
+        assert "member" not in params and np.allclose(outputs["probs"], large.run(None, {"input": x})[0], atol=1e-5)
+        assert "both" in service.endpoints.names()
+        with pytest.raises(ModelNotFoundError, match="cascade: it has no versions"):
+            service.infer("both", 1, lambda m: Request("both", {"input": x}), lambda r: r)
+    finally:
+        service.stop()
+
+
+def test_cascade_members_must_agree_on_their_signature(
+    models: dict[str, Path], keypair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    route = '[models.mixed.route]\nmembers = ["small", "other"]\nthreshold = 0.5\n'
+    service = _service(tmp_path / "agent", keypair[1], models, route)
+    try:
+        x = np.zeros((1, 3, 16, 16), np.float32)
+        with pytest.raises(ConfigError, match=r"member 'other' takes .* answers \['scores'\]"):
+            _ask(service, "mixed", x)
+    finally:
+        service.stop()
