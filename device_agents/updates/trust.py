@@ -148,10 +148,6 @@ class FleetTrust:
         self._roles()
 
     # -- roles --------------------------------------------------------------------------------
-    @property
-    def keys_document(self) -> KeysDocument | None:
-        return self._keys
-
     def revoked(self) -> frozenset[str]:
         return frozenset(self.config.revoked_key_ids) | frozenset(self._keys.revoked if self._keys else ())
 
