@@ -187,6 +187,22 @@ def _register_package(sub: Any) -> None:
         "OUTPUT=TASK per output (default: from each output's shape and values; the validation notes say which)",
     )
     p.add_argument(
+        "--compress",
+        action="append",
+        default=[],
+        metavar="STEP",
+        help="compress the model first, e.g. prune-channels=0.5, low-rank=0.5, distill=width=0.5 (repeatable, in "
+        "order; see `edgekit compress -h`); the gate compares with the original model",
+    )
+    p.add_argument("--train", type=Path, metavar="TRAIN.npz", help="training inputs for --compress fine-tuning")
+    p.add_argument("--train-labels", type=Path, metavar="LABELS.npy", help="training labels for --compress")
+    p.add_argument(
+        "--reference",
+        type=Path,
+        metavar="ORIGINAL.onnx",
+        help="gate against this model instead of MODEL (when MODEL is already compressed from it)",
+    )
+    p.add_argument(
         "--labels-file",
         type=Path,
         metavar="CLASSES.txt",
@@ -348,6 +364,10 @@ def _package_or_raise(args: argparse.Namespace) -> int:
             postprocess=args.postprocess,
             labels_file=args.labels_file,
             task=args.task,
+            compress=args.compress,
+            reference=args.reference,
+            train=args.train,
+            train_labels=args.train_labels,
         )
     except PackageValidationError as exc:
         error, result = exc, exc.result

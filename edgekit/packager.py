@@ -209,6 +209,8 @@ class _Run:
     gate_notes: tuple[str, ...] = ()
     # an encoded image whose whole-pipeline answer the golden vectors carry (with pre/post-processing)
     golden_image: bytes | None = None
+    # the compression steps (``--compress``) that made the packaged model from the original, measured
+    compression: tuple[CompressionStep, ...] = ()
 
 
 def package(
@@ -242,6 +244,10 @@ def package(
     postprocess: Postprocess | str | None = None,
     labels_file: str | Path | None = None,
     task: str | Mapping[str, str] | None = None,
+    compress: Sequence[str] = (),
+    reference: str | Path | None = None,
+    train: ArraysLike | None = None,
+    train_labels: str | Path | np.ndarray | Sequence[int] | None = None,
 ) -> PackageResult:
     """Package ``model`` (ONNX) for ``targets`` and write one signed bundle per target.
 
@@ -260,6 +266,11 @@ def package(
     ``allow_failed``: write the bundles of targets that miss the gate too (marked failed; check
     ``PackageResult.passed``); without it such a target raises ``PackageValidationError``.
     ``log_dir``: keep each target's converter output as ``LOG_DIR/<target>.log``.
+    ``compress``: compression steps (``prune-channels=0.5``, ``low-rank=0.5``, ``distill=width=0.5``,
+    ``sparsity=0.8``, ``share-weights=16``; ``edgekit.compress.steps``) applied to ``model`` first,
+    fine-tuned on ``train`` (+ ``train_labels``) where given; the result is packaged and every gate
+    compares with the ORIGINAL model. ``reference``: the original model to gate against when ``model``
+    is already compressed (the same inputs and outputs).
 
     Targets with candidates (cpu, intel, jetson, coral, apple) go through the optimisation engine
     (``edgekit.optimize``): ``objective`` (``latency`` or ``size``) orders the candidates within the gate,
@@ -323,6 +334,11 @@ def package(
     calib, eval = check_data_sources(calib, eval, precisions)
     model = Path(model)
     check_model_path(model)
+    original = Path(reference) if reference is not None else model
+    if reference is not None:
+        check_model_path(original)
+    if (train is not None or train_labels is not None) and not compress:
+        raise ConfigError("--train is the compression steps' training data: give --compress STEP with it")
     name = name or _name_from(model)
     _check_name(name)
     expires_at = _expires(expires)
@@ -340,8 +356,13 @@ def package(
 
     with tempfile.TemporaryDirectory(prefix="edgekit-package-") as tmp:
         work = Path(tmp)
+        compression: tuple[CompressionStep, ...] = ()
+        if compress:
+            model, compression = _compress_first(model, compress, work, calib, eval, labels, train, train_labels, say)
         say(f"preparing {model.name}")
         prepared = prepare_model(model, work / "prepared", say)
+        if original != model:
+            _check_same_interface(original, prepared.served)
         if profile is not None:
             profile.check(prepared.source.sha256, model.name, names)
         given_tasks = parse_tasks(task, [o.name for o in prepared.served.outputs])
@@ -364,7 +385,7 @@ def package(
         calib_arrays, eval_arrays, eval_labels = _load_data(
             prepared.served, calib, eval, labels, input_shapes, say, preprocess
         )
-        fp32 = ort_cpu_runner(model)  # the FP32 source, as the device runtime would open it
+        fp32 = ort_cpu_runner(original)  # the FP32 source (the original), as the device runtime would open it
         say(f"fp32 reference on {sample_count(eval_arrays)} evaluation samples")
         run = _Run(
             served=prepared.served,
@@ -375,10 +396,11 @@ def package(
             labels=eval_labels,
             reference=run_all(fp32, eval_arrays, _batch(prepared.served, static=False)),
             fp32=fp32,
-            source_size=model_size_bytes(model),
+            source_size=model_size_bytes(original),
             steps=prepared.steps,
             say=say,
             manifest_extras=data_manifest_fields(calib_arrays, calib, prepared.served, preprocess),
+            compression=compression,
         )
         # each output's gate: --task, else from its shape and the fp32 values (named in the validation notes)
         tasks, gate_notes = output_tasks(prepared.served, run.reference, given_tasks)
@@ -587,6 +609,61 @@ def _build_target(
     if result.static and not target.static_shapes:
         raise EdgekitError(f"target {t} built a static-shape artifact but does not declare static_shapes")
     return _Built(result, searched, ctx, kept_rows, optimised)
+
+
+# -- compression first (--compress) ----------------------------------------------------------
+
+
+def _compress_first(
+    model: Path,
+    steps: Sequence[str],
+    work: Path,
+    calib: ArraysLike | None,
+    eval: ArraysLike | None,
+    labels: str | Path | np.ndarray | Sequence[int] | None,
+    train: ArraysLike | None,
+    train_labels: str | Path | np.ndarray | Sequence[int] | None,
+    say: Callable[[str], None],
+) -> tuple[Path, tuple[CompressionStep, ...]]:
+    """Run the ``--compress`` steps on ``model``; (the compressed model, its provenance)."""
+    from edgekit.compress.steps import Data, compress, parse_step
+    from edgekit.validate.calib import load_arrays, load_labels, sample_count
+
+    parsed = [parse_step(s) for s in steps]
+    source = eval if eval is not None else calib
+    if source is None or (isinstance(source, (str, Path)) and Path(source).is_dir()):
+        raise CalibrationDataError(
+            "--compress measures every step against the original on data: give --eval (or --calib) as an .npz"
+        )
+    evaluation = load_arrays(source, "--eval data" if eval is not None else "--calib data")
+    evaluation.pop("labels", None)
+    eval_labels = None
+    if labels is not None and eval is not None:
+        eval_labels = load_labels(labels, sample_count(evaluation), "--labels")
+    training = None if train is None else load_arrays(train, "--train data")
+    train_y = None
+    if train_labels is not None and training is not None:
+        train_y = load_labels(train_labels, sample_count(training), "--train-labels")
+    out = work / "compressed" / f"{model.stem}.onnx"
+    result = compress(model, parsed, out, Data(evaluation, eval_labels, training, train_y), progress=say)
+    for o in result.outcomes:
+        say(f"{o.step}: {o.size_bytes:,} bytes, {o.speedup:.2f}x the original's speed here, {o.comparison.summary()}")
+    return out, tuple(o.provenance for o in result.outcomes)
+
+
+def _check_same_interface(original: Path, served: Signature) -> None:
+    import onnx
+
+    from edgekit.compress.onnx_prep import served_signature
+
+    want = served_signature(onnx.load(str(original), load_external_data=False))
+    names = ([s.name for s in want.inputs], [s.name for s in want.outputs])
+    got = ([s.name for s in served.inputs], [s.name for s in served.outputs])
+    if names != got:
+        raise ConfigError(
+            f"--reference {original.name} has inputs {names[0]} and outputs {names[1]}; the model has {got[0]} and "
+            f"{got[1]}: the reference must be the model this one was compressed from"
+        )
 
 
 # -- arguments -----------------------------------------------------------------------------
@@ -830,7 +907,7 @@ def _validate_and_describe(
     )
     # provenance starts at the source model: the shared preparation, then the target's own steps
     prepared = tuple(CompressionStep(kind="prepare", tool="edgekit", notes=step) for step in run.steps)
-    result = dataclasses.replace(result, provenance=(*prepared, *result.provenance))
+    result = dataclasses.replace(result, provenance=(*run.compression, *prepared, *result.provenance))
     manifest = _manifest(name, version, target, result, served, source, files, validation, golden, expires, private_key)
     manifest = dataclasses.replace(manifest, **run.manifest_extras)
     if searched is not None:

@@ -214,3 +214,31 @@ def test_compress_cli_prints_one_row_per_step_and_exits_3_when_the_gate_fails(tm
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("sparsity=", "low-rank="))]
     assert [r.split()[0] for r in rows] == ["sparsity=0.95", "low-rank=0.9"]  # in command-line order
     assert "FAILED" in rows[-1] and "Traceback" not in proc.stderr
+
+
+def test_package_compress_records_the_steps_and_gates_against_the_original(
+    tmp_path: Path, keypair: tuple[Path, Path]
+) -> None:
+    from edgekit.packager import PackageValidationError, package
+
+    model, _, evaluation = _export(tmp_path, dense=True)
+    data = tmp_path / "eval.npz"
+    np.savez(data, pixels=evaluation)
+    kept = package(
+        model,
+        ["cpu"],
+        "fp32",
+        eval=data,
+        key=keypair[0],
+        out_dir=tmp_path / "a",
+        compress=["prune-channels=0.25"],
+        allow_failed=True,
+    )
+    steps = kept.manifests["cpu"].provenance
+    assert steps[0].kind == "prune_channels" and steps[0].tool == "torch-pruning"
+    assert steps[0].settings["input_sha256"] != steps[0].settings["output_sha256"]
+    # fp32 of the pruned model differs from the original: the gate saw the original's outputs
+    assert kept.manifests["cpu"].validation.cosine is not None and kept.manifests["cpu"].validation.cosine < 0.9999
+    # zeroing 95% of the weights keeps fp32 equal to itself, not to the original: the gate must fail
+    with pytest.raises(PackageValidationError):
+        package(model, ["cpu"], "fp32", eval=data, key=keypair[0], out_dir=tmp_path / "b", compress=["sparsity=0.95"])
