@@ -3,7 +3,7 @@
 Unknown keys and wrong types are ``ConfigError`` naming their path (``agent.updates.broker``),
 with the nearest known key where there is one. Relative paths are resolved against the
 directory of the config file. A format change bumps ``CONFIG_VERSION`` and adds a step to
-``MIGRATIONS`` (house rule: versioned config); an additive optional field does not. Version 2::
+``MIGRATIONS`` (an older file still loads); an additive optional field does not. Version 2::
 
     config_version = 2
     store = "/var/lib/edgekit"
@@ -518,7 +518,7 @@ class ServerConfig:
     max_concurrent_decodes: int = 4  # request bodies parsed at once; more wait (1 s), then 503
     workers: int = 2  # inference threads per model (batches run one per worker)
     queue_size: int = 64  # requests waiting per model before a 429
-    request_timeout_s: float = 30.0  # a request's deadline unless it asks for less (parameters.timeout_ms)
+    request_timeout_s: float = 30.0  # a request's deadline unless it asks for less (parameters.timeout, us)
     hung_call_s: float = 60.0  # a runtime call running longer than this is hung: the model is reloaded
     drain_timeout_s: float = 10.0  # on SIGTERM, in-flight requests get this long to finish
     retry_after_s: int = 1  # the Retry-After of a 429/503

@@ -387,7 +387,7 @@ class Lifecycle:
         report = self._with_baseline(name, report, host_p50_ms)
         # Only a baseline measured on this device gates: the host that packaged the bundle is
         # another machine (often far faster than the device), so its p50 is reported, never
-        # enforced; a first install has nothing on this device to compare with (DESIGN.md).
+        # enforced; a first install has nothing on this device to compare with.
         if report.passed and report.baseline_source != "host":
             verdict = latency_verdict(
                 report.latency_p50_ms, report.baseline_p50_ms, cfg.latency_slack, cfg.latency_floor_ms

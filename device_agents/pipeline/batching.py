@@ -12,7 +12,7 @@ the workers and by inline calls.
 
 Inline calls. A request that finds the model idle (a free slot, nothing queued, no batch to wait
 for) runs in the calling thread (``run_inline``): handing it to a worker and back costs two
-thread wake-ups (~40 us here), more than a small model's whole call. Everything else is as for a
+thread wake-ups (~40 us on a 2-core x86_64 VM), more than a small model's whole call. Everything else is as for a
 worker's call: the slot, the stage times, the watchdog (an inline call that hangs is answered
 through the caller's ``answer`` hook from the watchdog's thread, since the caller's own thread is
 stuck in the runtime).

@@ -1,7 +1,7 @@
 """``Slots``: a counting semaphore whose acquire and release are C calls.
 
 ``threading.BoundedSemaphore`` is Python around a ``Condition``: an uncontended acquire and
-release cost ~4 us here, a request's worth of parsing. A ``queue.SimpleQueue`` of tokens (C)
+release cost ~4 us (2-core x86_64 VM), a request's worth of parsing. A ``queue.SimpleQueue`` of tokens (C)
 does the same job in ~0.4 us: ``acquire`` takes a token (waiting up to its timeout for one),
 ``release`` puts it back. Waiters are served in arrival order.
 """
