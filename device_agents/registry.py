@@ -7,6 +7,8 @@
   call) is loaded on demand by the first lease.
 - ``serve`` swaps the served model of a name (one dict assignment) and returns the one it
   replaced, still open; ``retire`` closes that one when idle.
+- Under a memory budget, ``unload_lru`` unloads the least recently leased model, an idle one
+  first (to make room for another); its next lease loads it again.
 - During a new version's health window the version it replaced stays loaded (``hold``), so
   that ``count_failure`` can replay a request the new version failed to run on it, and a
   rollback is instant.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 
 import numpy as np
 
@@ -30,17 +32,19 @@ from edgekit.bundle.errors import InferenceInputError, ModelNotFoundError
 log = logging.getLogger("edgekit.agent")
 
 _IDLE_WAIT_S = 30.0
+_LOAD_ATTEMPTS = 3
 
 
 class Loaded:
     """A loaded model, its version, and the number of leases held on it."""
 
-    __slots__ = ("closed", "inflight", "model", "retired", "version")
+    __slots__ = ("closed", "inflight", "last_used", "model", "retired", "version")
 
     def __init__(self, model: ServedModel, version: int) -> None:
         self.model = model
         self.version = version
         self.inflight = 0
+        self.last_used = 0  # the lease count when it was last leased (least recently used first)
         self.retired = False  # out of the table; closed by the last release
         self.closed = False
 
@@ -87,6 +91,7 @@ class Registry:
         # What a lease loads on demand instead of the active slot (the lifecycle serving a previous
         # version for now), or None: nothing (the active slot failed verification). ``serve`` clears it.
         self._pinned: dict[str, Slot | None] = {}
+        self._leases = 0  # leases taken so far: the recency of a Loaded's last_used
 
     # -- what is there ------------------------------------------------------------------
     def models(self) -> dict[str, int]:
@@ -106,9 +111,14 @@ class Registry:
             return lease
         with self._lock:
             entry = self._loaded.get(name)
-        if entry is None and name in self.installed():
-            self._load_on_demand(name)
-            lease = self._try_lease(name, version)
+        # A model another request loaded may be unloaded again (memory budget) before this one
+        # leases it: load it again, a few times.
+        for _ in range(_LOAD_ATTEMPTS):
+            if entry is not None or name not in self.installed():
+                break
+            lease = self._load_on_demand(name, version)
+            if lease is None:
+                lease = self._try_lease(name, version)
             if lease is not None:
                 return lease
             with self._lock:
@@ -128,6 +138,8 @@ class Registry:
             entry = self._loaded.get(name)
             if entry is not None and (version is None or version == entry.version):
                 entry.inflight += 1
+                self._leases += 1
+                entry.last_used = self._leases
                 return Lease(self, entry)
         return None
 
@@ -144,32 +156,41 @@ class Registry:
             entry.model.close()
 
     # -- load / unload ------------------------------------------------------------------
-    def _load_on_demand(self, name: str) -> None:
+    def _load_on_demand(self, name: str, version: int | None = None) -> Lease | None:
+        """Load ``name``'s slot unless loaded; a lease on what it loaded when that is ``version``
+        (taken with the load: nothing can unload it in between), else None."""
         with self._lock:
             lock = self._loading.setdefault(name, threading.Lock())
         with lock:
             with self._lock:
                 if name in self._loaded:
-                    return
+                    return None
             with self._lock:
                 pinned = name in self._pinned
                 slot = self._pinned.get(name)
             if not pinned:
                 slot = self.store.model_state(name).active
             if slot is None:
-                return
+                return None
             log.info("%s: loading v%d on demand", name, slot.version)
             model = self.open_slot(slot)
+            lease = None
             with self._lock:
                 if name in self._loaded:  # the lifecycle served one meanwhile
                     raced = True
                 else:
-                    self._loaded[name] = Loaded(model, slot.version)
+                    entry = self._loaded[name] = Loaded(model, slot.version)
                     raced = False
+                    if version is None or version == slot.version:
+                        entry.inflight += 1
+                        self._leases += 1
+                        entry.last_used = self._leases
+                        lease = Lease(self, entry)
             if raced:
                 model.close()
             else:
                 self.metrics.model_version.labels(name).set(slot.version)
+            return lease
 
     def serve(self, name: str, model: ServedModel, version: int) -> Loaded | None:
         """Make ``model`` the served one of ``name``; return the one it replaced (still open)."""
@@ -199,6 +220,22 @@ class Registry:
                 return None
             return self._loaded.pop(name)
 
+    def unload_lru(self, keep: Container[str] = (), drain_s: float = 0.0) -> str | None:
+        """Unload and close the least recently leased model not in ``keep`` (to make room under
+        the memory budget): one that no lease holds, else (``drain_s`` > 0) the least recently
+        leased busy one, once its running calls end (up to ``drain_s``). Returns its name, or
+        None when none could be taken. Out of the table, it cannot be leased meanwhile: no
+        request runs on it once closed, and the next lease of its name loads it again."""
+        with self._lock:
+            candidates = [(e.inflight > 0, e.last_used, name) for name, e in self._loaded.items() if name not in keep]
+            candidates.sort()
+            if not candidates or (candidates[0][0] and drain_s <= 0):
+                return None
+            name = candidates[0][2]
+            entry = self._loaded.pop(name)
+        self.retire(entry, wait_s=drain_s)
+        return name
+
     def drop_if(self, name: str, entry_model: ServedModel) -> Loaded | None:
         """Take ``name`` out of the table (a later lease loads it again) only if ``entry_model`` is
         still the one served (a hung call's model); return it, still open."""
@@ -224,7 +261,7 @@ class Registry:
                 entry.closed = True
         if close:
             entry.model.close()
-        else:
+        elif not entry.closed:  # (closed already: its last release did it meanwhile)
             log.warning(
                 "v%d: %d calls still running after %.0f s; it is closed when the last one ends",
                 entry.version,
