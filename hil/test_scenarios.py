@@ -124,11 +124,18 @@ def test_latency_batch1_against_recorded(
     name = next(k for k in hil_bundles.golden if k.startswith("in_")).removeprefix("in_")
     for _ in range(20):  # warm-up: connection, first calls
         installed.infer_http(MODEL, {name: x})
+    energy_before, energy_started = _energy_j(installed.url), time.monotonic()
     times_ms = []
     for _ in range(count):
         started = time.perf_counter()
         installed.infer_http(MODEL, {name: x})
         times_ms.append((time.perf_counter() - started) * 1000)
+    sent = count
+    if energy_before is not None:  # the agent samples its meter each second: a few seconds of load
+        while time.monotonic() - energy_started < 5.0:
+            installed.infer_http(MODEL, {name: x})
+            sent += 1
+    energy_after = _energy_j(installed.url)
     values = sorted(times_ms)
     p50, p99 = values[len(values) // 2], values[min(len(values) - 1, int(len(values) * 0.99))]
     validation = hil_bundles.manifest.validation
@@ -143,6 +150,12 @@ def test_latency_batch1_against_recorded(
         recorded_host_p90_ms=validation.latency_p90_ms,
         p50_over_recorded=p50 / validation.latency_p50_ms if validation.latency_p50_ms else None,
         note="board: HTTP round trip over the network; recorded: the runtime call on the packaging host",
+        energy_mj_per_request=(
+            (energy_after[0] - energy_before[0]) * 1000 / sent
+            if energy_before is not None and energy_after is not None
+            else "no energy reader on this board"
+        ),
+        energy_reader=energy_before[1] if energy_before is not None else "none",
     )
     limit = installed.agent.max_p99_ms
     if limit is not None:
@@ -294,6 +307,29 @@ def _network(agent: Any, *, up: bool) -> bool:
 
     subprocess.run(shlex.split(cmd), check=True, timeout=60)
     return True
+
+
+def _energy_j(url: str) -> tuple[float, str] | None:
+    """The joules the agent's energy meter has counted (``edgekit_energy_joules``) and which meter
+    (``edgekit_budget_reader``; "modelled" where it is an estimate), or None where it reads none."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    joules, reader = None, ""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "edgekit_energy_joules_total":
+                joules = (joules or 0.0) + sample.value
+            elif sample.name == "edgekit_budget_reader" and sample.value == 1:
+                reader = sample.labels.get("reader", "")
+                if sample.labels.get("modelled") == "true":
+                    reader += " (modelled)"
+    if joules is None or reader in ("", "none"):
+        return None
+    return joules, reader
 
 
 def _try_http(agent: Any, x: dict[str, np.ndarray]) -> float | None:
