@@ -72,3 +72,24 @@ def test_virtual_board_installs_over_serial_and_answers_golden_vectors(tmp_path:
     assert not os.path.ismount(tmp_path / "vb" / "store")  # the tmpfs is unmounted
     if len(os.sched_getaffinity(0)) > 1:  # the agent saw its half-core quota (device_agents.cpus)
         assert "CPUs: this agent may use 1 of" in (tmp_path / "vb" / "agent.log").read_text()
+
+
+def test_virtual_board_fails_and_cleans_up_when_a_part_cannot_be_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As root on Linux a part that cannot be made (here: no cgroup CPU controller where the board
+    looks) is an error naming it, never a skip; the parts already made are removed."""
+    from hil import virtual_board
+    from hil.virtual_board import VirtualBoard, VirtualBoardError, unsupported_reason
+
+    reason = unsupported_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    monkeypatch.setattr(virtual_board, "CGROUP_V1_CPU", tmp_path / "no-cgroup")
+    monkeypatch.setattr(virtual_board, "CGROUP_V2", tmp_path / "no-cgroup")
+    board = VirtualBoard(tmp_path / "vb")
+    with pytest.raises(VirtualBoardError, match="no cgroup CPU controller"):
+        board.create()
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert board.netns not in namespaces.split()  # the namespace made before it is gone
+    assert not os.path.ismount(tmp_path / "vb" / "store")  # and the tmpfs
