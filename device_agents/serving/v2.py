@@ -64,14 +64,20 @@ def v2_codec(
             raw = inflate(body, encoding, max_bytes, reservation)  # type: ignore[assignment]  # bytes-like
         wire = decode_request(raw, header_length, model.wire_inputs, model.wire_outputs, max_bytes=max_bytes,
                               cache=cache)  # fmt: skip
-        return Request(name, wire.inputs, version, wire, wire.timeout_s, answer, timing, raw=wire.raw)
+        asked = None if wire.outputs is None else tuple(output for output, _ in wire.outputs)
+        return Request(
+            name, wire.inputs, version, wire, wire.timeout_s, answer, timing, parameters=wire.parameters,
+            requested_outputs=asked, raw=wire.raw,
+        )  # fmt: skip
 
     def encode(request: Request) -> tuple[bytes, int | None]:
         model = request.model
         outputs = request.outputs
         if model is None or outputs is None:  # the pipeline sets both before it encodes
             raise RuntimeFailure(f"model {name}: no outputs to encode")
-        return encode_response(name, request.served_version, request.wire, outputs, model.wire_outputs, cache)
+        return encode_response(
+            name, request.served_version, request.wire, outputs, model.wire_outputs, cache, request.response_parameters
+        )
 
     return decode, encode
 
@@ -103,6 +109,7 @@ class V2Routes(RequestHandler):
     """The v2 routes, on a ``V2Server``."""
 
     server: V2Server
+    _cache_state: str | None = None  # the answered request's response parameter "cache", for X-Edgekit-Cache
 
     def v2_get(self, parts: list[str]) -> bool:
         """Answer a GET of the v2 routes; False when ``parts`` is none of them."""
@@ -149,6 +156,7 @@ class V2Routes(RequestHandler):
         service = self.server.service
         metrics = service.metrics
         self._label = ""
+        self._cache_state = None
         timing = RequestTiming()
         overhead_s = write_cpu_overhead_s = None
         reservation = Reservation(self.server.budget, self.server.limits.retry_after_s, self.server.inflate_budget)
@@ -166,10 +174,11 @@ class V2Routes(RequestHandler):
                 except EdgekitError:
                     self._label = name if service.serves(name) else ""
                     raise
+                mark = "" if self._cache_state is None else f"X-Edgekit-Cache: {self._cache_state}\r\n"
                 if json_len is None:
-                    self._send(200, out)
+                    self._send(200, out, extra=mark)
                 else:
-                    self._send(200, out, BINARY, extra=f"Inference-Header-Content-Length: {json_len}\r\n")
+                    self._send(200, out, BINARY, extra=f"Inference-Header-Content-Length: {json_len}\r\n{mark}")
                 self._label = name  # served: it has an endpoint
                 code = 200
                 overhead_s = self._written - start - timing.runtime_s
@@ -215,7 +224,7 @@ class V2Routes(RequestHandler):
         # a _Headers: lower-case keys, read with dict.get (no .lower() per look-up)
         headers: dict[str, str] = self.headers  # type: ignore[assignment]
         server = self.server
-        return v2_codec(
+        decode, encode = v2_codec(
             name,
             version,
             raw,
@@ -227,6 +236,13 @@ class V2Routes(RequestHandler):
             answer=lambda exc: self._answer_hung(name, exc),
             timing=timing,
         )
+
+        def encode_noting_cache(request: Request) -> tuple[bytes, int | None]:
+            state = request.response_parameters.get("cache")
+            self._cache_state = None if state is None else str(state)
+            return encode(request)
+
+        return decode, encode_noting_cache
 
 
 def model_route(parts: list[str]) -> tuple[str, int | None, list[str]]:
