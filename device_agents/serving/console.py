@@ -143,10 +143,17 @@ class Uploads:
             raise UploadError(f"chunk at offset {offset}, but {have} bytes are in: resume at offset {have}")
         if offset + len(data) > size:
             raise UploadError(f"chunk ends at {offset + len(data)}, past the declared {size} bytes")
-        with open(part, "ab") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(part, "ab") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            os.truncate(part, have)  # what is in stays whole: a resume goes on from here
+            raise StoreError(
+                f"cannot write the upload to {self.dir} ({os.strerror(exc.errno or 0)}); free space there "
+                "(or set [console] upload_dir to a bigger disk) and send it again: it resumes"
+            ) from exc
         return offset + len(data)
 
     def commit(self, sha256: str) -> Path:

@@ -7,6 +7,7 @@ pyserial. Nothing goes over HTTP in these tests except where a test says it chec
 
 from __future__ import annotations
 
+import hashlib
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -188,3 +189,19 @@ def test_edgekit_board_cli_installs_shows_status_and_infers(
     assert main(["board", "infer", *port, "--model", "nope", "--input", str(tmp_path / "x.npz")]) == 1
     assert "nope" in capsys.readouterr().err
     assert main(["board", "status"]) == 2  # no --port and no EDGEKIT_BOARD_PORT
+
+
+def test_console_upload_on_a_full_disk_is_a_store_error_and_keeps_what_is_in(tmp_path: Path) -> None:
+    from device_agents.serving.console import Uploads
+    from edgekit.bundle.errors import StoreError
+    from tests.updates.tmpfs import small_tmpfs
+
+    with small_tmpfs(tmp_path / "disk", "64k") as disk:
+        uploads = Uploads(disk / "uploads", max_bytes=1 << 20)
+        data = bytes(range(256)) * 1024  # 256 KiB: more than the disk holds
+        sha = hashlib.sha256(data).hexdigest()
+        assert uploads.begin(sha, len(data)) == 0
+        assert uploads.chunk(sha, 0, data[:16384]) == 16384
+        with pytest.raises(StoreError, match="free space there"):
+            uploads.chunk(sha, 16384, data[16384 : 16384 + 131072])
+        assert uploads.begin(sha, len(data)) == 16384  # the part is whole: a resume starts after the first chunk
