@@ -67,14 +67,14 @@ _BELOW_THE_SERVICE = ("device_agents.service", "device_agents.serving", "device_
 @pytest.mark.parametrize(
     ("module", "forbidden"),
     [
-        # a front-end decodes and encodes; it reaches nothing past the service
-        (
-            "serving/http.py",
-            ("device_agents.lifecycle", "device_agents.registry", "device_agents.endpoints", "device_agents.store"),
-        ),
         ("endpoints.py", ("device_agents.lifecycle", *_BELOW_THE_SERVICE)),
         ("pipeline/__init__.py", ("device_agents.lifecycle", "device_agents.endpoints", *_BELOW_THE_SERVICE)),
         ("pipeline/batching.py", ("device_agents.lifecycle", "device_agents.endpoints", *_BELOW_THE_SERVICE)),
+        ("pipeline/policy.py", ("device_agents.registry", "device_agents.runtimes", "device_agents.pipeline.batching")),
+        ("pipeline/watchdog.py", ("device_agents.registry", "device_agents.pipeline.batching", *_BELOW_THE_SERVICE)),
+        ("pipeline/stage.py", ("device_agents.pipeline.batching", "device_agents.registry", *_BELOW_THE_SERVICE)),
+        ("health.py", ("device_agents.updates", "device_agents.pipeline", *_BELOW_THE_SERVICE)),
+        ("updates/client.py", ("device_agents.store", "device_agents.registry", "device_agents.health")),
         ("registry.py", ("device_agents.lifecycle", "device_agents.pipeline", *_BELOW_THE_SERVICE)),
         ("lifecycle.py", ("device_agents.endpoints", "device_agents.pipeline", *_BELOW_THE_SERVICE)),
     ],
@@ -207,13 +207,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 # Cycles being taken apart, each with the reason it is still here. The test fails on any other
 # cycle, and on an entry here that is gone (so the list only shrinks).
-KNOWN_CYCLES: dict[tuple[str, ...], str] = {
-    ("device_agents.pipeline", "device_agents.pipeline.stage"): (
-        "stage.py types a StageContext field with pipeline.RequestTiming (under TYPE_CHECKING) while the "
-        "pipeline imports stage.py; RequestTiming belongs in a module both import (the pipeline's "
-        "restructure, under way, moves it)"
-    ),
-}
+KNOWN_CYCLES: dict[tuple[str, ...], str] = {}
 
 
 def test_no_import_cycle_among_the_project_modules() -> None:
@@ -253,3 +247,124 @@ def test_bundle_errors_hold_only_errors_the_device_side_raises_or_catches() -> N
     )
     host_only = [name for name in errors.__all__ if not re.search(rf"\b{name}\b", device_side)]
     assert not host_only, f"only the host uses {host_only}: move them to edgekit/errors.py"
+
+
+# -- stages and front-ends ------------------------------------------------------------------------
+
+
+def _stage_modules() -> list[str]:
+    """The modules of the stage table's entries (``pipeline.stage.STAGE_FACTORIES``), and the
+    batcher's (queue + infer, the table's ``INFER`` place)."""
+    from device_agents.pipeline.stage import STAGE_FACTORIES
+
+    named = [ref.partition(":")[0] for ref in STAGE_FACTORIES.values() if isinstance(ref, str)]
+    return sorted({*named, "device_agents.pipeline.batching"})
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_no_stage_reaches_another_stage_or_the_pipeline() -> None:
+    """A stage sees the request (``pipeline.stage``) and its own package; through no chain of
+    imports does it reach another stage's module, or the pipeline that runs them."""
+    graph = import_graph()
+    stages = _stage_modules()
+    assert len(stages) > 1 and all(s in graph for s in stages), stages
+    offenders = []
+    for stage in stages:
+        reached = _reachable(graph, stage)
+        offenders += [f"{stage} reaches {other}" for other in stages if other != stage and other in reached]
+        if "device_agents.pipeline" in reached:
+            offenders.append(f"{stage} reaches device_agents.pipeline (the Pipeline)")
+    assert not offenders, offenders
+
+
+# What a front-end (device_agents/serving/*) may import from device_agents: the service (the one
+# API), its fellow front-end modules, and the types it shares with the layers under the service
+# without reaching into them: the request and its timing (the pipeline's Request, RequestTiming),
+# the signature decode reads (runtimes' ServedModel, processing's WireTensor: wire names, dtypes
+# and shapes), the typed errors it maps to statuses, its config, the metrics exposition's content
+# type, OS thread names. Anything else (lifecycle, registry, endpoints, store, batcher, stages'
+# modules, updates) is below the service.
+FRONT_END_MAY_IMPORT: dict[str, set[str] | None] = {  # module -> the names it may import (None: any)
+    "device_agents": {"__version__"},
+    "device_agents.service": None,
+    "device_agents.serving": None,  # and every device_agents.serving.* module
+    "device_agents.pipeline": {"Request", "RequestTiming"},
+    "device_agents.pipeline.stage": {"Request", "RequestTiming"},
+    "device_agents.runtimes": {"ServedModel", "TensorSpec"},
+    "device_agents.processing.signature": {"WireTensor"},
+    "device_agents.errors": None,
+    "device_agents.config": None,
+    "device_agents.metrics": {"CONTENT_TYPE"},
+    "device_agents.threads": None,
+}
+# Imports allowed one by one, each with why it is not a reach below the service.
+FRONT_END_EXCEPTIONS: dict[tuple[str, str, str], str] = {
+    ("serving/console.py", "device_agents.store", "fsync_dir"): (
+        "a file helper (fsync a directory after a rename) for the console's own upload files, not the store's API"
+    ),
+}
+
+
+def _front_end_imports(path: Path) -> list[tuple[str, str]]:
+    """(module, name) per name a front-end imports from device_agents (name "" for ``import m``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "device_agents":
+            found += [(node.module, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, "") for a in node.names if a.name.split(".")[0] == "device_agents"]
+    return found
+
+
+def _front_end_may(module: str, name: str) -> bool:
+    if module.startswith("device_agents.serving."):
+        return True
+    allowed = FRONT_END_MAY_IMPORT.get(module, set())
+    return allowed is None or name in allowed
+
+
+@pytest.mark.parametrize(
+    "module", sorted(p.name for p in (ROOT / "device_agents" / "serving").glob("*.py") if p.name != "__init__.py")
+)
+def test_front_end_reaches_nothing_below_the_service(module: str) -> None:
+    rel = f"serving/{module}"
+    bad = [
+        f"{m}.{n}" if n else m
+        for m, n in _front_end_imports(ROOT / "device_agents" / rel)
+        if not _front_end_may(m, n) and (rel, m, n) not in FRONT_END_EXCEPTIONS
+    ]
+    assert not bad, f"device_agents/{rel} imports {bad}, below the service"
+
+
+def test_front_end_rule_catches_a_reach_below_the_service(tmp_path: Path) -> None:
+    path = tmp_path / "front.py"
+    path.write_text(
+        "from device_agents.service import AgentService\n"
+        "from device_agents.pipeline import Request, Pipeline\n"
+        "import device_agents.registry\n"
+        "from device_agents.serving.v2 import v2_codec\n"
+    )
+    bad = [(m, n) for m, n in _front_end_imports(path) if not _front_end_may(m, n)]
+    assert bad == [("device_agents.pipeline", "Pipeline"), ("device_agents.registry", "")]
+
+
+def test_the_update_client_asks_the_lifecycle_and_never_reads_the_store() -> None:
+    tree = ast.parse((ROOT / "device_agents" / "updates" / "client.py").read_text())
+    reads = sorted(
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr == "store"
+        and ast.unparse(node.value) != "config"  # config.store: the store's directory, for downloads beside it
+    )
+    assert not reads, f"device_agents/updates/client.py reaches the store at lines {reads}"

@@ -36,7 +36,7 @@ from device_agents.pipeline import stage as stage_table
 from device_agents.pipeline.batching import Batcher
 from device_agents.pipeline.jobs import Job
 from device_agents.pipeline.slots import Slots
-from device_agents.pipeline.stage import Request, Stage, StageContext
+from device_agents.pipeline.stage import Request, RequestTiming, Stage, StageContext
 from device_agents.registry import Lease, Registry
 from device_agents.runtimes import ServedModel
 
@@ -48,31 +48,6 @@ T = TypeVar("T")
 
 # How long a request waits for a decode slot before a 503 (a burst of big bodies, or gzip bombs).
 DECODE_WAIT_S = 1.0
-
-
-class RequestTiming:
-    """Filled in by the pipeline for the front-end: what a request's runtime call took (the
-    front-end subtracts it from received -> written to get the server-side overhead), and what
-    is left for the front-end to record once its response is written: the request's stage times
-    (``stages``, of pipeline ``model``) and, when it ran in its own thread, the size of that call
-    (``batch_rows``). Recording them is metrics work, not serving: done after the write, it stays
-    out of the request's received -> written time. The front-end records them exactly once,
-    whatever ends the request (``AgentMetrics.observe_request(..., stages, model, batch_rows)``,
-    or ``observe_stages`` when no answer was written); ``take`` hands them over and clears them."""
-
-    __slots__ = ("batch_rows", "model", "runtime_s", "stages")
-
-    def __init__(self) -> None:
-        self.runtime_s = 0.0
-        self.model = ""
-        self.stages: list[tuple[str, float]] | None = None
-        self.batch_rows = 0
-
-    def take(self) -> tuple[list[tuple[str, float]] | None, int]:
-        """The stages and batch size left to record (None, 0 once taken)."""
-        stages, rows = self.stages, self.batch_rows
-        self.stages, self.batch_rows = None, 0
-        return stages, rows
 
 
 class Pipeline:

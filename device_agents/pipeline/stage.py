@@ -58,7 +58,6 @@ if TYPE_CHECKING:
 
     from device_agents.config import AgentConfig, ModelConfig
     from device_agents.metrics import AgentMetrics
-    from device_agents.pipeline import RequestTiming
     from device_agents.runtimes import ServedModel
     from edgekit.bundle.errors import EdgekitError
     from edgekit.bundle.manifest import Manifest
@@ -130,6 +129,31 @@ class Request:
         self.served_version = 0  # the model version that produced ``outputs``
         self.response_parameters: dict[str, Any] = {}  # e.g. {"cache": "hit", "distance": 0.01}
         self.on_done: list[Callable[[], None]] = []  # cleanups: called once, in reverse order, at the end
+
+
+class RequestTiming:
+    """Filled in by the pipeline for the front-end: what a request's runtime call took (the
+    front-end subtracts it from received -> written to get the server-side overhead), and what
+    is left for the front-end to record once its response is written: the request's stage times
+    (``stages``, of pipeline ``model``) and, when it ran in its own thread, the size of that call
+    (``batch_rows``). Recording them is metrics work, not serving: done after the write, it stays
+    out of the request's received -> written time. The front-end records them exactly once,
+    whatever ends the request (``AgentMetrics.observe_request(..., stages, model, batch_rows)``,
+    or ``observe_stages`` when no answer was written); ``take`` hands them over and clears them."""
+
+    __slots__ = ("batch_rows", "model", "runtime_s", "stages")
+
+    def __init__(self) -> None:
+        self.runtime_s = 0.0
+        self.model = ""
+        self.stages: list[tuple[str, float]] | None = None
+        self.batch_rows = 0
+
+    def take(self) -> tuple[list[tuple[str, float]] | None, int]:
+        """The stages and batch size left to record (None, 0 once taken)."""
+        stages, rows = self.stages, self.batch_rows
+        self.stages, self.batch_rows = None, 0
+        return stages, rows
 
 
 class Stage(Protocol):
