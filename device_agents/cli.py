@@ -295,6 +295,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     from prometheus_client.parser import text_string_to_metric_families
 
+    from device_agents.budgets.state import budget_line
     from device_agents.stats import snapshot, summarize, table, thread_cpu_line
     from device_agents.threads import ThreadCpu
 
@@ -304,10 +305,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
             raise StoreError(f"no edgekit-agent daemon runs on {config.store}; start it with `edgekit-agent run`")
     url = daemon_url(config.store)
 
+    texts: list[str] = []  # the last scrape's, for the budget line
+
     def scrape() -> Any:
         try:
             with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-                return snapshot(text_string_to_metric_families(resp.read().decode()))
+                texts[:] = [resp.read().decode()]
+                return snapshot(text_string_to_metric_families(texts[0]))
         except (OSError, ValueError) as exc:
             raise StoreError(f"cannot read {url}/metrics: {exc}") from exc
 
@@ -316,6 +320,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     previous, at = scrape(), time.monotonic()
     if args.count == 1:
         print(table(summarize(previous)))  # since the daemon started
+        print(budget_line(texts[0]))
         if cpu is not None:
             print(thread_cpu_line(cpu.since(ThreadCpu(0.0, {}))))
         return 0
@@ -325,6 +330,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         current, now = scrape(), time.monotonic()
         print(time.strftime("%H:%M:%S"), f"last {now - at:.1f} s")
         print(table(summarize(current.minus(previous), now - at)), flush=True)
+        print(budget_line(texts[0]), flush=True)
         later = ThreadCpu.read(pid) if cpu is not None and pid is not None else None
         if cpu is not None and later is not None:
             print(thread_cpu_line(later.since(cpu), now - at), flush=True)

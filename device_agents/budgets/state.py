@@ -203,6 +203,20 @@ class Budgets:
             out["nvpmodel"] = self.power_mode.current_name
         return out
 
+    def report(self) -> dict[str, float]:
+        """The budget state as numbers, for the device's reported state (``budget_*`` keys)."""
+        out = {"budget_level": float(self.level), "budget_energy_j": round(self.energy_j_total, 3)}
+        out["budget_rss_mb"] = round(self.rss() / 2**20, 1)
+        if self.power_w is not None:
+            out["budget_power_w"] = round(self.power_w, 3)
+        if self.bucket is not None:
+            out["budget_power_left"] = round(max(-1.0, min(1.0, self.bucket.fill)), 3)
+        if self.memory is not None:
+            out["budget_memory_mb"] = round(self.memory.budget_bytes / 2**20, 1)
+        if self.temperature is not None:
+            out["budget_temp_c"] = self.temperature.temp_c
+        return out
+
     def line(self) -> str:
         """One line for ``edgekit-agent stats``."""
         d = self.describe()
@@ -226,6 +240,37 @@ class Budgets:
 
     def register(self, registry: CollectorRegistry) -> None:
         registry.register(_BudgetCollector(self))
+
+
+def budget_line(metrics_text: str) -> str:
+    """The ``budgets:`` line of ``edgekit-agent stats``, from a daemon's ``/metrics`` text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    reader, modelled, held = "none", False, []
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if family.name == "edgekit_budget_reader":
+                reader, modelled = sample.labels.get("reader", "none"), sample.labels.get("modelled") == "true"
+            elif family.name == "edgekit_budget_model_memory_bytes":
+                held.append(f"{sample.labels.get('model', '')} {sample.value / 2**20:.0f}")
+            elif family.name == "edgekit_power_watts" or not sample.labels:
+                values[sample.name] = sample.value
+    power = values.get("edgekit_power_watts", math.nan)
+    watts = "-" if math.isnan(power) else f"{power:.2f} W"
+    parts = [f"power {watts} ({reader}{', modelled' if modelled else ''})"]
+    left = values.get("edgekit_power_budget_left_ratio", math.nan)
+    if not math.isnan(left):
+        parts.append(f"{left * 100:.0f}% of the power budget left")
+    parts.append(f"level {values.get('edgekit_degradation_level', 0):.0f}")
+    rss = values.get("edgekit_rss_bytes", 0) / 2**20
+    budget = values.get("edgekit_budget_memory_bytes", 0) / 2**20
+    if budget:
+        unloads = values.get("edgekit_budget_unloads_total", 0)
+        parts.append(f"memory {rss:.0f}/{budget:.0f} MB ({', '.join(held) or 'no model'}; {unloads:.0f} unloads)")
+    else:
+        parts.append(f"rss {rss:.0f} MB")
+    return "budgets: " + "; ".join(parts)
 
 
 # The budgets of each agent store in this process (the admission stage finds its agent's here).

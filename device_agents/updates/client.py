@@ -35,7 +35,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from device_agents.platforms import probe
 from device_agents.threads import NamedThread
 from device_agents.updates.backoff import Backoff
 from device_agents.updates.connection import BrokerAddress, new_client, session_properties
@@ -384,7 +383,7 @@ class UpdateClient:
             model,
             updates=self.updates,
             max_bundle_bytes=self.max_bundle_bytes,
-            on_battery=probe().on_battery if self.updates.defer_on_battery else None,
+            on_battery=self.lifecycle.budgets.on_battery() if self.updates.defer_on_battery else None,
         )
         if decision.action == "apply":
             self._apply(notice)
@@ -536,7 +535,7 @@ class UpdateClient:
         return Reported(
             REPORTED_SCHEMA_VERSION, u.device_id, u.fleet, state, utc_now(), name=name, version=models.get(name, 0),
             desired_version=desired_version, notice_id=notice_id, error=error, detail=detail, models=models,
-            metrics=metrics or {},
+            metrics={**self.lifecycle.budgets.report(), **(metrics or {})},  # the budget state, and the update's
         )  # fmt: skip
 
     def _set_report(

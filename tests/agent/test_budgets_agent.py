@@ -209,6 +209,10 @@ def test_agent_under_a_budget_below_itself_refuses_models_and_still_serves_healt
     assert code == 503 and "memory budget 16 MB" in str(body) and "no model is admitted" in str(body)
     status = agent_cli("status", "--config", str(config))
     assert status.returncode == 0 and "a" in status.stdout
+    stats = agent_cli("stats", "--config", str(config), "--count", "1")
+    assert stats.returncode == 0, stats.stderr
+    line = next(x for x in stats.stdout.splitlines() if x.startswith("budgets:"))
+    assert re.fullmatch(r"budgets: power (-|\S+ W) \([\w+]+\); level 0; memory \d+/16 MB \(no model; 0 unloads\)", line)
     assert agent.stop() == 0
 
 

@@ -135,3 +135,39 @@ def test_budgets_set_the_configured_nvpmodel_mode_at_start(tmp_path: Path) -> No
     b = _budgets(root, Clock(), nvpmodel_mode=7)
     with pytest.raises(Exception, match="defines no such mode"):
         b.start()
+
+
+def test_budgets_report_their_state_as_numbers_for_the_reported_topic(tmp_path: Path) -> None:
+    root = tree(tmp_path, X86)
+    clock = Clock()
+    b = _budgets(root, clock, memory_mb=512, power_w=20.0)
+    b.sample()
+    clock.now = 2.0
+    _advance(root, 6.0)
+    b.sample()
+    assert b.report() == {
+        "budget_level": 0.0,
+        "budget_energy_j": 6.0,
+        "budget_rss_mb": 80.0,
+        "budget_power_w": 3.0,
+        "budget_power_left": 0.99,
+        "budget_memory_mb": 512.0,
+        "budget_temp_c": 78.0,
+    }
+
+
+def test_budget_line_reads_the_daemon_metrics(tmp_path: Path) -> None:
+    from device_agents.budgets.state import budget_line
+
+    root = tree(tmp_path, X86)
+    clock = Clock()
+    b = _budgets(root, clock, memory_mb=512, power_w=20.0)
+    registry = CollectorRegistry()
+    b.register(registry)
+    b.sample()
+    clock.now = 2.0
+    _advance(root, 6.0)
+    b.sample()
+    assert budget_line(generate_latest(registry).decode()) == (
+        "budgets: power 3.00 W (rapl); 99% of the power budget left; level 0; memory 80/512 MB (no model; 0 unloads)"
+    )
