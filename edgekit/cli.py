@@ -87,6 +87,9 @@ def build_parser() -> Parser:
     from edgekit import doctor  # `edgekit doctor`: this machine's device class, SDKs, buildable targets, runtimes
 
     doctor.register(sub)
+    from edgekit import cascade  # `edgekit cascade plan`: ONNX Runtime is imported only when run
+
+    cascade.register(sub)
     from edgekit.compress import command as compress_command  # `edgekit compress`: torch is imported only when run
 
     compress_command.register(sub)
