@@ -113,6 +113,10 @@ class _Sweep:
         self.model, self.version = model, version
 
 
+class _Reopen:
+    """A reader found the file corrupt: the writer (which owns the write connection) moves it aside."""
+
+
 class ResultCache:
     """One agent's result cache, shared by every model's cache stages. Thread-safe."""
 
@@ -152,7 +156,7 @@ class ResultCache:
         self._retry_at = 0.0
         self._last_expiry_sweep = 0.0
         self._cond = threading.Condition()
-        self._pending: list[_Write | _Sweep] = []
+        self._pending: list[_Write | _Sweep | _Reopen] = []
         self._busy = False
         self._closing = False
         self._open()
@@ -343,7 +347,7 @@ class ResultCache:
         code = _code(exc)
         if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
             with self._cond:  # the writer thread moves it aside (it owns the write connection)
-                self._pending.append(_Sweep("", -1))
+                self._pending.append(_Reopen())
                 self._cond.notify()
         else:
             log.warning("result cache: a read failed (%s); answered as a miss", exc)
@@ -442,6 +446,8 @@ class ResultCache:
                 self._busy = True
             try:
                 self._write(batch)
+            except Exception:  # the one writer must outlive a bug in one batch: those entries are lost, not the cache
+                log.exception("result cache: writing %d entries failed; they are not stored", len(batch))
             finally:
                 with self._cond:
                     self._busy = False
@@ -450,10 +456,10 @@ class ResultCache:
                     if isinstance(item, _Write) and item.done is not None:
                         item.done.set()
 
-    def _write(self, batch: list[_Write | _Sweep]) -> None:
-        if any(isinstance(i, _Sweep) and i.version < 0 for i in batch):  # a reader found the file corrupt
+    def _write(self, queued: list[_Write | _Sweep | _Reopen]) -> None:
+        if any(isinstance(i, _Reopen) for i in queued):  # a reader found the file corrupt
             self._reopen_fresh("a read said the file is corrupt")
-            batch = [i for i in batch if not (isinstance(i, _Sweep) and i.version < 0)]
+        batch = [i for i in queued if not isinstance(i, _Reopen)]
         db = self._writer
         if db is None or self.state == "off":
             return

@@ -272,3 +272,23 @@ def test_cache_memory_tier_compares_a_kept_key_in_full(tmp_path: Path) -> None:
     assert cache.get(CacheKey(key.digest, other.header, other.buffers), "det") is None
     assert cache.get(_maker().key({"x": x.copy()}), "det") is not None
     cache.close()
+
+
+def test_cache_file_found_corrupt_while_serving_is_moved_aside_and_reads_go_on(tmp_path: Path) -> None:
+    cache = _cache(tmp_path)
+    key = _maker().key({"x": _x(26)})
+    cache.put(key, {"y": _x(27, (2,))}, model="det", version=1, ttl_s=60, wait=True)
+    cache.close()  # checkpointed: every page in the main file
+    metrics = AgentMetrics()
+    running = _cache(tmp_path, series=metrics.cache, memory_max_bytes=1)  # nothing fits in memory: reads go to disk
+    db = tmp_path / DB_NAME
+    raw = bytearray(db.read_bytes())
+    raw[4096:] = b"\x5a" * (len(raw) - 4096)  # every page after the schema page overwritten under the open cache
+    db.write_bytes(bytes(raw))
+    assert running.get(key, "det") is None  # a miss, not an error
+    assert running.flush()
+    assert len(list(tmp_path.glob(f"{DB_NAME}.corrupt-*"))) == 1
+    assert running.state == "ok" and b"edgekit_cache_corrupt_total 1.0" in metrics.exposition()
+    assert running.put(key, {"y": _x(27, (2,))}, model="det", version=1, ttl_s=60, wait=True)
+    assert running.get(key, "det") is not None
+    running.close()
