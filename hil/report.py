@@ -123,9 +123,13 @@ class HilReport:
             fig, ax = plt.subplots(figsize=(9, 4))
             ax.plot([t for t, _ in self.rss], [b / 2**20 for _, b in self.rss], ".", markersize=2, color="#2e7d32")
             top = max(b for _, b in self.rss) / 2**20
-            for t, name in self.marks:
+            ax.set_ylim(0, top * 1.05)
+            ran = [(t, n) for t, n in self.marks if self.scenario(n).outcome != "skipped"]
+            for i, (t, name) in enumerate(ran):
                 ax.axvline(t, color="grey", linewidth=0.5)
-                ax.text(t, top, name, rotation=90, fontsize=7, va="top", ha="right", color="grey")
+                # alternately hung from the top and stood on the bottom: short scenarios' labels do not overlap
+                y, align = (top * 1.05, "top") if i % 2 == 0 else (0.0, "bottom")
+                ax.text(t, y, name, rotation=90, fontsize=7, va=align, ha="right", color="grey")
             ax.set_xlabel("seconds since the run started")
             ax.set_ylabel("agent RSS (MiB)")
             ax.set_title(f"{self.board}: agent resident memory (gaps: agent off)")
