@@ -7,7 +7,8 @@ passed selection at worst-channel cosine 0.926 against 0.9 and missed the held-o
 measure the gate thresholds gets a 95 % bound on the side that fails:
 
 - top-1 agreement (k of n agree): the Wilson score interval's lower bound,
-  ``(p + z²/2n - z·sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n)``;
+  ``(p + z²/2n - z·sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n)``, for a candidate that disagrees on at
+  least one sample (with none, the bound depends on n alone: the same for every such candidate);
 - mean cosine (the mean of per-sample cosines): ``mean - z·sd/sqrt(n)``;
 - relative error (a ratio of per-sample sums) and the worst live channel's cosine (per-channel sums
   over samples and positions): percentile bootstrap over samples (``BOOTSTRAP_RESAMPLES``
@@ -56,6 +57,8 @@ def selection_margin(
         if t.min_top1_agreement is None or comparison.top1_agreement is None:
             return ""
         agree = round(comparison.top1_agreement * n)
+        if agree >= n:  # no disagreement: its bound depends on n alone, the same for every such candidate
+            return ""
         low = wilson_lower(agree, n)
         if low < t.min_top1_agreement:
             return (

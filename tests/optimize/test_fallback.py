@@ -112,5 +112,7 @@ def test_selection_margin_wilson_bound_for_top1_and_none_for_a_clear_pass() -> N
     assert selection_margin({"p": ref}, {"p": cand}, got) == ""  # Wilson lower bound 0.911 > 0.9: clear
     strict = compare({"p": ref}, {"p": cand}, "classifier", Tolerance(min_top1_agreement=0.95))
     assert selection_margin({"p": ref}, {"p": cand}, strict).startswith("top-1 agreement 0.9833 on 60 samples")
+    exact = compare({"p": ref}, {"p": ref}, "classifier", Tolerance(min_top1_agreement=0.99))
+    assert selection_margin({"p": ref}, {"p": ref}, exact) == ""  # no disagreement: nothing to rank it behind
     dense = compare({"y": ref[..., None]}, {"y": ref[..., None]}, "dense", Tolerance())
     assert selection_margin({"y": ref[..., None]}, {"y": ref[..., None]}, dense) == ""
