@@ -160,10 +160,13 @@ def tflite_from_saved_model(saved_model: Path, representative: Any | None, activ
         return bytes(converter.convert())
     except Exception as exc:  # TF raises ConverterError / RuntimeError / ValueError alike
         message = str(exc).strip().splitlines()
+        last = message[-1] if message else type(exc).__name__
+        if representative is None:  # the float conversion: no calibration, no integer kernels involved
+            raise UnsupportedOpError(f"TFLite float32 conversion failed (an op has no TFLite builtin): {last}") from exc
         kind = "16x8 (int16 activations)" if activations == "int16" else "full-integer"
         raise UnsupportedOpError(
             f"TFLite {kind} conversion failed (an op has no {activations} kernel, or the calibration data does "
-            f"not cover it): {message[-1] if message else type(exc).__name__}"
+            f"not cover it): {last}"
         ) from exc
 
 
@@ -309,6 +312,7 @@ def to_float(
         check=batches[0],
         input_names=renamed,
         tf_scope_names=True,
+        erf_tanh=True,  # TFLite has no Erf builtin: a GELU's Erf failed the float and the integer conversion
     )
     first_input = next(iter(static_shapes))
     first = np.concatenate([b[first_input] for b in batches])
