@@ -486,6 +486,10 @@ def describe_manifest(m: Any, signed_by: str) -> list[str]:
     if m.calibration is not None:
         c = m.calibration
         lines.append(f"calibration: {c.samples} samples from {c.source or 'arrays'}, sha256 {c.sha256[:16]}...")
+    if m.estimates is not None and m.estimates.memory_mb is not None:
+        e = m.estimates
+        peak = f", peak {e.peak_memory_mb:g} MB" if e.peak_memory_mb is not None else ""
+        lines.append(f"memory: {e.memory_mb:g} MB resident{peak} (load + first inference, {e.measured_on or 'host'})")
     if m.preprocess:
         lines.append("pre-processing: " + " -> ".join(_step(s) for s in m.preprocess))
     if m.postprocess:

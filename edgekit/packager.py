@@ -23,6 +23,7 @@ import dataclasses
 import math
 import platform
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -39,6 +40,7 @@ from edgekit.bundle.manifest import (
     SCHEMA_VERSION,
     SIGNATURE_NAME,
     CompressionStep,
+    Estimates,
     FileEntry,
     Golden,
     Manifest,
@@ -910,6 +912,8 @@ def _validate_and_describe(
     result = dataclasses.replace(result, provenance=(*run.compression, *prepared, *result.provenance))
     manifest = _manifest(name, version, target, result, served, source, files, validation, golden, expires, private_key)
     manifest = dataclasses.replace(manifest, **run.manifest_extras)
+    if result.runnable_here and manifest.estimates is None:
+        manifest = dataclasses.replace(manifest, estimates=_memory_estimates(ctx.out_dir, manifest, measured_on, run))
     if searched is not None:
         from edgekit.optimize.record import calibration_data, candidate_report, with_excluded
 
@@ -1148,6 +1152,20 @@ def _placeholder_golden() -> FileEntry:
 
 def _placeholder_validation(run: _Run) -> Validation:
     return Validation(passed=False, kind=run.kind, samples=0, tolerance=run.tolerance)
+
+
+def _memory_estimates(out_dir: Path, manifest: Manifest, measured_on: str, run: _Run) -> Estimates | None:
+    """The artifact's memory on the host (load + first inference, in a fresh process), for the
+    device's memory budget until it has measured its own; None (and a note) if it cannot be measured."""
+    from device_agents.budgets.footprint import measure_in_child
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            got = measure_in_child(out_dir, manifest, Path(tmp))
+    except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
+        run.say(f"[{manifest.target}] memory not measured: {exc}")
+        return None
+    return Estimates(memory_mb=got["memory_mb"], peak_memory_mb=got["peak_memory_mb"], measured_on=measured_on)
 
 
 def _manifest(
