@@ -125,6 +125,12 @@ BENCHMARKS: tuple[Entry, ...] = (
         "server-side overhead: the agent's v2 round trip (1 KB) vs a do-nothing v2 server and session.run",
     ),
     Entry(
+        "serving.stages",
+        "bench.stages:run",
+        "the stage chain's cost per request, in process: Pipeline.run with 0, 1 and 4 pass-through stages vs the "
+        "model call alone (the roundtrip's 1 KB model), CPU time, interleaved",
+    ),
+    Entry(
         "serving.limits",
         "bench.serving:run_limits",
         "1000 idle connections (health probe latency, idle timeout) and 4 parallel gzip bombs (agent RSS)",
