@@ -43,6 +43,7 @@ class FrozenGraph:
     min_cosine: float | None  # worst output cosine, frozen vs source graph on the check sample
     tool: str = "onnxslim"  # the simplifier and its version, e.g. "onnxslim 0.1.98"
     erf_as_tanh: int = 0  # Erf nodes rewritten in their tanh form (``erf_as_tanh``)
+    explicit_pads: int = 0  # nodes whose auto_pad SAME_* became explicit pads (``explicit_pads``)
 
     @property
     def steps(self) -> tuple[str, ...]:
@@ -56,6 +57,8 @@ class FrozenGraph:
             out.append(f"{self.renamed_nodes} node name(s) made valid TensorFlow scope names")
         if self.erf_as_tanh:
             out.append(f"{self.erf_as_tanh} Erf node(s) (GELU) in their tanh form: {ERF_TANH_FORM}")
+        if self.explicit_pads:
+            out.append(f"{self.explicit_pads} node(s) with auto_pad SAME_* given explicit pads (static shapes)")
         if self.min_cosine is not None:
             out.append(f"frozen graph vs source on a calibration sample: worst output cosine {self.min_cosine:.6f}")
         return tuple(out)
@@ -85,6 +88,15 @@ class FrozenGraph:
                     tool="edgekit",
                     settings={"Erf": str(self.erf_as_tanh)},
                     notes=f"Erf in its tanh form ({ERF_TANH_FORM}): TFLite has no Erf builtin",
+                )
+            )
+        if self.explicit_pads:
+            steps.append(
+                CompressionStep(
+                    kind="rewrite_ops",
+                    tool="edgekit",
+                    settings={"auto_pad": str(self.explicit_pads)},
+                    notes="auto_pad SAME_UPPER / SAME_LOWER as explicit pads, computed from the static shapes",
                 )
             )
         if self.renamed_nodes:
@@ -120,13 +132,15 @@ def freeze_graph(
     input_names: Mapping[str, str] | None = None,
     tf_scope_names: bool = False,
     erf_tanh: bool = False,
+    pads: bool = False,
 ) -> FrozenGraph:
     """Write to ``dst`` a copy of ``src`` with inputs fixed to ``static_shapes``, constants folded,
     node names made valid TensorFlow scope names (``tf_scope_names``) and inputs renamed per
     ``input_names`` (served -> new name).
 
     ``erf_tanh``: every Erf node rewritten in its tanh form (``erf_as_tanh``), for converters
-    without an Erf kernel (TFLite: a BERT-class encoder's GELU).
+    without an Erf kernel (TFLite: a BERT-class encoder's GELU). ``pads``: every auto_pad SAME_*
+    made explicit pads (``explicit_pads``), for converters without it (onnx2torch, on Keras exports).
 
     ``check``: one input batch of the static shapes; the frozen graph's outputs on it must match
     the source graph's (``MIN_FROZEN_COSINE``), else ``ModelFormatError``.
@@ -162,6 +176,7 @@ def freeze_graph(
             node.input[:] = [rename.get(i, i) for i in node.input]
     erf = erf_as_tanh(model) if erf_tanh else 0
     model = onnx.shape_inference.infer_shapes(model)
+    padded = explicit_pads(model) if pads else 0
     onnx.save(model, str(dst))
     cosine = None
     if check is not None:
@@ -181,7 +196,54 @@ def freeze_graph(
         min_cosine=cosine,
         tool=f"onnxslim {onnxslim.__version__}",
         erf_as_tanh=erf,
+        explicit_pads=padded,
     )
+
+
+_PADDED_OPS = frozenset({"Conv", "MaxPool", "AveragePool", "LpPool"})
+
+
+def explicit_pads(model: Any) -> int:
+    """Replace ``auto_pad`` SAME_UPPER / SAME_LOWER of Conv and pooling nodes of ``model`` (an
+    ``onnx.ModelProto`` with inferred static shapes, in place) by the ``pads`` it stands for:
+    per spatial axis, output ceil(in / stride), total padding max((out - 1) stride + (k - 1)
+    dilation + 1 - in, 0), the odd one at the end (UPPER) or the beginning (LOWER). A node whose
+    input shape is not static keeps its auto_pad. Returns how many nodes changed."""
+    from onnx import helper
+
+    graph = model.graph
+    shapes: dict[str, list[int | None]] = {}
+    for vi in (*graph.input, *graph.value_info, *graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+    weights = {t.name: list(t.dims) for t in graph.initializer}
+    changed = 0
+    for node in graph.node:
+        if node.op_type not in _PADDED_OPS or node.domain not in ("", "ai.onnx"):
+            continue
+        attrs = {a.name: a for a in node.attribute}
+        mode = attrs["auto_pad"].s.decode() if "auto_pad" in attrs else "NOTSET"
+        if mode not in ("SAME_UPPER", "SAME_LOWER"):
+            continue
+        shape = shapes.get(node.input[0])
+        kernel = list(attrs["kernel_shape"].ints) if "kernel_shape" in attrs else weights.get(node.input[1], [])[2:]
+        if not shape or len(shape) < 3 or any(d is None for d in shape[2:]) or len(kernel) != len(shape) - 2:
+            continue
+        spatial = [int(d) for d in shape[2:] if d is not None]
+        strides = list(attrs["strides"].ints) if "strides" in attrs else [1] * len(spatial)
+        dilations = list(attrs["dilations"].ints) if "dilations" in attrs else [1] * len(spatial)
+        begins, ends = [], []
+        for size, k, stride, dilation in zip(spatial, kernel, strides, dilations, strict=True):
+            out = -(-size // stride)
+            total = max((out - 1) * stride + (k - 1) * dilation + 1 - size, 0)
+            small, large = total // 2, total - total // 2
+            begins.append(small if mode == "SAME_UPPER" else large)
+            ends.append(large if mode == "SAME_UPPER" else small)
+        kept = [a for a in node.attribute if a.name not in ("auto_pad", "pads")]
+        del node.attribute[:]
+        node.attribute.extend([*kept, helper.make_attribute("pads", begins + ends)])
+        changed += 1
+    return changed
 
 
 # erf(z) from the tanh form of GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), at x = sqrt(2) z:

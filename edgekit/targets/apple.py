@@ -355,7 +355,10 @@ def _torch_graph(ctx: BuildContext) -> tuple[list[TensorSpec], Any, Any, tuple[A
     inputs = [_static(spec, ctx.static_shapes) for spec in ctx.served.inputs]
     ctx.progress("[apple] freeze (onnxslim) -> onnx2torch -> torch.jit.trace")
     shapes = {s.name: tuple(int(d) for d in s.shape) for s in inputs}
-    frozen = freeze_graph(ctx.model_path, ctx.work_dir / "folded.onnx", shapes, check=_check_batch(ctx.calib, inputs))
+    # onnx2torch has no auto_pad SAME_* (Keras/TF exporters write it): explicit pads, the shapes being static
+    frozen = freeze_graph(
+        ctx.model_path, ctx.work_dir / "folded.onnx", shapes, check=_check_batch(ctx.calib, inputs), pads=True
+    )
     module = onnx_to_torch(frozen.path)
     example = tuple(torch.zeros(shapes[s.name], dtype=_torch_dtype(torch, s.dtype)) for s in inputs)
     return inputs, frozen, module, example
