@@ -11,7 +11,9 @@ request through them carries the response parameter ``cache``: ``hit``, ``miss``
 The key is built from the leased model's manifest (name, version, artifact digest) and the inputs
 as they arrive (``request.inputs`` and ``request.raw``, before pre-processing), so a version
 switch changes every key; the first request to a newly active version sweeps the entries of the
-others. An answer is stored only under the key of the version that produced it.
+others. An answer is stored only under the key of the version that produced it: in memory at
+once, keeping the request's input tensors (made read-only) as its key, and on disk at its first
+hit, so that what survives a restart is what repeated.
 
 One ``ResultCache`` per store directory serves every endpoint (``shared_cache``); if it cannot
 be opened the agent still serves (memory tier only, one log line).

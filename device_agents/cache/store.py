@@ -3,6 +3,8 @@ SQLite file (``<store>/cache/results.db``, WAL, ``synchronous=NORMAL``).
 
     get(key)  memory tier, else the file; the stored key is compared byte for byte (``CacheKey.matches``)
     put(...)  into memory now; into the file by one writer thread, several entries per transaction
+              (``disk_on_hit``: into the file once it is hit, so an answer that never repeats, and
+              the input bytes its key holds, never costs a disk write)
 
 Durability: an entry is *acknowledged* when its transaction has committed (``put(wait=True)``
 returns True, or ``flush()`` after it). WAL with ``synchronous=NORMAL`` keeps every committed

@@ -234,3 +234,21 @@ def test_cache_numbers_parse_back_into_stats_and_the_table() -> None:
     later = snapshot(text_string_to_metric_families(metrics.exposition().decode()))
     interval = summarize(later.minus(snap))["tiny"]["cache"]
     assert (interval["hits"], interval["misses"], interval["hit_rate"]) == (1, 0, 1.0)
+
+
+def test_cache_that_cannot_be_opened_never_stops_serving(
+    tmp_path: Path, keypair: tuple[Path, Path], bundles: Bundles
+) -> None:
+    lc = _lifecycle(tmp_path, keypair[1])
+    try:
+        lc.install(bundles.v1)
+        blocker = lc.config.store / "cache"
+        blocker.write_text("a file where the cache directory goes")  # no directory, no database
+        pipeline = _pipeline(lc, AgentMetrics())  # a new metrics object: a cache opened now, on this store
+        x = sample_inputs(1, seed=47)
+        first = _ask(pipeline, x)
+        assert first.response_parameters["cache"] == "miss" and first.outputs is not None
+        assert _ask(pipeline, x).response_parameters["cache"] == "hit"  # the memory tier still works
+        assert shared_cache(lc.config, pipeline.metrics.cache).state == "off"
+    finally:
+        lc.stop()
