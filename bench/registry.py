@@ -160,6 +160,12 @@ BENCHMARKS: tuple[Entry, ...] = (
         "size, held-out top-1 and p50 latency vs FP32 and INT8 alone, side by side",
     ),
     Entry(
+        "cascade.digits",
+        "bench.cascade:run",
+        "a cascade (a 650-parameter model first, the digits CNN below a planned confidence threshold) vs the CNN "
+        "alone over HTTP: throughput at 4 clients and top-1, escalation rate",
+    ),
+    Entry(
         "agent.roundtrip",
         "bench.agent_roundtrip:run",
         "edgekit-agent v2 HTTP infer (tritonclient, 1 KB tensor) vs in-process onnxruntime session.run",
