@@ -94,3 +94,42 @@ def test_cascade_members_must_agree_on_their_signature(
             _ask(service, "mixed", x)
     finally:
         service.stop()
+
+
+def test_cascade_over_http_says_which_member_answered(
+    models: dict[str, Path], keypair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    import json
+    import urllib.request
+
+    import onnxruntime as ort
+
+    from tests.agent.conftest import agent_cli, start_agent
+
+    config = write_config(
+        tmp_path / "agent", keypair[1], f'[models.both.route]\nmembers = ["small", "large"]\nthreshold = {THRESHOLD}\n'
+    )
+    for name in ("small", "large"):
+        done = agent_cli("install", str(models[f"{name}.ekb"]), "--config", str(config))
+        assert done.returncode == 0, done.stderr
+    agent = start_agent(config)
+    try:
+        small = ort.InferenceSession(str(models["small"]))
+        rng = np.random.default_rng(11)
+        members = set()
+        for _ in range(20):
+            x = (rng.standard_normal((1, 3, 16, 16)) * 3).astype(np.float32)
+            body = {
+                "inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 16, 16], "data": x.ravel().tolist()}]
+            }
+            request = urllib.request.Request(
+                f"{agent.url}/v2/models/both/infer", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(request, timeout=30) as r:
+                doc = json.loads(r.read())
+            sure = float(small.run(None, {"input": x})[0].max()) >= THRESHOLD
+            assert doc["parameters"] == {"member": "small" if sure else "large", "escalated": not sure}
+            members.add(doc["parameters"]["member"])
+        assert members == {"small", "large"}
+    finally:
+        agent.stop()

@@ -223,3 +223,24 @@ def test_host_calibration_images_go_through_the_device_preprocessing(tmp_path: P
     for i, path in enumerate(paths):
         assert np.array_equal(got[i], pre.from_bytes(path.read_bytes())[0][0])
     assert got.shape == (3, 3, 64, 64) and np.isclose(got[0, 0, 0, 0], 114 / 255)
+
+
+def test_preprocessor_nhwc_bgr_and_gray_inputs() -> None:
+    img = _photo(40, 40)
+    steps = [
+        ProcessingStep(op="channel_order", order="BGR"),
+        ProcessingStep(op="resize", size=(20, 20), interpolation="bilinear"),
+        ProcessingStep(op="scale", value=1 / 255),
+        ProcessingStep(op="normalize", mean=(0.1, 0.2, 0.3), std=(0.5, 0.5, 0.5)),
+        ProcessingStep(op="layout", layout="NHWC"),
+        ProcessingStep(op="cast", dtype="float32"),
+    ]
+    x, _ = Preprocessor(steps, TensorSpec("x", "float32", (1, 20, 20, 3))).from_pixels(img)
+    want = ((resize(img[..., ::-1], (20, 20)) / 255 - np.array([0.1, 0.2, 0.3])) / 0.5)[None]
+    assert x.shape == (1, 20, 20, 3) and np.allclose(x, want, atol=1e-5)
+    gray = [ProcessingStep(op="resize", size=(20, 20)), ProcessingStep(op="layout", layout="NCHW")]
+    pre = Preprocessor(gray, TensorSpec("x", "uint8", (1, 1, 20, 20)))
+    g, _ = pre.from_bytes(_encode(img, "PNG"))  # a colour image to a one-channel model: decoded as gray
+    expected = resize(np.asarray(Image.fromarray(img).convert("L"))[..., None], (20, 20))
+    assert g.dtype == np.uint8 and g.shape == (1, 1, 20, 20)
+    assert np.array_equal(g[0, 0], np.clip(np.rint(expected[..., 0]), 0, 255).astype(np.uint8))
