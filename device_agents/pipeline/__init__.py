@@ -6,8 +6,9 @@
 The configured stages (admission, cache, pre/post-processing, ...) are built once per endpoint
 from the stage table (``device_agents.pipeline.stage.STAGE_FACTORIES``: its docstring says how to
 add one); a model that configures none runs decode -> queue -> infer -> encode, and the empty
-chain costs two tuple tests per request. A stage before infer may answer the request early (a
-cache hit): the rest of the chain is skipped up to encode.
+chain costs two tuple tests and a list test per request (what each stage adds: the benchmark
+``serving.stages``). A stage before infer may answer the request early (a cache hit): the rest
+of the chain is skipped up to encode.
 
 A request to an idle model skips the queue: it runs in the calling thread (``Batcher.run_inline``)
 when the front-end can be answered from another thread (``Request.answer``), so that the
