@@ -84,6 +84,7 @@ from edgekit.validate.calib import (
     split_holdout,
     take,
 )
+from edgekit.validate.detections import DETECTION_MIN_F1, MATCH_IOU, boxes_post
 from edgekit.validate.latency import LatencyStats, call_with, stats_side_by_side
 from edgekit.validate.metrics import (
     MEASURES,
@@ -209,6 +210,8 @@ class _Run:
     # each output's task (``validate.metrics.output_tasks``) and the notes naming the gate used
     tasks: Mapping[str, str] | None = None
     gate_notes: tuple[str, ...] = ()
+    # the post-processing (``device_agents.processing.post.Postprocessor``): a boxes one judges detections
+    post: Any = None
     # an encoded image whose whole-pipeline answer the golden vectors carry (with pre/post-processing)
     golden_image: bytes | None = None
     # the compression steps (``--compress``) that made the packaged model from the original, measured
@@ -411,6 +414,7 @@ def package(
         if preprocess is not None or postprocess is not None:
             image = _first_image(eval if eval is not None else calib)
             run = _with_processing(run, preprocess, postprocess, labels_names, labels_file, image)
+            engine = dataclasses.replace(engine, post=run.post)
         static_shapes = resolve_static_shapes(prepared.served, run.calib, input_shapes)
         errors: dict[str, str] = {}  # targets that failed: the other targets go on
         for t in names:
@@ -791,7 +795,7 @@ def _evaluator(run: _Run, static: Signature) -> Callable[[RunFn], Comparison]:
 
     def evaluate(fn: RunFn) -> Comparison:
         outputs = run_all(fn, run.eval, batch, pad=True)
-        return compare(run.reference, outputs, run.kind, run.tolerance, run.labels, run.tasks)
+        return compare(run.reference, outputs, run.kind, run.tolerance, run.labels, run.tasks, run.post)
 
     return evaluate
 
@@ -850,7 +854,7 @@ def _validate_and_describe(
     try:
         run.say(f"[{target}] validating on {sample_count(run.eval)} held-out samples ({measured_on})")
         outputs = run_all(fn, run.eval, batch, pad=pad)
-        comparison = compare(run.reference, outputs, run.kind, run.tolerance, run.labels, run.tasks)
+        comparison = compare(run.reference, outputs, run.kind, run.tolerance, run.labels, run.tasks, run.post)
         if result.static:  # the frozen artifact's outputs have one shape: serve that one
             served = _concrete_outputs(served, outputs)
         if searched is not None:
@@ -903,7 +907,13 @@ def _validate_and_describe(
         latency_p90_ms=latency["artifact"].p90_ms if latency else None,
         latency_iqr_ms=latency["artifact"].iqr_ms if latency else None,
         measured_on=measured_on,
-        notes=(*(f"prepared: {s}" for s in run.steps), *run.gate_notes, *result.notes, *slower_note),
+        notes=(
+            *(f"prepared: {s}" for s in run.steps),
+            *run.gate_notes,
+            *((f"held-out {comparison.detections}",) if comparison.detections else ()),
+            *result.notes,
+            *slower_note,
+        ),
         failures=comparison.failures,
         slower_than_fp32=slower,
     )
@@ -962,6 +972,12 @@ def _with_processing(
         found = post.run(one, None)
         run.say(f"post-processing: {', '.join(f'{k} {list(v.shape)}' for k, v in found.items())} on one sample")
         extras["postprocess"] = steps
+        if boxes_post(post):
+            gate = (
+                f"gate: output {post.tensor!r} judged by its detections after the post-processing: matched to fp32's "
+                f"at IoU {MATCH_IOU:g}, F1 >= {DETECTION_MIN_F1:g} (its worst channel's cosine does not veto)"
+            )
+            run = dataclasses.replace(run, post=post, gate_notes=(*run.gate_notes, gate))
     golden = image.read_bytes() if image is not None and "preprocess" in extras and postprocess is not None else None
     return dataclasses.replace(run, manifest_extras=extras, bundle_files=bundle_files, golden_image=golden)
 

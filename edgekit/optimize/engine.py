@@ -184,6 +184,7 @@ def search(
     dominated_factor: float | None = DOMINATED_FACTOR,
     clock: Callable[[], float] = time.perf_counter,
     tasks: Mapping[str, str] | None = None,
+    post: Any = None,
 ) -> SearchResult:
     """Run the search for one target. ``precision``: ``auto`` or the CLI precision requested
     (then only candidates of that precision are chosen; the baseline is measured for comparison).
@@ -198,7 +199,8 @@ def search(
     calls measure more than this many times the target's FP32 baseline's (the FP32 source's where
     it has none) and more than ``DOMINATED_MIN_MS`` is recorded as skipped (dominated) before its
     accuracy run; None: never. ``clock``: what the timing rounds read (seconds). ``tasks``: each
-    output's task (``validate.metrics.output_tasks``), how ``compare`` judges it."""
+    output's task (``validate.metrics.output_tasks``), how ``compare`` judges it; ``post``: the
+    bundle's post-processing (a boxes one judges the detections)."""
     t0 = time.perf_counter()
     say = progress
     auto = precision == "auto"
@@ -266,7 +268,7 @@ def search(
                 st.outcome = _skipped(cand.name, slow, cand)
                 return st
             outputs = run_all(st.run, data.selection, batch, pad=fixed_batch(served) is not None)
-            comparison = compare(ref_out, outputs, kind, tolerance, tasks=tasks)
+            comparison = compare(ref_out, outputs, kind, tolerance, tasks=tasks, post=post)
             if kind == "classifier":
                 comparison = flip_gate(comparison, ref_out, outputs, data, tolerance)
             marginal = selection_margin(ref_out, outputs, comparison)

@@ -45,6 +45,9 @@ class EngineSettings:
     device_profile: DeviceProfile | None = None
     # (output, task) per output (``validate.metrics.output_tasks``); empty: the kind from the shapes
     tasks: tuple[tuple[str, str], ...] = ()
+    # the bundle's post-processing (``device_agents.processing.post.Postprocessor``): a boxes one
+    # judges a detector by its detections (``validate.detections``)
+    post: Any = None
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -121,6 +124,7 @@ def optimise(
         time_budget_s=settings.time_budget_s,
         device_latency=settings.device_profile.for_target(target.name) if settings.device_profile else None,
         tasks=tasks,
+        post=settings.post,
     )
     return _finished(target, ctx, settings, result)
 

@@ -65,6 +65,8 @@ class Comparison:
     # classifiers, at selection only (``edgekit.optimize.flip_risk``): top-1 agreement predicted on
     # inputs as close to the decision boundary as the gate's; not a manifest measure
     predicted_top1_agreement: float | None = None
+    # detectors with a boxes post-processing (``validate.detections``): what the client receives
+    detections: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -82,6 +84,8 @@ class Comparison:
         text = f"cosine {self.cosine:.4f}, relative error {self.relative_error:.4f}"
         if self.channel_cosine is not None:
             text += f", worst channel cosine {self.channel_cosine:.4f}"
+        if self.detections is not None:
+            text += f", {self.detections}"
         return text
 
 
@@ -202,10 +206,16 @@ def compare(
     tolerance: Tolerance,
     labels: np.ndarray | None = None,
     tasks: Mapping[str, str] | None = None,
+    post: Any = None,
 ) -> Comparison:
     """Compare ``candidate`` outputs with FP32 ``reference`` outputs (same names, samples on axis 0).
     ``tasks`` (``output_tasks``): a ``regress`` output is judged by its own relative error, and left
-    out of the cosine and worst-channel measures."""
+    out of the cosine and worst-channel measures. ``post``: the bundle's post-processing (a
+    ``device_agents.processing.post.Postprocessor``); where it ends in ``boxes``, its output is
+    judged by the detections (``validate.detections``), not by its worst channel."""
+    from edgekit.validate.detections import DETECTION_MIN_F1, boxes_post, detection_agreement
+
+    detected = detection_agreement(reference, candidate, post) if boxes_post(post) else None
     names = list(reference)
     missing = [n for n in names if n not in candidate]
     if missing:
@@ -235,6 +245,8 @@ def compare(
             continue
         dense_cosines.append(cosines[-1])
         dense_err.append((abs_err[-1], ref_abs[-1]))
+        if detected is not None and n == post.tensor:
+            continue  # the detections judge it: a channel that never fires cannot veto them
         found = worst_channel(reference[n], candidate[n])
         if found is not None and (worst is None or found[0] < worst[0]):
             worst = (found[0], n, found[1])
@@ -281,6 +293,13 @@ def compare(
                 "before the concat"
             )
     failures += regressed
+    if detected is not None:
+        values["detections"] = detected.text()
+        if detected.f1 < DETECTION_MIN_F1:
+            failures.append(
+                f"{detected.text()}, needs F1 >= {DETECTION_MIN_F1:g}: the detections after the post-processing "
+                "differ from fp32's"
+            )
     return Comparison(kind=kind, samples=samples, tolerance=tolerance, failures=tuple(failures), **values)
 
 
