@@ -302,11 +302,14 @@ class ModelCacheConfig:
     Without the table, the manifest's cache policy applies (if it has one); with it, the fields set
     here override the manifest's (``ttl_s``), and ``enabled = false`` turns a manifest's policy off.
     ``exact`` answers a request whose inputs and answer-changing parameters are byte for byte
-    those of a cached one. ``approximate`` (near-duplicate sensor input) and ``semantic`` (keyed by
-    ``embed_with``, another served model's output) are planned, refused until then.
-    ``max_mb``: this model's share of the disk tier (None: only ``[cache] max_mb`` bounds it).
-    ``recheck_fraction``: of approximate/semantic hits re-run through the model to measure the
-    false-hit rate. Refused for a stateful model."""
+    those of a cached one. ``approximate`` (near-duplicate sensor input) also answers one whose
+    inputs' signature is within ``max_distance`` (cosine distance of downsampled, normalised
+    copies: ``device_agents.cache.approximate``) of a cached one's;
+    ``recheck_fraction`` of those hits are re-run through the model in the background, and when
+    their false-hit rate is over ``false_hit_budget`` with 95% confidence the threshold is halved.
+    ``semantic`` (keyed by ``embed_with``, another served model's output) is planned, refused
+    until then. ``max_mb``: this model's share of the disk tier (None: only ``[cache] max_mb``
+    bounds it). Refused for a stateful model."""
 
     mode: str = "exact"
     enabled: bool = True
@@ -314,13 +317,15 @@ class ModelCacheConfig:
     ttl_s: float | None = None  # None: the manifest's ttl_s, else DEFAULT_CACHE_TTL_S
     embed_with: str | None = None
     recheck_fraction: float = 0.0
+    max_distance: float | None = None  # approximate (required there): the distance threshold
+    false_hit_budget: float = 0.01  # approximate: the false-hit rate the run-time recheck holds
 
     def __post_init__(self) -> None:
         if self.mode not in CACHE_MODES:
             raise ValueError(f"mode {self.mode!r} must be one of {', '.join(CACHE_MODES)}")
-        if self.mode != "exact":
+        if self.mode == "semantic":
             raise ValueError(
-                f'mode {self.mode!r} is planned, not in this agent version; use mode = "exact" '
+                f'mode {self.mode!r} is planned, not in this agent version; use mode = "exact" or "approximate" '
                 "(or upgrade edgekit-agent)"
             )
         if self.embed_with is not None:
@@ -333,6 +338,15 @@ class ModelCacheConfig:
             raise ValueError(f"recheck_fraction must be between 0 and 1, got {self.recheck_fraction}")
         if self.recheck_fraction and self.mode == "exact":
             raise ValueError("recheck_fraction applies to approximate and semantic hits; an exact hit is exact")
+        if self.max_distance is not None and (self.mode != "approximate" or not 0 < self.max_distance <= 2):
+            raise ValueError(f'max_distance goes with mode = "approximate", between 0 and 2; got {self.max_distance}')
+        if self.mode == "approximate" and self.max_distance is None:
+            raise ValueError(
+                'mode = "approximate" needs max_distance (the cosine distance under which an answer is reused, '
+                "e.g. 0.01); the run-time recheck halves it while hits are wrong too often"
+            )
+        if not 0 < self.false_hit_budget < 1:
+            raise ValueError(f"false_hit_budget must be between 0 and 1, got {self.false_hit_budget}")
 
 
 DEFAULT_CACHE_TTL_S = 3600.0

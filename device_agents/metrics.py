@@ -252,6 +252,8 @@ class CacheSeries(Collector):
         self._corrupt = 0
         self._drops = 0
         self._sizes: list[Callable[[], tuple[int, int, int, int]]] = []
+        # approximate mode, per model: (distance threshold, false-hit rate or None, its 95% upper bound, rechecks)
+        self._approximate: dict[str, tuple[float, float | None, float, int]] = {}
 
     def lookup(self, model: str, result: str, seconds: float = 0.0, saved_s: float = 0.0) -> None:
         key = (model, result)
@@ -282,6 +284,11 @@ class CacheSeries(Collector):
         with self._lock:
             self._drops += 1
 
+    def approximate(self, model: str, threshold: float, rate: float | None, bound: float, rechecked: int) -> None:
+        """The approximate mode's state of ``model``: its distance threshold and measured false-hit rate."""
+        with self._lock:
+            self._approximate[model] = (threshold, rate, bound, rechecked)
+
     def watch(self, sizes: Callable[[], tuple[int, int, int, int]]) -> None:
         """Read (memory entries, memory bytes, disk entries, disk bytes) from ``sizes`` when scraped."""
         with self._lock:
@@ -295,6 +302,7 @@ class CacheSeries(Collector):
             evictions = list(self._evictions.items())
             paused, pauses, corrupt, drops = self._paused, self._pauses, self._corrupt, self._drops
             sources = list(self._sizes)
+            approximate = list(self._approximate.items())
         yield _counter(
             "edgekit_cache_lookups",
             "Result-cache lookups by model and result (hit, miss, bypass)",
@@ -334,6 +342,36 @@ class CacheSeries(Collector):
             size.add_metric(["disk"], totals[3])
         yield entries
         yield size
+        threshold = GaugeMetricFamily(
+            "edgekit_cache_distance_threshold",
+            "Approximate cache: the distance under which a hit is reused",
+            labels=["model"],
+        )
+        rate = GaugeMetricFamily(
+            "edgekit_cache_false_hit_rate",
+            "Approximate cache: share of rechecked hits whose answer differed from a fresh one (this threshold)",
+            labels=["model"],
+        )
+        bound = GaugeMetricFamily(
+            "edgekit_cache_false_hit_bound",
+            "Approximate cache: upper end of the false-hit rate's 95% interval",
+            labels=["model"],
+        )
+        rechecks = GaugeMetricFamily(
+            "edgekit_cache_rechecks",
+            "Approximate cache: hits rechecked since the threshold last changed",
+            labels=["model"],
+        )
+        for model, (t, r, b, n) in approximate:
+            threshold.add_metric([model], t)
+            if r is not None:
+                rate.add_metric([model], r)
+            bound.add_metric([model], b)
+            rechecks.add_metric([model], n)
+        yield threshold
+        yield rate
+        yield bound
+        yield rechecks
         yield GaugeMetricFamily(
             "edgekit_cache_paused", "1 while the result cache does not write to disk (disk full)", value=paused
         )

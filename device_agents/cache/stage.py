@@ -5,6 +5,12 @@
 
 Both are present when the model caches: ``[models.<name>.cache]``, else the manifest's cache
 policy (the config overrides it, ``enabled = false`` turns it off), and ``[cache] enabled``.
+With ``mode = "approximate"``, an exact miss is looked up again by its inputs' signature
+(``device_agents.cache.approximate``): the nearest stored answer of the same key context within
+the distance threshold answers it (response parameters ``cache = "hit"`` and ``distance``), and
+``recheck_fraction`` of those hits are re-run through the model in a background thread (models
+without pre- or post-processing: the answer compared is the model's own), which holds the
+false-hit budget by halving the threshold.
 A request with the v2 parameter ``"cache": "bypass"`` is neither looked up nor stored. Every
 request through them carries the response parameter ``cache``: ``hit``, ``miss`` or ``bypass``.
 
@@ -23,17 +29,24 @@ from __future__ import annotations
 
 import atexit
 import logging
+import queue
+import random
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from device_agents.cache.approximate import FalseHitMeter, NearIndex, agrees, signature
 from device_agents.cache.key import CacheKey, KeyMaker
 from device_agents.cache.store import ResultCache
 from device_agents.cache.tensors import UncacheableError
 from device_agents.config import DEFAULT_CACHE_TTL_S, AgentConfig, ModelCacheConfig
 from device_agents.metrics import CacheSeries
 from device_agents.pipeline.stage import Request, StageContext
+from device_agents.runtimes import ServedModel
 from edgekit.bundle.errors import InferenceInputError
 from edgekit.bundle.manifest import Manifest
 
@@ -54,6 +67,9 @@ class CachePolicy:
     mode: str
     ttl_s: float
     max_bytes: int | None
+    max_distance: float | None = None  # approximate mode: the starting distance threshold
+    recheck_fraction: float = 0.0
+    false_hit_budget: float = 0.01
 
 
 def policy(name: str, agent: AgentConfig, manifest: Manifest) -> CachePolicy | None:
@@ -86,7 +102,12 @@ def policy(name: str, agent: AgentConfig, manifest: Manifest) -> CachePolicy | N
     if ttl_s is None:
         ttl_s = float(declared.ttl_s) if declared is not None else DEFAULT_CACHE_TTL_S
     max_mb = configured.max_mb if configured is not None else None
-    return CachePolicy(mode, ttl_s, None if max_mb is None else max_mb * _MB)
+    max_bytes = None if max_mb is None else max_mb * _MB
+    if configured is not None and configured.mode == "approximate":
+        return CachePolicy(
+            mode, ttl_s, max_bytes, configured.max_distance, configured.recheck_fraction, configured.false_hit_budget
+        )
+    return CachePolicy(mode, ttl_s, max_bytes)
 
 
 def shared_cache(agent: AgentConfig, series: CacheSeries) -> ResultCache:
@@ -111,10 +132,12 @@ class _Link:
     """What the lookup of a missed request hands its store stage: the key (hashed once) and when
     the lookup started, by request, until the request ends (``request.on_done``)."""
 
-    __slots__ = ("pending",)
+    __slots__ = ("index", "pending")
 
-    def __init__(self) -> None:
-        self.pending: dict[int, tuple[CacheKey, float, int]] = {}
+    def __init__(self, index: NearIndex | None = None) -> None:
+        # request id -> (key, lookup start, version, the inputs' signature in the approximate mode)
+        self.pending: dict[int, tuple[CacheKey, float, int, np.ndarray | None]] = {}
+        self.index = index  # the approximate mode's signatures
 
 
 class CacheLookup:
@@ -135,6 +158,14 @@ class CacheLookup:
         self._lock = threading.Lock()
         if policy.max_bytes is not None:
             cache.model_max_bytes[endpoint] = policy.max_bytes
+        self.meter: FalseHitMeter | None = None
+        self._rechecks: queue.Queue[tuple[ServedModel, dict[str, np.ndarray], Mapping[str, np.ndarray]]] | None = None
+        if policy.max_distance is not None:
+            self.meter = FalseHitMeter(endpoint, policy.max_distance, policy.false_hit_budget)
+            self._publish()
+            if policy.recheck_fraction > 0:
+                self._rechecks = queue.Queue(maxsize=8)  # more pending than this: a hit is not rechecked
+                threading.Thread(target=self._recheck_loop, name=f"cache-recheck-{endpoint}", daemon=True).start()
 
     def process(self, request: Request) -> None:
         asked = request.parameters.get(CACHE_PARAMETER)
@@ -156,6 +187,15 @@ class CacheLookup:
             self.series.lookup(self.endpoint, BYPASS)
             return
         hit = self.cache.get(key, self.endpoint)
+        sig = None
+        if hit is None and self.meter is not None and self.link.index is not None:
+            sig = signature(request.inputs) if not request.raw else None
+            near = None if sig is None else self.link.index.nearest(key.header, sig)
+            if near is not None and near[1] <= self.meter.threshold:
+                hit = self.cache.get_digest(near[0], self.endpoint)
+                if hit is not None:
+                    request.response_parameters["distance"] = round(near[1], 6)
+                    self._maybe_recheck(request, model, hit.outputs)
         if hit is not None:
             request.outputs = dict(hit.outputs)
             request.served_version = hit.version
@@ -166,8 +206,39 @@ class CacheLookup:
         self.series.lookup(self.endpoint, "miss")
         pending = self.link.pending
         rid = id(request)
-        pending[rid] = (key, t0, maker.version)
+        pending[rid] = (key, t0, maker.version, sig)
         request.on_done.append(lambda: _forget(pending, rid))
+
+    def _maybe_recheck(self, request: Request, model: ServedModel, cached: Mapping[str, np.ndarray]) -> None:
+        """Queue this approximate hit for a fresh run, with probability ``recheck_fraction``."""
+        if self._rechecks is None or random.random() >= self.policy.recheck_fraction:
+            return
+        manifest = model.manifest
+        if manifest.preprocess or manifest.postprocess:  # the cached answer is not the model's own output
+            return
+        try:
+            self._rechecks.put_nowait((model, dict(request.inputs), cached))
+        except queue.Full:
+            pass  # rechecks are a sample: one dropped under load changes nothing but their count
+
+    def _recheck_loop(self) -> None:
+        rechecks, meter = self._rechecks, self.meter
+        if rechecks is None or meter is None:
+            return
+        while True:
+            model, inputs, cached = rechecks.get()
+            try:
+                fresh = model.infer(inputs)
+            except Exception as exc:  # the model was unloaded or replaced meanwhile: no verdict
+                log.debug("%s: a cache recheck could not run (%s)", self.endpoint, exc)
+                continue
+            meter.record(agrees(cached, fresh))
+            self._publish()
+
+    def _publish(self) -> None:
+        meter = self.meter
+        if meter is not None:
+            self.series.approximate(self.endpoint, meter.threshold, meter.rate, meter.bound, meter.rechecked)
 
     def _maker(self, manifest: Manifest, active: bool) -> KeyMaker:
         ident = (manifest.name, manifest.version)
@@ -182,10 +253,12 @@ class CacheLookup:
                 if ident != self._active:
                     self._active = ident
                     self.cache.sweep(self.endpoint, manifest.version)  # the replaced version's entries
+                    if self.link.index is not None:
+                        self.link.index.clear()  # their signatures
         return maker
 
 
-def _forget(pending: dict[int, tuple[CacheKey, float, int]], rid: int) -> None:
+def _forget(pending: dict[int, tuple[CacheKey, float, int, np.ndarray | None]], rid: int) -> None:
     pending.pop(rid, None)
 
 
@@ -204,7 +277,7 @@ class CacheStore:
         pending = self.link.pending.pop(id(request), None)
         if pending is None or request.outputs is None:
             return
-        key, t0, version = pending
+        key, t0, version, sig = pending
         if request.served_version != version:  # an update switched versions meanwhile: not this key's answer
             return
         try:
@@ -219,6 +292,8 @@ class CacheStore:
             )
         except UncacheableError:
             return
+        if sig is not None and self.link.index is not None:
+            self.link.index.add(key.header, sig, key.digest)
 
 
 # The stages of one endpoint share a _Link; the store factory runs right after the lookup's
@@ -231,7 +306,7 @@ def lookup(context: StageContext) -> CacheLookup | None:
     found = policy(context.name, context.agent, context.manifest)
     if found is None:
         return None
-    link = _links[(context.agent.store, context.name)] = _Link()
+    link = _links[(context.agent.store, context.name)] = _Link(NearIndex() if found.max_distance is not None else None)
     cache = shared_cache(context.agent, context.metrics.cache)
     return CacheLookup(context.name, cache, found, context.metrics.cache, link)
 

@@ -188,6 +188,43 @@ class ResultCache:
             self._queue_write(digest, entry, None)
         return Hit(entry.outputs, entry.version, entry.cost_s, "memory")
 
+    def get_digest(self, digest: bytes, model: str) -> Hit | None:
+        """The answer stored under ``digest`` for ``model``, with no key to compare: the approximate
+        mode's look-up of the entry its signature index chose."""
+        now = self.clock()
+        with self._hot_lock:
+            entry = self._hot.get(digest)
+            if entry is not None and entry.model == model and entry.expires_s > now:
+                self._hot.move_to_end(digest)
+                promote = not entry.on_disk
+                entry.on_disk = True
+            else:
+                entry = None
+        if entry is not None:
+            if promote:
+                self._queue_write(digest, entry, None)
+            return Hit(entry.outputs, entry.version, entry.cost_s, "memory")
+        if self._reader is None:
+            return None
+        try:
+            with self._read_lock:
+                if self._reader is None:
+                    return None
+                rows = self._reader.execute(
+                    "SELECT value, version, expires_s, cost_s FROM entries WHERE digest = ? AND model = ?",
+                    (digest, model),
+                ).fetchall()
+        except sqlite3.Error as exc:
+            self._read_failed(exc)
+            return None
+        if not rows or rows[0][2] <= now:
+            return None
+        try:
+            outputs = decode_tensors(rows[0][0])
+        except CacheFormatError:
+            return None
+        return Hit(outputs, int(rows[0][1]), float(rows[0][3]), "disk")
+
     def put(
         self,
         key: CacheKey,
