@@ -3,9 +3,10 @@
 The budget is the agent process's whole resident memory, its own baseline (interpreter,
 libraries, server) measured when the budget is created, before any model loads, plus each
 runtime SDK's import, measured before that runtime's first load. What a model
-needs is, best first: the RSS increase its load measured on this device before (kept per model,
-version and runtime in ``<store>/footprints.json``, the largest seen: a load that reuses pages
-an unloaded model left in the allocator must not make it look smaller), else the manifest's
+needs is, best first: the RSS peak of its load measured on this device before (kept per model,
+version and runtime in ``<store>/footprints.json`` with what the load left resident, which the
+model holds while loaded; the largest seen: a load that reuses pages an unloaded model left in
+the allocator must not make it look smaller), else the manifest's
 ``estimates`` (``peak_memory_mb``, else ``memory_mb``: the packager's measurement on the host),
 else nothing known (admitted while anything is free, and measured).
 
@@ -53,6 +54,7 @@ WHEN_FULL = ("refuse", "unload_idle")
 RELOAD = ("on_request", "retry_after")
 # How long a load waits for the running calls of a busy model it unloads (when none is idle).
 DRAIN_S = 5.0
+PEAK = "peak"  # a footprint key's suffix for the load's peak
 _OTHER = ""  # the key of memory held by neither the agent's baseline nor a model
 
 
@@ -86,6 +88,17 @@ def return_freed_memory() -> None:
 
 
 _trim: Any = None  # libc's malloc_trim once looked up; False where there is none
+_M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def limit_malloc_arenas(arenas: int = 2) -> None:
+    """Cap glibc's per-thread malloc arenas (default 8 per core): models loaded and unloaded from
+    request threads otherwise spread over arenas whose free pages are returned apart, and RSS
+    creeps up swap after swap. Applies to arenas created after the call (call it at start)."""
+    try:
+        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, arenas)
+    except (AttributeError, OSError):  # not glibc
+        pass
 
 
 def first_inference(model: ServedModel) -> None:
@@ -100,6 +113,33 @@ def first_inference(model: ServedModel) -> None:
         model.infer(inputs)
     except Exception as exc:  # any runtime error: the measurement is of the load only
         log.debug("%s: no warm-up inference (%s)", model.manifest.name, exc)
+
+
+class PeakRss:
+    """The highest RSS seen while the ``with`` block runs (polled every ``interval_s`` by a
+    thread): a model's load peaks above what it keeps (the file read, the parsed graph)."""
+
+    def __init__(self, rss: Callable[[], int], interval_s: float = 0.002) -> None:
+        self.rss = rss
+        self.interval_s = interval_s
+        self.bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="peak-rss", daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.bytes = max(self.bytes, self.rss())
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> PeakRss:
+        self.bytes = self.rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.bytes = max(self.bytes, self.rss())
 
 
 def footprint_key(manifest: Manifest) -> str:
@@ -180,6 +220,7 @@ class MemoryBudget:
         self.reload = reload
         self.retry_after_s = retry_after_s
         self.rss = rss
+        limit_malloc_arenas()
         self.baseline_bytes = rss() if baseline_bytes is None else baseline_bytes
         # Unloads the least recently used model not in ``keep``, an idle one first, else a busy one
         # once its running calls end (up to the seconds given); its name, or None. Set by the
@@ -196,7 +237,10 @@ class MemoryBudget:
     def need(self, manifest: Manifest) -> tuple[int, str]:
         """(bytes, where the number comes from: "measured", "estimate" or "unknown")."""
         if self.footprints is not None:
-            measured = self.footprints.get(footprint_key(manifest))
+            key = footprint_key(manifest)
+            measured = self.footprints.get(f"{key} {PEAK}")
+            if measured is None:
+                measured = self.footprints.get(key)
             if measured is not None:
                 return measured, "measured"
         est = manifest.estimates
@@ -228,22 +272,30 @@ class MemoryBudget:
             self._make_room(manifest, need, source, may_unload=self._may_unload(on_demand))
             return_freed_memory()  # measured from a trimmed heap: what the load itself makes resident
             before = self.rss()
-            model = loader()
-            first_inference(model)
+            with PeakRss(self.rss) as peak:
+                model = loader()
+                first_inference(model)
             after = self.rss()
             delta = max(0, after - before)
+            peak_delta = max(delta, peak.bytes - before)
             # held: the largest load of this model measured on this device (this one's may be less:
-            # a load that reuses free heap pages shows less than it holds once they are used again)
-            kept = self.footprints.record(footprint_key(manifest), delta) if self.footprints is not None else delta
+            # a load that reuses free heap pages shows less than it holds once they are used again);
+            # needed before the next load: the largest peak (a load reads and parses the weights
+            # besides what it keeps)
+            kept = delta
+            if self.footprints is not None:
+                kept = self.footprints.record(footprint_key(manifest), delta)
+                self.footprints.record(f"{footprint_key(manifest)} {PEAK}", peak_delta)
             key = id(model)
             with self._lock:
                 self._held[key] = Holding(manifest.name, manifest.version, kept)
             model.on_close = lambda: self._release(key)
             log.info(
-                "%s v%d loaded: %.1f MB (%s %.1f MB); %.1f of %.1f MB budget held, RSS %.1f MB",
+                "%s v%d loaded: %.1f MB, peak %.1f MB (%s %.1f MB); %.1f of %.1f MB budget held, RSS %.1f MB",
                 manifest.name,
                 manifest.version,
                 delta / _MB,
+                peak_delta / _MB,
                 source,
                 need / _MB,
                 (self.baseline_bytes + self.held_bytes()) / _MB,

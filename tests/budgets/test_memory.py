@@ -183,3 +183,22 @@ def test_memory_budget_counts_memory_held_by_neither_the_agent_nor_a_model(extra
         budget.load(det, loader(extracted, det, rss, 30))
     rss.bytes -= 40 * MB
     budget.load(det, loader(extracted, det, rss, 30))
+
+
+def test_memory_budget_admits_on_the_peak_of_a_load_and_holds_what_it_keeps(extracted: Path, tmp_path: Path) -> None:
+    import time
+
+    rss = CountedRss(50)
+    budget = MemoryBudget(400 * MB, footprints=Footprints(tmp_path / FOOTPRINTS_NAME), rss=rss)
+    cls = manifest(extracted, "cls")
+
+    def load() -> ServedModel:  # the weights read and parsed (+150 MB), then kept (+60 MB)
+        rss.bytes += 150 * MB
+        time.sleep(0.05)
+        model = load_model(extracted, cls)
+        rss.bytes -= 90 * MB
+        return model
+
+    budget.load(cls, load)
+    assert budget.state().held_by == {"cls": 60 * MB}
+    assert budget.need(cls) == (150 * MB, "measured")
