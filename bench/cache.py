@@ -8,6 +8,11 @@
   (the same input again) vs a miss (a new input every request) on ``det``, p50, interleaved.
 - All-miss throughput: every request a new input, ``det`` vs ``det_nocache``, rounds interleaved,
   at 1 and 16 clients (threads of this process); the agent's own counters must show no hit.
+- Approximate mode, in process, on a replayed near-static stream built from the digits example's
+  real held-out scans (each scan seen again with 1-pixel shifts, noise and a brightness change):
+  hit rate of the approximate mode vs the exact mode (no frame repeats byte for byte), and the
+  false-hit rate (a reused answer whose top-1 differs from the model's on that frame) with the
+  upper end of its 95% Wilson interval, at two distance thresholds.
 """
 
 from __future__ import annotations
@@ -41,7 +46,53 @@ def _detector(path: Path, size: int, backbone: int = BACKBONE, width: int = WIDT
 
 def run(ctx: BenchContext, *, name: str) -> list[Measurement]:
     rows = _in_process(ctx, name)
+    rows += _approximate(ctx, name)
     rows += _over_http(ctx, name)
+    return rows
+
+
+def _approximate(ctx: BenchContext, name: str) -> list[Measurement]:
+    import onnxruntime as ort
+
+    from device_agents.cache.approximate import NearIndex, signature, wilson
+
+    digits = Path(__file__).resolve().parents[1] / "examples" / "digits"
+    scans = np.load(digits / "eval.npz")["image"]
+    session = ort.InferenceSession(str(digits / "model.onnx"), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(7)
+    frames = []
+    for base in scans[:150]:  # a scan, then four near copies of it: a near-static scene, then the next
+        frames.append(base)
+        for _ in range(4):
+            moved = np.roll(base, tuple(rng.integers(-1, 2, 2)), axis=(1, 2))
+            frames.append(np.clip(moved * rng.uniform(0.9, 1.1) + rng.normal(0, 0.02, base.shape), 0, 1))
+    stream = np.stack(frames).astype(np.float32)
+    fresh = session.run(None, {"image": stream})[0].argmax(axis=1)  # every frame's own answer
+    rows = []
+    for threshold in (0.02, 0.1):
+        index = NearIndex()
+        answers: dict[bytes, int] = {}
+        hits = false = 0
+        for i, frame in enumerate(stream):
+            sig = signature({"image": frame[None]})
+            if sig is None:
+                raise BenchError("a digit scan has no signature")
+            near = index.nearest(b"digits", sig)
+            if near is not None and near[1] <= threshold:
+                hits += 1
+                false += int(answers[near[0]] != fresh[i])
+                continue
+            digest = i.to_bytes(4, "little")
+            index.add(b"digits", sig, digest)
+            answers[digest] = int(fresh[i])
+        bound = wilson(false, hits)[1]
+        rows.append(
+            Measurement(name, f"approximate vs exact hit rate, digits stream, max_distance {threshold}", "hit rate",
+                        "%", "exact", "approximate", 0.0, 100 * hits / len(stream),
+                        f"{len(stream)} frames ({len(stream) // 5} real scans, 4 perturbed copies each); false hits "
+                        f"{false}/{hits} = {100 * false / max(hits, 1):.2f}%, 95% upper bound {100 * bound:.2f}%")
+        )  # fmt: skip
+    ctx.progress(f"{name}: approximate mode on a replayed digits stream done")
     return rows
 
 
