@@ -373,16 +373,26 @@ class RouteConfig:
     """``[models.<name>.route]``: ``<name>`` is a cascade (``device_agents.pipeline.cascade``), not a
     model: ``members`` (served model names, smallest first) are asked in order, and the next one
     only while the answer's confidence (best score, or top-1 probability) is below ``threshold``.
-    Each member stays addressable under its own name."""
+    Each member stays addressable under its own name. With ``url`` the last member is not served
+    here but by the v2 server at ``url`` (``http://HOST:PORT``), which must answer within
+    ``timeout_ms``; when it does not, the earlier member's answer stands."""
 
     members: tuple[str, ...]
     threshold: float
+    url: str | None = None
+    timeout_ms: float = 500.0
 
     def __post_init__(self) -> None:
         if len(self.members) < 2 or len(set(self.members)) != len(self.members):
             raise ValueError(f"members must name two or more different models, got {list(self.members)}")
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold must be between 0 and 1, got {self.threshold}")
+        if self.url is not None:
+            parts = urlsplit(self.url)
+            if parts.scheme != "http" or not parts.hostname:
+                raise ValueError(f"url must be http://HOST:PORT, got {self.url!r}")
+        if not self.timeout_ms > 0:
+            raise ValueError(f"timeout_ms must be > 0, got {self.timeout_ms}")
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from device_agents.config import AgentConfig, RouteConfig
 from device_agents.metrics import AgentMetrics
 from device_agents.pipeline import Pipeline, Request
 from device_agents.pipeline.cascade import CascadeEndpoint
+from device_agents.pipeline.remote import RemoteMember
 from device_agents.pipeline.slots import Slots
 from device_agents.registry import Registry
 from device_agents.runtimes import ServedModel
@@ -105,7 +106,11 @@ class Endpoints:
         for member in route.members:
             if self.config.model(member).route is not None:
                 raise ConfigError(f"agent.models.{name}.route: member {member!r} is a cascade itself; name models")
-        members = [self.get(member) for member in route.members]
+        local = route.members[:-1] if route.url is not None else route.members
+        members: list[Any] = [self.get(member) for member in local]
+        if route.url is not None:  # the last member answers on another v2 server
+            first = members[0]
+            members.append(RemoteMember(route.members[-1], route.url, route.timeout_ms, first.model))
         with self._lock:
             endpoint = self._endpoints.get(name)
             if endpoint is None:

@@ -133,3 +133,45 @@ def test_cascade_over_http_says_which_member_answered(
         assert members == {"small", "large"}
     finally:
         agent.stop()
+
+
+def test_remote_member_answers_and_a_dead_one_leaves_the_local_answer(
+    models: dict[str, Path], keypair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    import onnxruntime as ort
+
+    from tests.agent.conftest import agent_cli, start_agent
+
+    remote_config = write_config(tmp_path / "remote", keypair[1])
+    done = agent_cli("install", str(models["large.ekb"]), "--config", str(remote_config))
+    assert done.returncode == 0, done.stderr
+    remote = start_agent(remote_config)
+    route = (
+        f'[models.both.route]\nmembers = ["small", "large"]\nthreshold = {THRESHOLD}\n'
+        f'url = "{remote.url}"\ntimeout_ms = 5000\n'
+    )
+    config = write_config(tmp_path / "local", keypair[1], route)
+    service = AgentService(load_config(config))
+    service.start()
+    try:
+        service.install(models["small.ekb"])  # "large" is not installed here: the remote agent serves it
+        small = ort.InferenceSession(str(models["small"]))
+        large = ort.InferenceSession(str(models["large"]))
+        rng = np.random.default_rng(5)
+        unsure = []
+        for _ in range(30):
+            x = (rng.standard_normal((1, 3, 16, 16)) * 3).astype(np.float32)
+            sure = float(small.run(None, {"input": x})[0].max()) >= THRESHOLD
+            params, outputs = _ask(service, "both", x)
+            assert params == {"member": "small" if sure else "large", "escalated": not sure}
+            assert np.allclose(outputs["probs"], (small if sure else large).run(None, {"input": x})[0], atol=1e-5)
+            if not sure:
+                unsure.append(x)
+        assert unsure
+        remote.stop()  # the remote server is gone: the small model's answer stands
+        params, outputs = _ask(service, "both", unsure[0])
+        assert params == {"member": "small", "escalated": False}
+        assert np.allclose(outputs["probs"], small.run(None, {"input": unsure[0]})[0], atol=1e-5)
+    finally:
+        service.stop()
+        remote.stop()

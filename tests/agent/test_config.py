@@ -82,8 +82,12 @@ def test_config_without_updates_table_has_none(tmp_path: Path) -> None:
         (BASE + "[cache]\nmax_mbytes = 5\n", "agent.cache: unknown key 'max_mbytes' (did you mean 'max_mb'?"),
         (BASE + "[models.m.route]\nmembers = ['a']\nthreshold = 0.5\n", "agent.models.m.route: members must name two"),
         (
-            BASE + "[models.m.route]\nmembers = ['a', 'b']\nthreshold = 0.5\nurl = 'x'\n",
+            BASE + "[models.m.route]\nmembers = ['a', 'b']\nthreshold = 0.5\nremote = 'x'\n",
             "agent.models.m.route: unknown key",
+        ),
+        (
+            BASE + "[models.m.route]\nmembers = ['a', 'b']\nthreshold = 0.5\nurl = 'ftp://x'\n",
+            "agent.models.m.route: url must be http://HOST:PORT",
         ),
         (BASE + "[models.m]\nvariants = ['a']\n", "agent.models.m: variants is planned, not in this agent version"),
         (BASE + "[budgets]\nmemory_mb = 0\n", "agent.budgets: memory_mb must be > 0"),
