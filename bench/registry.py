@@ -160,6 +160,12 @@ BENCHMARKS: tuple[Entry, ...] = (
         "size, held-out top-1 and p50 latency vs FP32 and INT8 alone, side by side",
     ),
     Entry(
+        "budgets.agent",
+        "bench.budgets:run",
+        "budgets: the admission stage's per-request cost vs none; RSS under a memory budget with two models that "
+        "do not both fit (LRU swaps); a power budget held over 30 s against a fixture RAPL counter fed by the work",
+    ),
+    Entry(
         "cascade.digits",
         "bench.cascade:run",
         "a cascade (a 650-parameter model first, the digits CNN below a planned confidence threshold) vs the CNN "
