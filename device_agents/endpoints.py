@@ -69,6 +69,12 @@ class ModelEndpoint:
     def depth(self) -> tuple[int, int]:
         return self.pipeline.batcher.depth(), self.pipeline.batcher.inflight
 
+    def expected_s(self) -> float:
+        """The median runtime call of the model's recent requests (0 before any): what escalating
+        to it is expected to take, for a cascade."""
+        p50_ms, _ = self.registry.get(self.name).latency.p50_between(0.0, float("inf"))
+        return (p50_ms or 0.0) / 1000
+
     def stop(self, timeout_s: float) -> bool:
         return self.pipeline.stop(timeout_s)
 

@@ -7,7 +7,10 @@ value of its first output's first row (a classifier's top-1 probability). An ans
 confidence is at least ``threshold`` is the cascade's; the last member's answer always is. When
 a later member cannot answer (overloaded, failing, timed out) the earlier confident-or-not answer
 is kept: a cascade never answers worse than its first member. Each answer says which member gave
-it (``response_parameters["member"]``) and whether it was escalated (``"escalated"``).
+it (``response_parameters["member"]``) and whether it was escalated (``"escalated"``). A request
+whose deadline (``timeout``) leaves less time than the next member is expected to take (its
+runtime p50 here, its ``timeout_ms`` on a remote server) is not escalated (``"escalation":
+"skipped: deadline"``).
 
 Members are served models with their own pipelines (batching, cache, processing) and stay
 addressable under their own names; their signatures as clients see them must agree.
@@ -15,6 +18,7 @@ addressable under their own names; their signatures as clients see them must agr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
@@ -41,6 +45,10 @@ class Member(Protocol):
     ) -> T: ...
 
     def depth(self) -> tuple[int, int]: ...
+
+    def expected_s(self) -> float:
+        """What an answer of this member is expected to take (0: unknown)."""
+        ...
 
 
 def confidence(outputs: dict[str, np.ndarray]) -> float:
@@ -97,6 +105,9 @@ class CascadeEndpoint:
             answer, escalated = got, i > 0
             answer.response_parameters["member"] = member.name
             if i == len(self.members) - 1 or answer.outputs is None or confidence(answer.outputs) >= self.threshold:
+                break
+            if answer.deadline and answer.deadline - time.monotonic() < self.members[i + 1].expected_s():
+                answer.response_parameters["escalation"] = "skipped: deadline"  # the next one could not make it
                 break
             self._record(answer)  # escalating: its stage times now, before the next member's replace them
         if answer is None:  # (members is never empty)

@@ -47,6 +47,9 @@ class RemoteMember:
     def depth(self) -> tuple[int, int]:
         return (0, 0)
 
+    def expected_s(self) -> float:
+        return self.timeout_s  # the worst case: an unreachable server is given this long
+
     def infer(self, version: int | None, decode: Callable[[ServedModel], Request], encode: Callable[[Request], T]) -> T:
         model = self._local()
         request = decode(model)
@@ -59,7 +62,8 @@ class RemoteMember:
         header = {"inputs": inputs, "parameters": {"binary_data_output": True}}
         head = json.dumps(header, separators=(",", ":")).encode()
         try:
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+            timeout_s = min(self.timeout_s, request.timeout_s or self.timeout_s)  # the client's own limit too
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
             try:
                 conn.request(
                     "POST",

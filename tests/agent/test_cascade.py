@@ -41,9 +41,11 @@ def _service(tmp: Path, pub: Path, models: dict[str, Path], route: str) -> Agent
     return service
 
 
-def _ask(service: AgentService, name: str, x: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def _ask(
+    service: AgentService, name: str, x: np.ndarray, timeout_s: float | None = None
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     def decode(model: Any) -> Request:
-        return Request(name, {"input": x})
+        return Request(name, {"input": x}, timeout_s=timeout_s)
 
     def encode(request: Request) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         assert request.outputs is not None
@@ -168,6 +170,9 @@ def test_remote_member_answers_and_a_dead_one_leaves_the_local_answer(
             if not sure:
                 unsure.append(x)
         assert unsure
+        # a request whose deadline is shorter than the remote member is given is not escalated
+        params, _ = _ask(service, "both", unsure[0], timeout_s=1.0)
+        assert params == {"member": "small", "escalated": False, "escalation": "skipped: deadline"}
         remote.stop()  # the remote server is gone: the small model's answer stands
         params, outputs = _ask(service, "both", unsure[0])
         assert params == {"member": "small", "escalated": False}
