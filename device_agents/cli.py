@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from device_agents import __version__
-from device_agents.command_line import Parser, os_error_message, os_error_parts
+from device_agents.command_line import Parser, os_error_message, os_error_parts, reader_gone
 from device_agents.config import AgentConfig, load_config
 from device_agents.cpus import usable_cores
 from device_agents.platforms import systemd
@@ -44,6 +44,7 @@ log = logging.getLogger("edgekit.agent")
 
 DAEMON_LOCK = "daemon.lock"
 DAEMON_INFO = "daemon.json"
+DAEMON_STOPPED = "daemon-stopped.json"  # pid and time of the last clean stop, for `status`
 _DAEMON_WAIT_S = 30.0
 
 
@@ -159,6 +160,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             service.stop()
             with contextlib.suppress(OSError):
                 (config.store / DAEMON_INFO).unlink()
+            _record_stop(config.store / DAEMON_STOPPED)
     log.info("stopped")
     return 0
 
@@ -202,6 +204,38 @@ def _publish_address(path: Path, url: str) -> None:
         atomic_write(path, json.dumps({"pid": os.getpid(), "url": url}).encode())
     except StoreError as exc:
         log.error("cannot write %s (%s); serving anyway, but `install` will not find this daemon", path, exc)
+
+
+def _record_stop(path: Path) -> None:
+    """Write ``daemon-stopped.json`` (pid, when): `status` says since when the agent is stopped."""
+    stopped = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    try:
+        atomic_write(path, json.dumps({"pid": os.getpid(), "stopped": stopped}).encode())
+    except StoreError as exc:
+        log.warning("cannot write %s (%s); `status` will not say when this agent stopped", path, exc)
+
+
+def daemon_state(store: Path, running: bool) -> str:
+    """What `status` says about the daemon: running (pid, address), stopped cleanly (since when), gone
+    without stopping (its pid; a crash or a kill), or never started on this store."""
+    info = _read_json(store / DAEMON_INFO)
+    if running:
+        return f"running (pid {info.get('pid', '?')}, {info.get('url', 'address not published yet')})"
+    if info.get("pid") is not None:  # a daemon that stops cleanly removes daemon.json
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime((store / DAEMON_INFO).stat().st_mtime))
+        return f"stopped (pid {info['pid']}, started {started}, exited without stopping cleanly)"
+    stopped = _read_json(store / DAEMON_STOPPED)
+    if stopped.get("stopped"):
+        return f"stopped since {stopped['stopped']} (pid {stopped.get('pid', '?')})"
+    return "not running"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def _update_client(config: AgentConfig, lifecycle: Any) -> Any:
@@ -270,7 +304,7 @@ def _install_via_daemon(url: str, bundle: Path) -> dict[str, Any]:
 def cmd_status(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     with daemon_lock(config.store) as free:
-        daemon = "not running" if free else "running"
+        daemon = daemon_state(config.store, running=not free)
     state = Store(config.store).load_state()
     print(f"agent: {daemon}; store {config.store}")
     if not state.models:
@@ -282,7 +316,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             (
                 name,
                 *(f"v{slot.version}" if slot else "-" for slot in (ms.active, ms.candidate, ms.previous)),
-                ms.status,
+                ms.status if not free or ms.status != "serving" else "installed",  # nothing serves it now
                 ms.error or "-",
             )
         )
@@ -385,6 +419,13 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `edgekit-agent status | head`: the reader has what it wanted
+        return reader_gone()
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse(argv)
     verbose = args.verbose
     # the daemon logs one line per event; one-shot commands print their result and at most one error line
@@ -400,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     except EdgekitError as exc:
         print(f"edgekit-agent: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:
+        raise
     except OSError as exc:
         print(f"edgekit-agent: error: {os_error_message(exc)}", file=sys.stderr)
         return 1

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import difflib
 import errno
+import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
+EXIT_READER_GONE = 141
 _INVALID_CHOICE = re.compile(r"argument (?P<arg>[^:]+): invalid choice: '(?P<got>[^']*)' \(choose from (?P<opts>.*)\)")
 
 # What to do about an OS error, by errno; the message always names the path first.
@@ -47,7 +49,9 @@ class Parser(argparse.ArgumentParser):
         m = _INVALID_CHOICE.search(message)
         if m:
             options = [o.strip().strip("'") for o in m.group("opts").split(",")]
-            near = difflib.get_close_matches(m.group("got"), options, n=1)
+            got = m.group("got")
+            swapped = [o for o in options if sorted(o) == sorted(got)]  # `stauts` is `status`, not `stats`
+            near = swapped or difflib.get_close_matches(got, options, n=1)
             if near:
                 message += f"; did you mean {near[0]!r}?"
         # one line, like every other error (the usage is one `--help` away)
@@ -57,6 +61,7 @@ class Parser(argparse.ArgumentParser):
         argv = list(sys.argv[1:] if argv is None else argv)
         chain = _chain(self, argv)
         deepest = chain[-1]
+        _check_command_word(self, argv)  # a misspelt command before the flags that belong to it
         known = [s for p in chain for a in p._actions for s in a.option_strings]
         # Unknown flags first: a misspelt required flag would otherwise be reported as missing.
         for token in argv:
@@ -92,6 +97,40 @@ def _chain(parser: Parser, argv: Sequence[str]) -> list[Parser]:
         if isinstance(chosen, Parser):
             chain.append(chosen)
     return chain
+
+
+def _check_command_word(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """Report a misspelt command word (``edgekit pakage``) as the invalid choice it is, with the nearest
+    command, before the flags after it are reported as unknown to the parser above it."""
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return
+        if token.startswith("-"):
+            action = parser._option_string_actions.get(token.split("=", 1)[0])
+            i += 2 if action is not None and action.nargs != 0 and "=" not in token else 1
+            continue
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or sub.choices is None:
+            return
+        chosen = sub.choices.get(token)
+        if chosen is None:
+            choices = ", ".join(repr(c) for c in sub.choices)
+            parser.error(f"argument {sub.metavar or sub.dest}: invalid choice: {token!r} (choose from {choices})")
+        parser, i = chosen, i + 1
+
+
+def reader_gone() -> int:
+    """stdout's reader went away (``edgekit inspect X | head``): end quietly with 141 (128 + SIGPIPE),
+    what a shell reports for a tool that its reader stopped. stdout is pointed at /dev/null so that
+    the interpreter's last flush does not complain either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file descriptor (captured); nothing left to flush to
+        pass
+    return EXIT_READER_GONE
 
 
 def os_error_message(exc: OSError) -> str:

@@ -20,7 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from device_agents.command_line import Parser, os_error_message
+from device_agents.command_line import Parser, os_error_message, reader_gone
 from edgekit import __version__
 from edgekit.bundle.codec import to_data
 from edgekit.errors import ConfigError, EdgekitError, InferenceInputError
@@ -38,6 +38,13 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `edgekit inspect X | head`: the reader has what it wanted
+        return reader_gone()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse(argv)
     logging.basicConfig(
@@ -50,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EdgekitError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:
+        raise
     except OSError as exc:
         print(f"{PROG}: error: {os_error_message(exc)}", file=sys.stderr)
         return 1

@@ -60,9 +60,15 @@ def load_private_key(path: Path, passphrase: bytes | None = None) -> Ed25519Priv
     if passphrase is None and os.environ.get(PASSPHRASE_ENV):
         passphrase = os.environ[PASSPHRASE_ENV].encode()
     try:
-        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=passphrase)
+        data = Path(path).read_bytes()
     except FileNotFoundError as exc:
         raise ConfigError(f"signing key {path} does not exist; make one with `edgekit keygen`") from exc
+    if b"-----BEGIN PUBLIC KEY-----" in data:  # the .pub of a pair: no passphrase makes it a private key
+        private = Path(path).with_suffix(".key")
+        which = f"its private key {private}" if private.is_file() else "the NAME.key that `edgekit keygen` wrote"
+        raise ConfigError(f"signing key {path} is a public key; sign with {which}")
+    try:
+        key = serialization.load_pem_private_key(data, password=passphrase)
     except TypeError as exc:
         raise ConfigError(f"signing key {path} is encrypted: set {PASSPHRASE_ENV}") from exc
     except ValueError as exc:

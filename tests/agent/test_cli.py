@@ -82,7 +82,7 @@ def test_install_hands_the_bundle_to_the_running_daemon(
         assert done.stderr.startswith("edgekit-agent: error: ") and done.stderr.count("\n") == 1
         assert _infer_ok(agent)["model_version"] == "2"
     status = agent_cli("status", "--config", str(config_path)).stdout
-    assert status.startswith("agent: running;")
+    assert status.startswith(f"agent: running (pid {agent.proc.pid}, {agent.url}); ")
     assert agent.stop() == 0
     assert not (config_path.parent / "store" / "daemon.json").exists()
     log = agent.log.read_text()

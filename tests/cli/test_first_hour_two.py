@@ -1,0 +1,126 @@
+"""The host and agent CLIs' first hour, part two: the exact command and the exact output it gives."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from device_agents.cli import main as agent_main
+from edgekit.cli import main
+from tests.cli.test_first_hour import _cli
+from tests.factories import confident_inputs, tiny_classifier
+
+
+def _agent(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
+    try:
+        code = agent_main([str(a) for a in argv])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("first-hour-two")
+    model = tiny_classifier(root / "tiny.onnx")
+    np.savez(root / "calib.npz", input=confident_inputs(model, 20))
+    assert main(["keygen", "--out", str(root / "keys"), "--name", "k"]) == 0
+    out = root / "dist"
+    argv = ["package", str(model), "--key", str(root / "keys/k.key"), "--name", "m", "--version", "1"]
+    assert main([*argv, "-o", str(out), "--calib", str(root / "calib.npz"), "--precision", "fp32", "-q"]) == 0
+    return {
+        "root": root,
+        "model": model,
+        "calib": root / "calib.npz",
+        "key": root / "keys/k.key",
+        "pub": root / "keys/k.pub",
+        "bundle": out / "m-cpu-v1.ekb",
+    }
+
+
+def _into_closed_pipe(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run a CLI whose stdout is a pipe nobody reads any more (what `| head` leaves after its lines)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", *argv], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120, cwd=cwd
+        )
+    finally:
+        os.close(write)
+
+
+def test_cli_inspect_into_a_closed_pipe_ends_quietly(ws) -> None:
+    done = _into_closed_pipe("edgekit", "inspect", str(ws["bundle"]), cwd=ws["root"])
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_cli_list_options_into_a_closed_pipe_ends_quietly(ws) -> None:
+    done = _into_closed_pipe("edgekit", "package", "--list-options", cwd=ws["root"])  # prints while parsing
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_agent_status_into_a_closed_pipe_ends_quietly(ws) -> None:
+    config = ws["root"] / "agent.toml"
+    config.write_text(f'store = "store"\ntrusted_keys = ["{ws["pub"]}"]\n')
+    done = _into_closed_pipe("device_agents.cli", "status", "--config", str(config), cwd=ws["root"])
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+def _package_signed_with(capsys, ws, key: Path, out: Path) -> tuple[int, str, str]:
+    argv = ("--name", "m", "--version", 1, "-o", out, "--calib", ws["calib"], "--precision", "fp32", "-q")
+    return _cli(capsys, "package", ws["model"], "--key", key, *argv)
+
+
+def test_cli_package_public_key_as_signing_key_is_named(capsys, ws, tmp_path: Path) -> None:
+    code, out, err = _package_signed_with(capsys, ws, ws["pub"], tmp_path)
+    assert (code, out) == (2, "")
+    assert err == f"edgekit: error: signing key {ws['pub']} is a public key; sign with its private key {ws['key']}\n"
+
+
+def test_cli_public_key_without_its_pair_points_at_keygen(capsys, ws, tmp_path: Path) -> None:
+    lone = tmp_path / "lone.pub"
+    lone.write_bytes(ws["pub"].read_bytes())
+    code, _, err = _package_signed_with(capsys, ws, lone, tmp_path)
+    assert code == 2
+    assert err == (
+        f"edgekit: error: signing key {lone} is a public key; sign with the NAME.key that `edgekit keygen` wrote\n"
+    )
+
+
+COMMANDS = (
+    "'keygen', 'package', 'inspect', 'verify', 'run', 'bench', 'calib', 'publish', 'fleet', 'split', "
+    "'serve-tail', 'doctor', 'cascade', 'compress', 'board'"
+)
+
+
+def test_cli_misspelt_command_did_you_mean_before_its_flags(capsys, ws) -> None:
+    code, out, err = _cli(capsys, "pakage", ws["model"], "--target", "cpu")
+    assert (code, out) == (2, "")
+    assert err == (
+        f"edgekit: error: argument COMMAND: invalid choice: 'pakage' (choose from {COMMANDS}); did you mean "
+        "'package'?\n"
+    )
+
+
+def test_cli_misspelt_subcommand_after_a_flag_with_a_value(capsys) -> None:
+    code, _, err = _cli(capsys, "--log-level", "info", "fleet", "sevre", "dir", "--port", "1")
+    assert code == 2
+    assert err == (
+        "edgekit fleet: error: argument COMMAND: invalid choice: 'sevre' (choose from 'status', 'serve', 'refresh', "
+        "'keys', 'acl'); did you mean 'serve'?\n"
+    )
+
+
+def test_agent_misspelt_command_did_you_mean_the_transposed_one(capsys) -> None:
+    code, out, err = _agent(capsys, "stauts", "--config", "agent.toml")
+    assert (code, out) == (2, "")
+    assert err.endswith(
+        "invalid choice: 'stauts' (choose from 'run', 'install', 'status', 'stats'); did you mean 'status'?\n"
+    )
