@@ -4,6 +4,7 @@ installed in a real agent service, checked against ONNX Runtime on each model di
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -180,3 +181,35 @@ def test_remote_member_answers_and_a_dead_one_leaves_the_local_answer(
     finally:
         service.stop()
         remote.stop()
+
+
+def test_remote_member_wire_round_trips_bytes_and_tensors_through_the_agents_codec() -> None:
+    from device_agents.pipeline.remote import _datatype, _decode_answer, _wire
+    from device_agents.processing.signature import WireTensor
+    from device_agents.serving.codec import decode_request, encode_response
+    from edgekit.bundle.manifest import TensorSpec
+
+    image = np.empty(1, dtype=object)
+    image[0] = b"\xff\xd8 an encoded image \x00\x01"
+    pixels = np.arange(12, dtype=np.float32).reshape(1, 3, 2, 2)
+    blobs = [_wire(image), _wire(pixels)]
+    sizes = [{"binary_data_size": len(b)} for b in blobs]
+    inputs = [
+        {"name": "images", "datatype": _datatype(image), "shape": [1], "parameters": sizes[0]},
+        {"name": "aux", "datatype": _datatype(pixels), "shape": [1, 3, 2, 2], "parameters": sizes[1]},
+    ]
+    header = json.dumps({"inputs": inputs}).encode()
+    specs: list[WireTensor | TensorSpec] = [
+        WireTensor("images", "BYTES", (1,)),
+        TensorSpec("aux", "float32", (1, 3, 2, 2)),
+    ]
+    outs = [WireTensor("labels", "BYTES", (-1,)), WireTensor("scores", "FP32", (-1,))]
+    wire = decode_request(header + b"".join(blobs), len(header), specs, outs)
+    assert wire.raw["images"][0] == image[0] and np.array_equal(wire.inputs["aux"], pixels)
+    answer = {"labels": np.array([b"cat", b"dog"], dtype=object), "scores": np.array([0.9, 0.5], np.float32)}
+    for binary in (True, False):
+        wire.binary_output = binary
+        body, length = encode_response("m", 3, wire, answer, outs)
+        doc, got = _decode_answer(body, length)
+        assert doc["model_version"] == "3" and got["labels"].tolist() == [b"cat", b"dog"]
+        assert np.allclose(got["scores"], [0.9, 0.5])
