@@ -115,6 +115,7 @@ class Budgets:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._thread, self._stop = None, threading.Event()  # a later start samples again
 
     def _run(self) -> None:
         while not self._stop.wait(self.config.sample_interval_s):

@@ -171,3 +171,19 @@ def test_budget_line_reads_the_daemon_metrics(tmp_path: Path) -> None:
     assert budget_line(generate_latest(registry).decode()) == (
         "budgets: power 3.00 W (rapl); 99% of the power budget left; level 0; memory 80/512 MB (no model; 0 unloads)"
     )
+
+
+def test_budgets_sample_in_the_background_again_after_a_restart(tmp_path: Path) -> None:
+    import time
+
+    root = tree(tmp_path, {k: v for k, v in X86.items() if "rapl:1" not in k})
+    b = Budgets(BudgetsConfig(sysfs_root=root, sample_interval_s=0.01), root, rss=lambda: 1)
+    for _ in range(2):
+        b.start()
+        before = b.energy_j_total
+        _advance(root, 1.0)
+        deadline = time.monotonic() + 30
+        while b.energy_j_total < before + 1.0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        b.stop()
+        assert b.energy_j_total == pytest.approx(before + 1.0)
