@@ -44,6 +44,8 @@ log = logging.getLogger("edgekit.agent")
 
 DAEMON_LOCK = "daemon.lock"
 DAEMON_INFO = "daemon.json"
+CONFIG_ENV = "EDGEKIT_AGENT_CONFIG"
+SYSTEM_CONFIG = Path("/etc/edgekit/agent.toml")
 DAEMON_STOPPED = "daemon-stopped.json"  # pid and time of the last clean stop, for `status`
 _DAEMON_WAIT_S = 30.0
 
@@ -91,6 +93,22 @@ def daemon_url(store: Path) -> str:
                     f"{store / DAEMON_INFO}; wait until it has started, or stop it"
                 ) from None
             time.sleep(0.2)
+
+
+def find_config(given: Path | None) -> Path:
+    """The config the commands read: ``--config``, else ``$EDGEKIT_AGENT_CONFIG``, else ``./agent.toml``,
+    else ``/etc/edgekit/agent.toml``; the first that is given (or, for the last two, exists)."""
+    if given is not None:
+        return given
+    if os.environ.get(CONFIG_ENV):
+        return Path(os.environ[CONFIG_ENV])
+    for candidate in (Path("agent.toml"), SYSTEM_CONFIG):
+        if candidate.is_file():
+            log.debug("config: %s", candidate.resolve())
+            return candidate
+    raise ConfigError(
+        f"no agent config: give --config FILE, set {CONFIG_ENV}, or put agent.toml in this folder or at {SYSTEM_CONFIG}"
+    )
 
 
 # -- commands -----------------------------------------------------------------------------
@@ -409,7 +427,11 @@ def build_parser() -> Parser:
     stats.add_argument("--interval", type=float, default=2.0, help="seconds between rows (default 2)")
     stats.add_argument("--count", type=int, default=0, help="tables to print (0 = until interrupted; 1 = since start)")
     for p in (run, install, status, stats):
-        p.add_argument("--config", type=Path, required=True, help="the agent's TOML config")
+        p.add_argument(
+            "--config",
+            type=Path,
+            help=f"the agent's TOML config (default: ${CONFIG_ENV}, then ./agent.toml, then {SYSTEM_CONFIG})",
+        )
         # also after the subcommand; SUPPRESS keeps a -v given before it
         p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log debug messages")
         p.add_argument(
@@ -437,6 +459,7 @@ def _main(argv: list[str] | None) -> int:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler])
     try:
+        args.config = find_config(args.config)
         return COMMANDS[args.command](args)
     except EdgekitError as exc:
         print(f"edgekit-agent: error: {exc}", file=sys.stderr)

@@ -225,13 +225,19 @@ def _register_package(sub: Any) -> None:
         "--key",
         dest="signing_key",
         type=Path,
-        required=True,
         metavar="KEY",
-        help="private signing key from `edgekit keygen` (--key is the same flag)",
+        help="private signing key from `edgekit keygen` (--key is the same flag; default: a development key made "
+        "once under ~/.config/edgekit/, which devices must trust explicitly)",
     )
-    p.add_argument("--name", required=True)
-    p.add_argument("--version", type=int, required=True, metavar="N", help="model version (anti-rollback counter)")
-    p.add_argument("-o", "--out", type=Path, required=True, metavar="OUTDIR")
+    p.add_argument("--name", help="bundle name (default: the model file's stem)")
+    p.add_argument(
+        "--version",
+        type=int,
+        metavar="N",
+        help="model version, the anti-rollback counter (default: one more than the highest bundle of that name in "
+        "OUTDIR, 1 when none)",
+    )
+    p.add_argument("-o", "--out", type=Path, metavar="OUTDIR", help="where bundles are written (default dist/)")
     p.add_argument(
         "--tolerance",
         action="append",
@@ -314,6 +320,22 @@ def _register_package(sub: Any) -> None:
     p.set_defaults(func=_package)
 
 
+def _fill_first_try_defaults(args: argparse.Namespace) -> None:
+    """-o, --name, --version and --signing-key left out: what they default to, said where it matters."""
+    from edgekit import package_defaults as defaults
+
+    args.out = defaults.DEFAULT_OUT_DIR if args.out is None else args.out
+    args.name = defaults.default_name(args.model) if args.name is None else args.name
+    if args.version is None:
+        args.version, highest = defaults.next_version(args.out, args.name)
+        if highest is not None:
+            print(f"note: --version {args.version} (one more than {highest})", file=sys.stderr)
+    if args.signing_key is None:
+        key, pub, made = defaults.development_key()
+        args.signing_key = key
+        print(f"warning: {defaults.development_key_warning(key, pub, made)}", file=sys.stderr)
+
+
 class _ListOptions(argparse.Action):
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
         from edgekit.targets.options import describe_options
@@ -341,6 +363,7 @@ def _package_or_raise(args: argparse.Namespace) -> int:
     from edgekit.validate.metrics import parse_tolerance_args
 
     targets = parse_targets(args.target, note=lambda text: print(f"note: {text}", file=sys.stderr))
+    _fill_first_try_defaults(args)
     shapes = dict(parse_input_shape(s) for s in args.input_shape)
     expires = bundle_expiry(args.expires_days)
     progress = None if args.quiet else PackageProgress(targets)

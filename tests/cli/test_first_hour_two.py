@@ -73,8 +73,8 @@ def test_agent_status_into_a_closed_pipe_ends_quietly(ws) -> None:
     assert (done.returncode, done.stderr) == (141, "")
 
 
-def _package_signed_with(capsys, ws, key: Path, out: Path) -> tuple[int, str, str]:
-    argv = ("--name", "m", "--version", 1, "-o", out, "--calib", ws["calib"], "--precision", "fp32", "-q")
+def _package_signed_with(capsys, ws, key: Path, out: Path, *extra: object) -> tuple[int, str, str]:
+    argv = ("--name", "m", "--version", 1, "-o", out, "--calib", ws["calib"], "--precision", "fp32", "-q", *extra)
     return _cli(capsys, "package", ws["model"], "--key", key, *argv)
 
 
@@ -123,4 +123,77 @@ def test_agent_misspelt_command_did_you_mean_the_transposed_one(capsys) -> None:
     assert (code, out) == (2, "")
     assert err.endswith(
         "invalid choice: 'stauts' (choose from 'run', 'install', 'status', 'stats'); did you mean 'status'?\n"
+    )
+
+
+# -- fewer flags before a first try ---------------------------------------------------------
+
+
+def test_cli_package_first_try_needs_no_key_name_version_or_out(capsys, ws, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    key, pub = tmp_path / "config/edgekit/development.key", tmp_path / "config/edgekit/development.pub"
+    code, _, err = _cli(capsys, "package", ws["model"], "--calib", ws["calib"], "--precision", "fp32", "-q")
+    from edgekit.bundle import key_id, load_public_key
+
+    kid = key_id(load_public_key(pub))
+    trust = f'devices accept these bundles only if their agent.toml lists trusted_keys = ["{pub}"]'
+    ship = "for bundles you ship, make a key with `edgekit keygen` and pass --signing-key"
+    assert (code, err) == (
+        0,
+        f"warning: no --signing-key: signed with the development key {key} (made now, key id {kid}); {trust}; {ship}\n",
+    )
+    assert (tmp_path / "dist/tiny-cpu-v1.ekb").is_file()
+    code, _, err = _cli(capsys, "package", ws["model"], "--calib", ws["calib"], "--precision", "fp32", "-q")
+    assert (code, err.splitlines()) == (
+        0,
+        [
+            "note: --version 2 (one more than dist/tiny-cpu-v1.ekb)",
+            f"warning: no --signing-key: signed with the development key {key} (made on an earlier run, key id "
+            f"{kid}); {trust}; {ship}",
+        ],
+    )
+    code, out, _ = _cli(capsys, "verify", "dist/tiny-cpu-v2.ekb", "--pubkey", pub)
+    assert code == 0 and out.startswith("dist/tiny-cpu-v2.ekb: valid: tiny v2 for cpu")
+
+
+def test_cli_package_device_names_stand_for_their_target_with_a_note(capsys, ws, tmp_path: Path) -> None:
+    code, _, err = _package_signed_with(capsys, ws, ws["key"], tmp_path, "--target", "raspberrypi")
+    assert (code, err) == (0, "note: --target raspberrypi is the cpu target (ONNX Runtime on its CPU)\n")
+    from edgekit.targets import parse_targets
+
+    notes: list[str] = []
+    assert parse_targets("rpi,arm64,jetson-orin,coral-usb,mac", notes.append) == ["cpu", "jetson", "coral", "apple"]
+    assert notes == [
+        "--target rpi is the cpu target (ONNX Runtime on its CPU)",
+        "--target arm64 is the cpu target (ONNX Runtime on its CPU)",
+        "--target jetson-orin is the jetson target (TensorRT on its GPU)",
+        "--target coral-usb is the coral target (LiteRT with the Edge TPU delegate)",
+        "--target mac is the apple target (Core ML on the Neural Engine, GPU or CPU)",
+    ]
+
+
+def test_agent_config_found_from_env_then_cwd(capsys, ws, tmp_path: Path, monkeypatch) -> None:
+    from device_agents.cli import SYSTEM_CONFIG
+
+    here, there = tmp_path / "here", tmp_path / "there"
+    for folder in (here, there):
+        folder.mkdir()
+        (folder / "agent.toml").write_text(f'store = "store"\ntrusted_keys = ["{ws["pub"]}"]\n')
+    monkeypatch.chdir(here)
+    monkeypatch.delenv("EDGEKIT_AGENT_CONFIG", raising=False)
+    code, out, _ = _agent(capsys, "status")
+    assert (code, out.splitlines()[0]) == (0, f"agent: not running; store {here / 'store'}")
+    monkeypatch.setenv("EDGEKIT_AGENT_CONFIG", str(there / "agent.toml"))
+    code, out, _ = _agent(capsys, "status")
+    assert (code, out.splitlines()[0]) == (0, f"agent: not running; store {there / 'store'}")
+    monkeypatch.delenv("EDGEKIT_AGENT_CONFIG")
+    monkeypatch.chdir(tmp_path)
+    if SYSTEM_CONFIG.exists():
+        pytest.skip(f"{SYSTEM_CONFIG} exists on this machine")
+    assert _agent(capsys, "status") == (
+        2,
+        "",
+        "edgekit-agent: error: no agent config: give --config FILE, set EDGEKIT_AGENT_CONFIG, or put agent.toml in "
+        "this folder or at /etc/edgekit/agent.toml\n",
     )
