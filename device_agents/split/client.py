@@ -1,4 +1,4 @@
-"""A small v2 (KServe / Triton REST) client for the tail: one keep-alive connection per thread,
+"""A small v2 (KServe / Triton REST) client for the tail: a pool of keep-alive connections,
 tensors sent and asked for in the binary tensor data extension, a deadline per call.
 
 Every failure is a ``TailError`` with a ``reason`` (the label of the fallback it causes):
@@ -27,6 +27,7 @@ from edgekit.bundle.manifest import TensorSpec
 
 _V2 = {"float32": "FP32", "float16": "FP16", "float64": "FP64", "int64": "INT64", "int32": "INT32", "uint8": "UINT8"}
 _NP = {v: k for k, v in _V2.items()}
+MAX_IDLE_CONNECTIONS = 8
 
 
 class TailError(EdgekitError):
@@ -55,7 +56,9 @@ class TailClient:
             self.context = ssl.create_default_context(cafile=str(config.ca_file) if config.ca_file else None)
             if config.client_cert_file is not None and config.client_key_file is not None:
                 self.context.load_cert_chain(str(config.client_cert_file), str(config.client_key_file))
-        self._local = threading.local()
+        self._local = threading.local()  # what this thread's last call did (``last_call_connected``)
+        self._idle: list[http.client.HTTPConnection] = []
+        self._pool_lock = threading.Lock()
 
     # -- calls --------------------------------------------------------------------------
     def infer(
@@ -97,25 +100,40 @@ class TailClient:
             raise TailError(f"tail not ready: HTTP {status}", "status")
         return time.perf_counter() - t0
 
+    def last_call_connected(self) -> bool:
+        """Whether this thread's last call opened its connection (its time includes the TCP and
+        TLS handshakes: not a sample of the link's bandwidth)."""
+        return bool(getattr(self._local, "fresh", False))
+
     def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
+        """Close the idle connections (one in use is closed by its call when it ends badly)."""
+        with self._pool_lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
             conn.close()
-            self._local.conn = None
 
     # -- plumbing -----------------------------------------------------------------------
-    def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+    def _take(self, timeout_s: float) -> http.client.HTTPConnection:
+        """An idle kept-alive connection, or a new one: requests come on many threads (one per
+        client connection of the agent), and the link's TCP connections outlive them."""
+        with self._pool_lock:
+            conn = self._idle.pop() if self._idle else None
         if conn is None:
             if self.https:
                 conn = http.client.HTTPSConnection(self.host, self.port, timeout=timeout_s, context=self.context)
             else:
                 conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
-            self._local.conn = conn
         conn.timeout = timeout_s
         if conn.sock is not None:
             conn.sock.settimeout(timeout_s)
         return conn
+
+    def _give_back(self, conn: http.client.HTTPConnection) -> None:
+        with self._pool_lock:
+            if len(self._idle) < MAX_IDLE_CONNECTIONS:
+                self._idle.append(conn)
+                return
+        conn.close()
 
     def _call(
         self, method: str, path: str, body: bytes, headers: dict[str, str], timeout_s: float
@@ -124,8 +142,9 @@ class TailClient:
         RemoteDisconnected, reset, broken pipe), once more on a fresh connection (v2 infer is
         idempotent)."""
         for attempt in (0, 1):
-            conn = self._connection(max(0.001, timeout_s))
+            conn = self._take(max(0.001, timeout_s))
             reused = conn.sock is not None
+            self._local.fresh = not reused
             try:
                 if not reused:
                     conn.connect()
@@ -134,17 +153,22 @@ class TailClient:
                 response = conn.getresponse()
                 reply = response.read()
                 length = response.getheader("Inference-Header-Content-Length")
-                break
             except TimeoutError as exc:
-                self.close()  # a late answer must not be read as the next request's
+                conn.close()  # a late answer must not be read as the next request's
                 raise TailError(f"tail: no answer within {timeout_s * 1000:.0f} ms", "deadline") from exc
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
-                self.close()
+                conn.close()
                 if not reused or attempt:
                     raise TailError(f"tail unreachable: {exc}", "unreachable") from exc
+                continue
             except (OSError, http.client.HTTPException) as exc:
-                self.close()
+                conn.close()
                 raise TailError(f"tail unreachable: {exc}", "unreachable") from exc
+            if response.will_close:
+                conn.close()
+            else:
+                self._give_back(conn)
+            break
         try:
             json_len = int(length) if length is not None else None
         except ValueError as exc:

@@ -107,7 +107,8 @@ class SplitStage:
         self._chosen = ""
         self._heads: dict[tuple[int, str], ArtifactRunner] = {}
         self._heads_lock = threading.Lock()
-        self._probe_tensor: tuple[str, dict[str, np.ndarray], Any] | None = None  # (cut, head outputs, outputs spec)
+        # (tail model, one row of head outputs, the model's outputs, the tail's planned ms per row)
+        self._probe_tensor: tuple[str, dict[str, np.ndarray], Any, float] | None = None
         self._stop = threading.Event()
         metrics.bandwidth_mbps.labels(endpoint).set(self.link.bandwidth_mbps)
         thread = threading.Thread(
@@ -144,11 +145,17 @@ class SplitStage:
         except (EdgekitError, OSError, RuntimeError, ValueError) as exc:  # the head failed: the full model may not
             self._fallback("head", exc)
             return
-        self.link.observe_transfer(sent + received, elapsed_ms, (cut.tail_latency_ms or 0.0) * rows)
-        self.metrics.bandwidth_mbps.labels(self.endpoint).set(self.link.bandwidth_mbps)
+        if not self.client.last_call_connected():
+            self.link.observe_transfer(sent + received, elapsed_ms, (cut.tail_latency_ms or 0.0) * rows)
+            self.metrics.bandwidth_mbps.labels(self.endpoint).set(self.link.bandwidth_mbps)
         self.metrics.requests.labels(self.endpoint, cut.id).inc()
         self.last_split = time.monotonic()
-        self._probe_tensor = (cut.tail_model, {k: v[:1] for k, v in mid.items()}, model.outputs)
+        self._probe_tensor = (
+            cut.tail_model,
+            {k: v[:1] for k, v in mid.items()},
+            model.outputs,
+            cut.tail_latency_ms or 0.0,
+        )
         request.outputs = outputs
         request.served_version = model.manifest.version
         request.response_parameters["split"] = cut.id
@@ -251,16 +258,16 @@ class SplitStage:
             return
         if time.monotonic() < self.down_until:
             return
-        tail, mid, outputs = sample
+        tail, mid, outputs, tail_ms = sample
         t0 = time.perf_counter()
         try:
             _, sent, received = self.client.infer(tail, mid, outputs, deadline_s)
         except TailError as exc:
             self._fallback(f"probe_{exc.reason}", exc)
             return
-        server_ms = 0.0
-        self.link.observe_transfer(sent + received, (time.perf_counter() - t0) * 1000.0, server_ms)
-        self.metrics.bandwidth_mbps.labels(self.endpoint).set(self.link.bandwidth_mbps)
+        if not self.client.last_call_connected():
+            self.link.observe_transfer(sent + received, (time.perf_counter() - t0) * 1000.0, tail_ms)
+            self.metrics.bandwidth_mbps.labels(self.endpoint).set(self.link.bandwidth_mbps)
 
     def close(self) -> None:
         self._stop.set()

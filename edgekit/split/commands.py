@@ -89,6 +89,12 @@ def _plan_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--output-dir", "-o", type=Path, help="where to write (default: MODEL's stem + '-split')")
     plan.add_argument("--save-profile", type=Path, metavar="P.json", help="write this host's times as a profile")
     plan.add_argument("--no-plot", action="store_true", help="skip latency.png")
+    plan.add_argument(
+        "--all-cuts",
+        action="store_true",
+        help="measure every cut, also those sending no fewer bytes than an earlier cut (for a server slower "
+        "than the device)",
+    )
 
 
 def _plan(args: Any) -> int:
@@ -122,6 +128,7 @@ def _run_plan(args: Any) -> Any:
         budget_s=args.budget_s,
         save_profile=args.save_profile,
         plot=not args.no_plot,
+        all_cuts=args.all_cuts,
     )
 
 

@@ -113,6 +113,44 @@ def enumerate_cuts(model: onnx.ModelProto, max_tensors: int = 1) -> list[CutPoin
     return cuts
 
 
+def tensor_bytes(model: onnx.ModelProto, name: str) -> int | None:
+    """Bytes per sample of tensor ``name`` from the inferred shapes (a symbolic leading axis is the
+    batch: 1); None when another axis is not known."""
+    from onnx import helper
+
+    infos = {v.name: v for v in (*model.graph.value_info, *model.graph.input, *model.graph.output)}
+    info = infos.get(name)
+    if info is None or not info.type.HasField("tensor_type"):
+        return None
+    size = helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type).itemsize
+    for k, dim in enumerate(info.type.tensor_type.shape.dim):
+        if dim.HasField("dim_value"):
+            size *= dim.dim_value
+        elif k != 0:
+            return None
+    return int(size)
+
+
+def undominated(model: onnx.ModelProto, cuts: Sequence[CutPoint]) -> list[CutPoint]:
+    """The cuts that send fewer bytes than the input and than every earlier cut. A later cut that
+    sends no fewer bytes does more on the device and sends no less: it cannot win while the server
+    is at least as fast as the device (pass every cut, ``--all-cuts``, when it is not). Cuts whose
+    size is not known from the shapes are kept."""
+    inputs = [tensor_bytes(model, i) for i in graph_inputs(model)]
+    least = sum(b for b in inputs if b is not None) if all(b is not None for b in inputs) else None
+    kept = []
+    for cut in cuts:
+        sizes = [tensor_bytes(model, t) for t in cut.tensors]
+        if any(b is None for b in sizes):
+            kept.append(cut)
+            continue
+        size = sum(b for b in sizes if b is not None)
+        if least is None or size < least:
+            kept.append(cut)
+            least = size
+    return kept
+
+
 def extract(model: onnx.ModelProto, cut: CutPoint) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """(head, tail) sub-models for ``cut``: head takes the graph inputs and returns the cut's
     tensors; tail takes the cut's tensors and returns the graph outputs."""

@@ -52,6 +52,7 @@ def plan_model(
     budget_s: float = 20.0,
     save_profile: Path | None = None,
     plot: bool = True,
+    all_cuts: bool = False,
 ) -> PlanRun:
     if target not in TARGETS:
         raise ConfigError(
@@ -62,6 +63,9 @@ def plan_model(
         raise ConfigError(f"--max-tensors {max_tensors}: must be >= 1")
     model = graph.load_model(model_path, dict(input_shapes or {}))
     cuts = graph.enumerate_cuts(model, max_tensors=max_tensors)
+    found = len(cuts)
+    if not all_cuts:
+        cuts = graph.undominated(model, cuts)
     out_dir.mkdir(parents=True, exist_ok=True)
     full_path = graph.save(model, out_dir / "model.onnx")
     files = []
@@ -87,7 +91,8 @@ def plan_model(
         server_speedup=server_speedup,
         compress=compress,
     )
-    text = f"# {model_path.name}: {len(cuts)} cut(s) where <= {max_tensors} tensor(s) cross; samples: {source}\n"
+    kept = "" if all_cuts else f" ({len(cuts)} send fewer bytes than the input and every earlier cut)"
+    text = f"# {model_path.name}: {found} cut(s) where <= {max_tensors} tensor(s) cross{kept}; samples: {source}\n"
     text += table(plan, measured)
     (out_dir / "plan.txt").write_text(text + "\n")
     (out_dir / "plan.json").write_text(json.dumps(plan_json(model_path, plan, measured, source), indent=2) + "\n")

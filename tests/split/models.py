@@ -74,3 +74,53 @@ def shrinking_convnet(path: Path, *, seed: int = 0, skip: bool = False) -> Path:
 
 def inputs(n: int, *, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, 3, SIZE, SIZE)).astype(np.float32)
+
+
+HEAVY_SIZE = 128  # input [batch, 3, 128, 128]: 196608 bytes per sample
+
+
+def heavy_middle_convnet(path: Path, *, seed: int = 0, width: int = 48) -> Path:
+    """A cheap 4x4/4 stem to 8x32x32 (32 KB, the cut worth sending), three ``width``-channel 3x3
+    convs at 32x32 (most of the compute), a 4x4/4 conv down to 8x8x8 (2 KB), then a classifier:
+    at high bandwidth the head after the stem wins, at low bandwidth running locally does."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+
+    def init(name: str, shape: tuple[int, ...], scale: float) -> onnx.TensorProto:
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+    w = width
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], kernel_shape=[4, 4], strides=[4, 4], name="stem"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+    ]
+    inits = [init("w1", (8, 3, 4, 4), 0.3), init("b1", (8,), 0.1)]
+    prev, channels = "r1", 8
+    for k in (2, 3, 4):
+        nodes.append(helper.make_node("Conv", [prev, f"w{k}", f"b{k}"], [f"c{k}"], pads=[1, 1, 1, 1], name=f"conv{k}"))
+        nodes.append(helper.make_node("Relu", [f"c{k}"], [f"r{k}"], name=f"relu{k}"))
+        inits += [init(f"w{k}", (w, channels, 3, 3), (2.0 / (channels * 9)) ** 0.5), init(f"b{k}", (w,), 0.01)]
+        prev, channels = f"r{k}", w
+    nodes += [
+        helper.make_node("Conv", [prev, "w5", "b5"], ["c5"], kernel_shape=[4, 4], strides=[4, 4], name="down"),
+        helper.make_node("Relu", ["c5"], ["r5"], name="relu5"),
+        helper.make_node("GlobalAveragePool", ["r5"], ["gap"], name="gap"),
+        helper.make_node("Flatten", ["gap"], ["flat"], axis=1, name="flatten"),
+        helper.make_node("Gemm", ["flat", "w6", "b6"], ["logits"], transB=1, name="fc"),
+        helper.make_node("Softmax", ["logits"], ["probs"], axis=1, name="softmax"),
+    ]
+    inits += [init("w5", (8, w, 4, 4), 0.05), init("b5", (8,), 0.01), init("w6", (10, 8), 1.0), init("b6", (10,), 0.1)]
+    graph = helper.make_graph(
+        nodes,
+        "heavy_middle_convnet",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, HEAVY_SIZE, HEAVY_SIZE])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 10])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path

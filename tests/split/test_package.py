@@ -27,14 +27,14 @@ def test_split_package_writes_heads_plan_and_a_tail_bundle_per_cut(
     tmp_path: Path, keypair: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = shrinking_convnet(tmp_path / "m.onnx")
-    assert main(_args(tmp_path, model, keypair[0], "--bandwidth-mbps", "1", "--cuts", "cut4")) == 0
+    assert main(_args(tmp_path, model, keypair[0], "--bandwidth-mbps", "1", "--cuts", "cut3")) == 0
     out = capsys.readouterr().out
-    assert "tail bundle cut4" in out
+    assert "tail bundle cut3" in out
     manifest, _ = read_unverified_manifest(tmp_path / "bundles" / "sc-cpu-v1.ekb")
-    assert manifest.split is not None and [c.id for c in manifest.split.cuts] == ["cut4"]
-    assert manifest.split.cuts[0].tail_model == "sc-tail-cut4"
-    tail, _ = read_unverified_manifest(tmp_path / "bundles" / "sc-tail-cut4-cpu-v1.ekb")
-    assert [s.name for s in tail.signature.inputs] == ["r2"]
+    assert manifest.split is not None and [c.id for c in manifest.split.cuts] == ["cut3"]
+    assert manifest.split.cuts[0].tail_model == "sc-tail-cut3"
+    tail, _ = read_unverified_manifest(tmp_path / "bundles" / "sc-tail-cut3-cpu-v1.ekb")
+    assert [s.name for s in tail.signature.inputs] == ["c2"]
 
 
 def test_split_package_writes_the_ordinary_bundle_when_no_cut_helps(

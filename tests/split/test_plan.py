@@ -192,3 +192,12 @@ def test_cli_split_plan_rejects_a_target_it_cannot_measure(tmp_path: Path, capsy
     model = shrinking_convnet(tmp_path / "m.onnx")
     assert main(["split", "plan", str(model), "--target", "coral", "-o", str(tmp_path / "o")]) == 2
     assert "--device-profile" in capsys.readouterr().err
+
+
+def test_undominated_drops_cuts_that_send_no_fewer_bytes_than_an_earlier_one(tmp_path: Path) -> None:
+    model = graph.load_model(shrinking_convnet(tmp_path / "m.onnx"))
+    every = graph.enumerate_cuts(model)
+    kept = [c.tensors[0] for c in graph.undominated(model, every)]
+    # r1 sends what c1 sends, after more work; c3/r3 (18 KB) more than c2 (4.6 KB); logits more than gap
+    assert kept == ["c1", "c2", "c4", "gap"]
+    assert graph.tensor_bytes(model, "c3") == TENSOR_BYTES["c3"] and graph.tensor_bytes(model, "x") == 3 * 96 * 96 * 4
