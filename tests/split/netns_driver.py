@@ -32,7 +32,12 @@ def main() -> int:
     server = AgentServer("127.0.0.1", 0, service)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+
+    def wait_for_eof() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    threading.Thread(target=wait_for_eof, daemon=True).start()
     x = np.random.default_rng(5).standard_normal((1, 3, 128, 128)).astype(np.float32)
     header = json.dumps(
         {
