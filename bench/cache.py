@@ -138,7 +138,7 @@ def _in_process(ctx: BenchContext, name: str) -> list[Measurement]:
 
     counter = [0.0]
 
-    def new_input() -> np.ndarray:  # what a request brings: its own array (a miss keeps it, read-only)
+    def new_input() -> np.ndarray:  # what a request brings: its own array
         counter[0] += 1.0
         arr = other.copy()
         arr[0, 0, 0, 0] = counter[0]
@@ -174,9 +174,9 @@ def _in_process(ctx: BenchContext, name: str) -> list[Measurement]:
                     f"{p50['miss look-up'] * 1000:.1f} us; issue bounds: hit <= 100 us and <= 5% of the model"),
         Measurement(name, f"a miss (new {len(raw)} B input) vs model run, in process", "p50", "us",
                     "session.run", "miss look-up + store", p50["session.run"] * 1000, p50["miss + store"] * 1000,
-                    "each call makes a new input array, as a request brings one: the memory tier keeps it (read-only) "
-                    "as the key, so its pages are fresh ones, not recycled; making an array that is freed at once "
-                    f"takes {p50['new input only'] * 1000:.1f} us; written to disk only on a hit"),
+                    "each call makes a new input array, as a request brings one (alone: "
+                    f"{p50['new input only'] * 1000:.1f} us); the memory tier copies the key into an evicted "
+                    "entry's buffer; written to disk only on a hit"),
     ]  # fmt: skip
 
 

@@ -68,23 +68,7 @@ class CacheKey:
     def full(self) -> bytes:
         return b"".join((self.header, *self.buffers))
 
-    def freeze(self) -> None:
-        """Make every array behind this key's buffers read-only (the array and its bases), so that
-        the memory tier can keep them as the stored key instead of a copy: what a later in-place
-        write would have changed now raises instead."""
-        for buf in self.buffers:
-            base: object = buf.obj
-            while isinstance(base, np.ndarray):
-                base.flags.writeable = False
-                base = base.base
-
-    def same(self, other: CacheKey) -> bool:
-        """True if ``other`` is this key, byte for byte (one copy of ``other``'s tensors, then memcmp)."""
-        if self.nbytes != other.nbytes or self.header != other.header:
-            return False
-        return all(bytes(b).startswith(a) for a, b in zip(self.buffers, other.buffers, strict=True))
-
-    def matches(self, stored: bytes) -> bool:
+    def matches(self, stored: bytes | bytearray) -> bool:
         """True if ``stored`` is this key's ``full()``, byte for byte (memcmp, no copy)."""
         if len(stored) != self.nbytes or not stored.startswith(self.header):
             return False

@@ -18,7 +18,7 @@ The key is built from the leased model's manifest (name, version, artifact diges
 as they arrive (``request.inputs`` and ``request.raw``, before pre-processing), so a version
 switch changes every key; the first request to a newly active version sweeps the entries of the
 others. An answer is stored only under the key of the version that produced it: in memory at
-once, keeping the request's input tensors (made read-only) as its key, and on disk at its first
+once (its key copied into the buffer of an entry evicted unwritten, where one fits), and on disk at its first
 hit, so that what survives a restart is what repeated.
 
 One ``ResultCache`` per store directory serves every endpoint (``shared_cache``); if it cannot

@@ -63,6 +63,7 @@ _SCHEMA = (
 _SQLITE_IOERR, _SQLITE_CORRUPT, _SQLITE_FULL, _SQLITE_NOTADB = 10, 11, 13, 26
 _LOW_SPACE_BYTES = 1 << 20  # an I/O error with less free than this is a full disk
 _EXPIRED_SWEEP_S = 60.0  # expired entries are deleted from the file at most this often
+_SPARE_SIZES, _SPARES_PER_SIZE = 4, 2  # evicted key buffers kept for reuse
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +81,7 @@ class _Entry:
     __slots__ = ("cost_s", "created_s", "expires_s", "key", "model", "on_disk", "outputs", "size", "version")
 
     def __init__(
-        self, key: bytes | CacheKey, outputs: dict[str, np.ndarray], size: int, expires_s: float, model: str,
+        self, key: bytes | bytearray, outputs: dict[str, np.ndarray], size: int, expires_s: float, model: str,
         version: int, cost_s: float,
     ) -> None:  # fmt: skip
         self.key, self.outputs, self.size, self.expires_s = key, outputs, size, expires_s
@@ -95,17 +96,13 @@ class _Write:
     )  # fmt: skip
 
     def __init__(
-        self, digest: bytes, model: str, version: int, key: bytes | CacheKey, value: bytes, created_s: float,
+        self, digest: bytes, model: str, version: int, key: bytes | bytearray, value: bytes, created_s: float,
         expires_s: float, cost_s: float, done: threading.Event | None,
     ) -> None:  # fmt: skip
         self.digest, self.model, self.version, self.key, self.value = digest, model, version, key, value
         self.created_s, self.expires_s, self.cost_s, self.done = created_s, expires_s, cost_s, done
         self.ok = False
-        self.size = (len(key) if isinstance(key, bytes) else key.nbytes) + len(value)
-
-    def key_bytes(self) -> bytes:
-        """The whole key as stored (built here, in the writer thread, from a key the memory tier kept)."""
-        return self.key if isinstance(self.key, bytes) else self.key.full()
+        self.size = len(key) + len(value)
 
 
 class _Sweep:
@@ -147,6 +144,7 @@ class ResultCache:
         self._hot: OrderedDict[bytes, _Entry] = OrderedDict()
         self._hot_bytes = 0
         self._hot_lock = threading.Lock()
+        self._spare: dict[int, list[bytearray]] = {}  # key buffers of evicted entries, by size
         # file tier: one connection for reads (under _read_lock), one for the writer thread
         self._read_lock = threading.Lock()
         self._reader: sqlite3.Connection | None = None
@@ -174,8 +172,7 @@ class ResultCache:
         with self._hot_lock:
             entry = self._hot.get(digest)
             if entry is not None:
-                kept = entry.key
-                if entry.expires_s <= now or not (key.matches(kept) if isinstance(kept, bytes) else key.same(kept)):
+                if entry.expires_s <= now or not key.matches(entry.key):
                     if entry.expires_s <= now:
                         self._drop_hot(digest)
                     return None
@@ -247,18 +244,31 @@ class ResultCache:
         value = encode_tensors(outputs)
         now = self.clock()
         decoded = decode_tensors(value)  # read-only views: what a hit hands out, whatever the caller does next
-        if disk_on_hit:  # the memory tier keeps the request's own (now read-only) tensors: no copy on a miss
-            key.freeze()
-            entry = _Entry(key, decoded, key.nbytes + len(value), now + ttl_s, model, version, cost_s)
-        else:
-            full = key.full()
-            entry = _Entry(full, decoded, len(full) + len(value), now + ttl_s, model, version, cost_s)
+        full = self._copy_key(key) if disk_on_hit else key.full()
+        entry = _Entry(full, decoded, len(full) + len(value), now + ttl_s, model, version, cost_s)
         entry.created_s = now
         entry.on_disk = not disk_on_hit
         if self._put_hot(key.digest, entry) and disk_on_hit:
             return True
         entry.on_disk = True
         return self._queue_write(key.digest, entry, value, wait)
+
+    def _copy_key(self, key: CacheKey) -> bytearray:
+        """``key.full()`` copied into a buffer of an entry the memory tier evicted unwritten, where one
+        of that size is spare: a stream of misses then copies into pages already mapped instead of
+        faulting in fresh ones for every request (600 KB: ~0.4 ms of page faults, ~0.03 ms of copy)."""
+        n = key.nbytes
+        with self._hot_lock:
+            spares = self._spare.get(n)
+            buf = spares.pop() if spares else None
+        if buf is None:
+            buf = bytearray(n)
+        pos = len(key.header)
+        buf[:pos] = key.header
+        for part in key.buffers:
+            buf[pos : pos + part.nbytes] = part
+            pos += part.nbytes
+        return buf
 
     def _queue_write(self, digest: bytes, entry: _Entry, value: bytes | None, wait: bool = False) -> bool:
         """Hand ``entry`` to the writer (``value``: its encoded outputs; None: encoded here)."""
@@ -341,6 +351,11 @@ class ResultCache:
                 _, old = self._hot.popitem(last=False)
                 self._hot_bytes -= old.size
                 evicted += 1
+                if not old.on_disk and isinstance(old.key, bytearray) and len(self._spare) < _SPARE_SIZES:
+                    # never queued for the writer, so nothing else holds it: its buffer takes the next key
+                    spares = self._spare.setdefault(len(old.key), [])
+                    if len(spares) < _SPARES_PER_SIZE:
+                        spares.append(old.key)
         if evicted:
             self.series.evicted("memory", evicted)
         return True
@@ -531,7 +546,7 @@ class ResultCache:
                     " (digest, model, version, key, value, size_bytes, created_s, expires_s, cost_s)"
                     " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
-                        item.digest, item.model, item.version, item.key_bytes(), item.value, item.size,
+                        item.digest, item.model, item.version, item.key, item.value, item.size,
                         item.created_s, item.expires_s, item.cost_s,
                     ),
                 )  # fmt: skip

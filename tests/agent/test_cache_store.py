@@ -251,7 +251,6 @@ def test_cache_disk_on_hit_writes_an_entry_to_disk_only_once_it_repeats(tmp_path
     once, twice = _x(20), _x(21)
     for x in (once, twice):
         cache.put(_maker().key({"x": x}), {"y": _x(22, (2,))}, model="det", version=1, ttl_s=60, disk_on_hit=True)
-    assert not once.flags.writeable  # kept as the stored key, not copied: frozen against in-place writes
     assert cache.flush() and cache.entries() == 0  # nothing written for answers asked once
     hit = cache.get(_maker().key({"x": twice.copy()}), "det")
     assert hit is not None and hit.tier == "memory"
@@ -292,3 +291,25 @@ def test_cache_file_found_corrupt_while_serving_is_moved_aside_and_reads_go_on(t
     assert running.put(key, {"y": _x(27, (2,))}, model="det", version=1, ttl_s=60, wait=True)
     assert running.get(key, "det") is not None
     running.close()
+
+
+def test_cache_memory_tier_keeps_a_copy_of_the_key_not_the_caller_s_array(tmp_path: Path) -> None:
+    cache = _cache(tmp_path)
+    x = _x(28)
+    original = x.copy()
+    cache.put(_maker().key({"x": x}), {"y": _x(29, (2,))}, model="det", version=1, ttl_s=60, disk_on_hit=True)
+    x[0, 0, 0, 0] += 1.0  # the caller's array stays its own, writable; the stored key does not change with it
+    assert cache.get(_maker().key({"x": x}), "det") is None
+    assert cache.get(_maker().key({"x": original}), "det") is not None
+    cache.close()
+
+
+def test_cache_memory_tier_stays_exact_when_it_reuses_evicted_key_buffers(tmp_path: Path) -> None:
+    size = _maker().key({"x": _x(0, (64, 64))}).nbytes + len(encode_tensors({"y": _x(0, (2,))}))
+    cache = _cache(tmp_path, memory_max_bytes=2 * size)
+    keys = [_maker().key({"x": _x(30 + i, (64, 64))}) for i in range(4)]
+    for key in keys:
+        cache.put(key, {"y": _x(0, (2,))}, model="det", version=1, ttl_s=60, disk_on_hit=True)
+    # two fit: each later put evicted the oldest, whose buffer took the next key; every key still compares right
+    assert [cache.get(k, "det") is not None for k in keys] == [False, False, True, True]
+    cache.close()
