@@ -30,7 +30,8 @@ def _photo(h: int, w: int, seed: int = 0) -> np.ndarray:
         img += (
             np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * r * r)) * rng.uniform(-80, 80, 3)[:, None, None]
         ).transpose(1, 2, 0)
-    return np.clip(img, 0, 255).astype(np.uint8)
+    photo: np.ndarray = np.clip(img, 0, 255).astype(np.uint8)
+    return photo
 
 
 def _encode(pixels: np.ndarray, fmt: str, quality: int = 95) -> bytes:

@@ -25,7 +25,9 @@ def _images(n: int, size: int = 64) -> dict[str, np.ndarray]:
     return {"images": rng.uniform(0, 1, (n, 3, size, size)).astype(np.float32)}
 
 
-def test_package_detector_records_letterbox_boxes_and_labels(detector: Path, keypair, tmp_path: Path) -> None:
+def test_package_detector_records_letterbox_boxes_and_labels(
+    detector: Path, keypair: tuple[Path, Path], tmp_path: Path
+) -> None:
     from edgekit.bundle import TrustStore, key_id, load_public_key, read_verified_manifest
     from edgekit.packager import package
 
@@ -56,7 +58,7 @@ def test_package_detector_records_letterbox_boxes_and_labels(detector: Path, key
     assert signed.postprocess == m.postprocess and signed.file("labels.txt").size_bytes == 15
 
 
-def test_package_classifier_topk_softmax_decided_on_its_outputs(keypair, tmp_path: Path) -> None:
+def test_package_classifier_topk_softmax_decided_on_its_outputs(keypair: tuple[Path, Path], tmp_path: Path) -> None:
     from edgekit.packager import package
 
     model = tiny_classifier(tmp_path / "cls.onnx", classes=4)  # ends in Softmax: already probabilities
@@ -99,7 +101,9 @@ def test_postprocess_checked_against_the_model_outputs(post: str, labels: str | 
         Postprocess.parse(post).to_steps(served, names)
 
 
-def test_labels_file_without_postprocess_is_refused_before_any_work(detector: Path, keypair, tmp_path: Path) -> None:
+def test_labels_file_without_postprocess_is_refused_before_any_work(
+    detector: Path, keypair: tuple[Path, Path], tmp_path: Path
+) -> None:
     from edgekit.packager import package
 
     labels = tmp_path / "classes.txt"
