@@ -39,6 +39,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -201,19 +202,9 @@ class ResultCache:
             if promote:
                 self._queue_write(digest, entry, None)
             return Hit(entry.outputs, entry.version, entry.cost_s, "memory")
-        if self._reader is None:
-            return None
-        try:
-            with self._read_lock:
-                if self._reader is None:
-                    return None
-                rows = self._reader.execute(
-                    "SELECT value, version, expires_s, cost_s FROM entries WHERE digest = ? AND model = ?",
-                    (digest, model),
-                ).fetchall()
-        except sqlite3.Error as exc:
-            self._read_failed(exc)
-            return None
+        rows = self._read(
+            "SELECT value, version, expires_s, cost_s FROM entries WHERE digest = ? AND model = ?", (digest, model)
+        )
         if not rows or rows[0][2] <= now:
             return None
         try:
@@ -367,21 +358,23 @@ class ResultCache:
             self._hot_bytes -= old.size
 
     # -- file tier ------------------------------------------------------------------------
-    def _get_disk(self, key: CacheKey, model: str, now: float) -> Hit | None:
+    def _read(self, sql: str, args: tuple[object, ...]) -> list[tuple[Any, ...]]:
+        """The rows of one query on the read connection; [] without a file or when the read fails."""
         if self._reader is None:
-            return None
+            return []
         try:
             with self._read_lock:
                 if self._reader is None:
-                    return None
+                    return []
                 # fetchall: the statement runs to its end, so its read transaction ends with it (one
                 # left open pins the WAL: no checkpoint gets past it, and the WAL grows without end)
-                rows = self._reader.execute(
-                    "SELECT key, value, version, expires_s, cost_s FROM entries WHERE digest = ?", (key.digest,)
-                ).fetchall()
+                return self._reader.execute(sql, args).fetchall()
         except sqlite3.Error as exc:
             self._read_failed(exc)
-            return None
+            return []
+
+    def _get_disk(self, key: CacheKey, model: str, now: float) -> Hit | None:
+        rows = self._read("SELECT key, value, version, expires_s, cost_s FROM entries WHERE digest = ?", (key.digest,))
         if not rows:
             return None
         stored, value, version, expires_s, cost_s = rows[0]
