@@ -4,6 +4,7 @@
     edgekit-agent install BUNDLE.ekb --config agent.toml
     edgekit-agent status --config agent.toml
     edgekit-agent stats --config agent.toml [--interval 2] [--count N]
+    edgekit-agent list | uninstall NAME | rollback NAME  [--config agent.toml]
 
 A running daemon holds ``<store>/daemon.lock`` and writes its address to ``<store>/daemon.json``.
 ``install`` hands the bundle to that daemon over loopback (``POST /edgekit/v1/install``), so
@@ -27,6 +28,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -301,8 +303,12 @@ def _install_here(config: AgentConfig, bundle: Path) -> dict[str, Any]:
 
 
 def _install_via_daemon(url: str, bundle: Path) -> dict[str, Any]:
-    body = json.dumps({"bundle": str(bundle), "origin": "cli"}).encode()
-    req = urllib.request.Request(f"{url}/edgekit/v1/install", data=body, headers={"Content-Type": "application/json"})
+    return _post_to_daemon(f"{url}/edgekit/v1/install", {"bundle": str(bundle), "origin": "cli"}, "the bundle")
+
+
+def _post_to_daemon(url: str, doc: dict[str, Any], what: str) -> dict[str, Any]:
+    body = json.dumps(doc).encode()
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=3600) as resp:
             answer: dict[str, Any] = json.loads(resp.read())
@@ -316,7 +322,65 @@ def _install_via_daemon(url: str, bundle: Path) -> dict[str, Any]:
             doc.get("error", f"the agent answered {exc.code}"), int(doc.get("exit_code", 1))
         ) from exc
     except (OSError, ValueError) as exc:
-        raise StoreError(f"cannot hand the bundle to the running agent at {url}: {exc}") from exc
+        raise StoreError(f"cannot hand {what} to the running agent at {url}: {exc}") from exc
+
+
+def _manage(args: argparse.Namespace, action: str) -> dict[str, Any]:
+    """Uninstall or roll back ``args.name``: through the running daemon, else in the store here."""
+    config = load_config(args.config)
+    with daemon_lock(config.store) as held:
+        if not held:
+            url = f"{daemon_url(config.store)}/edgekit/v1/models/{urllib.parse.quote(args.name, safe='')}/{action}"
+            return _post_to_daemon(url, {"origin": "cli"}, f"the {action}")
+        from device_agents.lifecycle import Lifecycle
+        from edgekit.bundle.codec import to_data
+
+        lifecycle = Lifecycle(config)
+        try:
+            act = lifecycle.uninstall if action == "uninstall" else lifecycle.operator_rollback
+            state: dict[str, Any] = to_data(act(args.name, origin="cli"))
+            return state
+        finally:
+            lifecycle.stop()
+
+
+def cmd_uninstall(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    before = Store(config.store).model_state(args.name)
+    _manage(args, "uninstall")
+    was = f" (was v{before.active.version})" if before.active is not None else ""
+    print(f"uninstalled {args.name}{was}; a later install must still be newer than v{before.max_version}")
+    return 0
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    before = Store(config.store).model_state(args.name)
+    state = _manage(args, "rollback")
+    was = f" (was v{before.active.version})" if before.active is not None else ""
+    print(f"rolled back {args.name} to v{state['active']['version']}{was}; recorded as the operator's rollback")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    store = Store(config.store)
+    installed = {n: ms for n, ms in sorted(store.load_state().models.items()) if ms.active is not None}
+    if not installed:
+        print("no models installed")
+        return 0
+    rows: list[tuple[str, ...]] = [("MODEL", "VERSION", "PREVIOUS", "TARGET", "RUNTIME", "INSTALLED")]
+    for name, ms in installed.items():
+        slot = ms.active
+        if slot is None:  # filtered above; says so to mypy
+            continue
+        m = store.manifest_of(slot)
+        previous = f"v{ms.previous.version}" if ms.previous else "-"
+        rows.append((name, f"v{slot.version}", previous, m.target, m.compatibility.runtime, slot.installed or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1])
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -391,7 +455,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "install": cmd_install, "status": cmd_status, "stats": cmd_stats}
+COMMANDS = {
+    "run": cmd_run,
+    "install": cmd_install,
+    "status": cmd_status,
+    "stats": cmd_stats,
+    "list": cmd_list,
+    "uninstall": cmd_uninstall,
+    "rollback": cmd_rollback,
+}
 
 
 class JsonFormatter(logging.Formatter):
@@ -426,7 +498,12 @@ def build_parser() -> Parser:
     stats = sub.add_parser("stats", help="print a live table of the running daemon's serving numbers")
     stats.add_argument("--interval", type=float, default=2.0, help="seconds between rows (default 2)")
     stats.add_argument("--count", type=int, default=0, help="tables to print (0 = until interrupted; 1 = since start)")
-    for p in (run, install, status, stats):
+    listing = sub.add_parser("list", help="list the installed models: version, previous version, target, runtime")
+    uninstall = sub.add_parser("uninstall", help="stop serving a model and remove its files (through a running agent)")
+    uninstall.add_argument("name", metavar="NAME", help="the model's name")
+    rollback = sub.add_parser("rollback", help="serve a model's previous version again (through a running agent)")
+    rollback.add_argument("name", metavar="NAME", help="the model's name")
+    for p in (run, install, status, stats, listing, uninstall, rollback):
         p.add_argument(
             "--config",
             type=Path,

@@ -31,7 +31,9 @@ health window for ``crash_loop_boots`` starts is rolled back.
 
 from __future__ import annotations
 
+import difflib
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -54,7 +56,7 @@ from device_agents.store import ModelState, Slot, Store, atomic_write
 from device_agents.updates.trust import bundle_trust
 from device_agents.validation_mark import check_validation_mark
 from edgekit.bundle import TrustStore
-from edgekit.bundle.errors import SelfTestError, StoreError
+from edgekit.bundle.errors import ModelNotFoundError, SelfTestError, StoreError
 from edgekit.bundle.manifest import Manifest
 
 log = logging.getLogger("edgekit.agent")
@@ -474,6 +476,57 @@ class Lifecycle:
         log.warning("%s: rolled back to v%d: %s", name, target.version, reason)
         if previous is not None:
             self.registry.retire(previous)
+        return ms
+
+    def installed_state(self, name: str) -> ModelState:
+        """``name``'s state if it has a version installed; else ``ModelNotFoundError`` naming the nearest."""
+        models = self.store.load_state().models
+        ms = models.get(name)
+        if ms is not None and ms.active is not None:
+            return ms
+        installed = sorted(n for n, s in models.items() if s.active is not None)
+        near = difflib.get_close_matches(name, installed, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ModelNotFoundError(
+            f"no model named {name!r} is installed (installed: {', '.join(installed) or 'none'}){hint}"
+        )
+
+    def operator_rollback(self, name: str, *, origin: str = "cli") -> ModelState:
+        """Serve ``name``'s previous slot again because the operator asked; recorded in its state."""
+        ms = self.installed_state(name)
+        if ms.previous is None:
+            raise StoreError(
+                f"{name}: v{ms.active.version if ms.active else '?'} has no previous version kept to roll back to"
+            )
+        return self.rollback(name, f"rolled back by the operator ({origin})")
+
+    def uninstall(self, name: str, *, origin: str = "cli") -> ModelState:
+        """Stop serving ``name`` and remove its slots and files. Its version counter stays: a later
+        install of ``name`` must still be newer than anything installed before (anti-rollback)."""
+        with self.store.lock():
+            old = self.installed_state(name)
+            why = f"uninstalled by the operator ({origin})"
+            ms = self.store.update_model(
+                name,
+                lambda s: replace(
+                    s,
+                    active=None,
+                    candidate=None,
+                    previous=None,
+                    status="uninstalled",
+                    error=why,
+                    active_healthy=False,
+                    boots_since_switch=0,
+                ),
+            )
+            served = self.registry.drop_version(name, old.active.version) if old.active else None
+            held = self.registry.take_held(name)
+            shutil.rmtree(self.store.root / "models" / name, ignore_errors=True)  # no slot references it now
+            self.store.cleanup()  # and its kept bundles with it
+        for entry in (served, held):
+            if entry is not None:
+                self.registry.retire(entry)
+        log.warning("%s: v%d %s", name, old.active.version if old.active else 0, why)
         return ms
 
     def record_notice(self, name: str, notice_id: str, issued: str) -> None:

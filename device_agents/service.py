@@ -2,6 +2,7 @@
 
     status()  installed and served models, slots, errors
     install() hand a bundle to the lifecycle (verify, self-test, switch)
+    uninstall(), rollback()  the operator's: remove a model, serve its previous version again
     infer()   one request through its endpoint's pipeline
     stats()   live serving numbers (latency percentiles, throughput, batch sizes, queues)
 
@@ -22,6 +23,7 @@ from device_agents.lifecycle import InstallResult, Lifecycle
 from device_agents.pipeline import Request
 from device_agents.runtimes import ServedModel
 from device_agents.stats import exact_percentiles, serving_stats
+from device_agents.store import ModelState
 
 T = TypeVar("T")
 
@@ -64,6 +66,14 @@ class AgentService:
 
     def install(self, bundle: Path, *, origin: str = "sideload") -> InstallResult:
         return self.lifecycle.install(bundle, origin=origin)
+
+    def uninstall(self, name: str, *, origin: str = "cli") -> ModelState:
+        """Stop serving ``name`` and remove its files (``ModelNotFoundError`` when not installed)."""
+        return self.lifecycle.uninstall(name, origin=origin)
+
+    def rollback(self, name: str, *, origin: str = "cli") -> ModelState:
+        """Serve ``name``'s previous version again, recorded as the operator's rollback."""
+        return self.lifecycle.operator_rollback(name, origin=origin)
 
     def serves(self, name: str) -> bool:
         """True when ``name`` is an endpoint (a label safe to put on metrics)."""

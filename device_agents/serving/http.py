@@ -31,6 +31,8 @@ class _Handler(V2Routes, InstallRoute):
             self._infer(parts)
         elif parts == ["edgekit", "v1", "install"]:
             self.install_post()
+        elif parts[:3] == ["edgekit", "v1", "models"] and len(parts) == 5 and parts[4] in ("uninstall", "rollback"):
+            self.manage_post(parts[3], parts[4])
         else:
             self._discard()
 

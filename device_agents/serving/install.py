@@ -1,7 +1,8 @@
 """The loopback-only ``POST /edgekit/v1/install`` that ``edgekit-agent install`` hands bundles to:
 ``{"bundle": "/absolute/path.ekb", "origin": "cli"}`` -> the install result (200), or the
 refusal with its error type and exit code (400); 403 from anywhere but loopback, or without
-``Content-Type: application/json``."""
+``Content-Type: application/json``. ``POST /edgekit/v1/models/{name}/uninstall`` and
+``.../rollback`` (``{"origin": "cli"}``) follow the same rules and answer the model's new state."""
 
 from __future__ import annotations
 
@@ -30,6 +31,32 @@ class InstallRoute(RequestHandler):
             self._check_loopback()
             self._check_json()
             self._install(self._read_body(reservation))
+        except EdgekitError as exc:
+            self._send_error(exc)
+        finally:
+            reservation.close()
+
+    def manage_post(self, name: str, action: str) -> None:
+        """Answer ``POST /edgekit/v1/models/{name}/uninstall|rollback``, under the install route's rules."""
+        reservation = self._reservation()
+        try:
+            self._check_loopback()
+            self._check_json()
+            body = self._read_body(reservation)
+            try:
+                origin = str(json.loads(body or b"{}").get("origin", "cli"))
+            except (ValueError, AttributeError) as exc:
+                raise InferenceInputError(f'{action} takes {{"origin": "cli"}} or an empty body') from exc
+            act = self.server.service.uninstall if action == "uninstall" else self.server.service.rollback
+            try:
+                state = act(name, origin=origin)
+            except EdgekitError as exc:
+                status = exc.http_status if exc.http_status == 404 else 400
+                self._send_json(
+                    status, {"error": str(exc), "error_type": type(exc).__name__, "exit_code": exc.exit_code}
+                )
+                return
+            self._send_json(200, {"name": name, **to_data(state)})
         except EdgekitError as exc:
             self._send_error(exc)
         finally:

@@ -122,7 +122,8 @@ def test_agent_misspelt_command_did_you_mean_the_transposed_one(capsys) -> None:
     code, out, err = _agent(capsys, "stauts", "--config", "agent.toml")
     assert (code, out) == (2, "")
     assert err.endswith(
-        "invalid choice: 'stauts' (choose from 'run', 'install', 'status', 'stats'); did you mean 'status'?\n"
+        "invalid choice: 'stauts' (choose from 'run', 'install', 'status', 'stats', 'list', 'uninstall', "
+        "'rollback'); did you mean 'status'?\n"
     )
 
 
