@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from device_agents.budgets.energy import EnergyMeter, pick_meter
 from device_agents.budgets.memory import FOOTPRINTS_NAME, Footprints, MemoryBudget, current_rss_bytes
-from device_agents.budgets.nvpmodel import NvpModel, PowerMode
+from device_agents.budgets.nvpmodel import NvpModel, PowerMode, PowerModeError
 from device_agents.budgets.power import Degradation, EnergyBucket, thermal_pressure
 from device_agents.budgets.power_supply import PowerSupplyReader
 from device_agents.budgets.thermal import ThermalReader, ThermalReading
@@ -86,10 +86,12 @@ class Budgets:
     def start(self) -> Budgets:
         """Set the configured power mode, say what is read, start sampling."""
         if self.nvpmodel is not None:
+            self.power_mode = self.nvpmodel.read()
             if self.config.nvpmodel_mode is not None:
-                self.power_mode = self.nvpmodel.set_mode(self.config.nvpmodel_mode)
-            else:
-                self.power_mode = self.nvpmodel.read()
+                try:
+                    self.power_mode = self.nvpmodel.set_mode(self.config.nvpmodel_mode)
+                except PowerModeError as exc:  # the agent serves on in the mode the board is in
+                    log.error("budgets: %s", exc)
         if self.config.budget_w is not None and self.meter is None:
             log.warning(
                 "[budgets] power budget set, but this device has no energy sensor the agent reads (powercap, "

@@ -127,14 +127,22 @@ def test_budgets_without_a_sensor_model_the_energy_or_warn_and_run(
     assert unread.level == 0
 
 
-def test_budgets_set_the_configured_nvpmodel_mode_at_start(tmp_path: Path) -> None:
+def test_budgets_read_the_nvpmodel_mode_and_start_in_it_when_the_configured_one_fails(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from tests.budgets.test_readers import ORIN
 
     root = tree(tmp_path, ORIN)
-    assert _budgets(root, Clock()).start().power_mode is not None
+    b = _budgets(root, Clock()).start()
+    b.stop()
+    assert b.power_mode is not None and b.power_mode.current_name == "15W"
+    assert b.describe()["nvpmodel"] == "15W"
     b = _budgets(root, Clock(), nvpmodel_mode=7)
-    with pytest.raises(Exception, match="defines no such mode"):
+    with caplog.at_level(logging.ERROR, "edgekit.agent"):
         b.start()
+    b.stop()
+    assert any("defines no such mode" in r.message for r in caplog.records)
+    assert b.power_mode is not None and b.power_mode.current_name == "15W"
 
 
 def test_budgets_report_their_state_as_numbers_for_the_reported_topic(tmp_path: Path) -> None:
