@@ -176,6 +176,12 @@ BENCHMARKS: tuple[Entry, ...] = (
         "bench.agent_roundtrip:run",
         "edgekit-agent v2 HTTP infer (tritonclient, 1 KB tensor) vs in-process onnxruntime session.run",
     ),
+    Entry(
+        "split.plan",
+        "bench.split:run",
+        "split planning on the digits example, the example detector and PP-OCRv4's detector at 1-1000 Mbit/s: "
+        "segment times planned vs re-measured, the planned cut's regret, best vs local/remote on a slower device",
+    ),
 )
 
 
