@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -201,3 +201,75 @@ def test_agent_splits_against_kserves_own_model_server(tmp_path: Path, split_bui
                 np.testing.assert_allclose(_infer(url, split_build.x), split_build.want, rtol=1e-4, atol=1e-5)
             assert _metric(url, "edgekit_split_requests_total") == 10
             assert _metric(url, "edgekit_split_fallbacks_total") == 0
+
+
+class _TokenTail(BaseHTTPRequestHandler):
+    """A v2 tail that answers only requests bearing its token (401 otherwise): ONNX Runtime runs
+    the real tail of whichever cut is asked for."""
+
+    protocol_version = "HTTP/1.1"
+    token = "s3cret"
+    tails: ClassVar[dict[str, Any]] = {}
+
+    def do_GET(self) -> None:  # stdlib naming
+        self._answer(200 if self._authorized() else 401, b"")
+
+    def do_POST(self) -> None:  # stdlib naming
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if not self._authorized():
+            self._answer(401, b'{"error":"no token"}')
+            return
+        header_len = int(self.headers["Inference-Header-Content-Length"])
+        doc = json.loads(body[:header_len])
+        model = self.path.split("/")[3]
+        session = self.tails[model]
+        feeds, offset = {}, header_len
+        for t in doc["inputs"]:
+            size = t["parameters"]["binary_data_size"]
+            feeds[t["name"]] = np.frombuffer(body[offset : offset + size], np.float32).reshape(t["shape"])
+            offset += size
+        (probs,) = session.run(None, feeds)
+        out = {"name": "probs", "datatype": "FP32", "shape": list(probs.shape), "data": probs.ravel().tolist()}
+        self._answer(200, json.dumps({"model_name": model, "outputs": [out]}).encode())
+
+    def _authorized(self) -> bool:
+        return self.headers.get("Authorization") == f"Bearer {self.token}"
+
+    def _answer(self, code: int, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # stdlib signature
+        pass
+
+
+@pytest.mark.parametrize("with_token", [True, False])
+def test_agent_sends_its_bearer_token_to_the_tail(tmp_path: Path, split_build: SplitBuild, with_token: bool) -> None:
+    import onnxruntime as ort
+
+    manifest, _ = read_unverified_manifest(split_build.bundles.device)
+    assert manifest.split is not None
+    tails = {m.cut.id: m.tail_path for m in split_build.run.measured.cuts}
+    sessions = {c.tail_model: ort.InferenceSession(str(tails[c.id])) for c in manifest.split.cuts}
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Tail", (_TokenTail,), {"tails": sessions}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    token = tmp_path / "token"
+    token.write_text("s3cret\n" if with_token else "wrong\n")
+    try:
+        tail_url = f"http://127.0.0.1:{server.server_address[1]}"
+        config = _config(tmp_path, split_build.public_key, tail_url, auth_token_file=str(token), retry_after_s=60)
+        with _agent(config, split_build.bundles.device) as url:
+            for _ in range(4):
+                np.testing.assert_allclose(_infer(url, split_build.x), split_build.want, rtol=1e-4, atol=1e-5)
+            if with_token:
+                assert _metric(url, "edgekit_split_requests_total") == 4
+            else:  # refused: answered locally, one fallback, then local for retry_after_s
+                assert _metric(url, "edgekit_split_requests_total") == 0
+                refused = _metric(url, "edgekit_split_fallbacks_total", reason="status")
+                assert refused + _metric(url, "edgekit_split_fallbacks_total", reason="probe_status") == 1
+    finally:
+        server.shutdown()
+        server.server_close()
