@@ -529,6 +529,37 @@ class Lifecycle:
         log.warning("%s: v%d %s", name, old.active.version if old.active else 0, why)
         return ms
 
+    def unload(self, name: str) -> None:
+        """Stop serving ``name`` until ``load`` (or the agent's next start); it stays installed
+        (Triton's unload). Running requests finish on it."""
+        ms = self.installed_state(name)
+        self.registry.pin(name, None)  # no request loads it again on demand
+        entry = self.registry.peek(name)
+        for dropped in (
+            self.registry.drop_version(name, entry.version) if entry else None,
+            self.registry.take_held(name),
+        ):
+            if dropped is not None:
+                self.registry.retire(dropped)
+        log.info("%s: v%d unloaded on request", name, ms.active.version if ms.active else 0)
+
+    def load(self, name: str) -> int:
+        """Serve ``name``'s active version (Triton's load): verified at rest first, loaded unless it is."""
+        active = self.installed_state(name).active
+        if active is None:  # installed_state returns only installed ones; says so to mypy
+            raise ModelNotFoundError(f"no model named {name!r} is installed")
+        loaded = self.registry.peek(name)
+        if loaded is not None and loaded.version == active.version:
+            return active.version
+        check = check_slot(self.store, active, self.trust)
+        if not check.ok:
+            raise StoreError(f"{name}: v{active.version} fails verification ({check.why}); install it again")
+        previous = self.registry.serve(name, self._open(active), active.version)
+        if previous is not None:
+            self.registry.retire(previous)
+        log.info("%s: v%d loaded on request", name, active.version)
+        return active.version
+
     def record_notice(self, name: str, notice_id: str, issued: str) -> None:
         """Remember an update notice as handled for ``name`` (the update client's replay guard), durably."""
         if self.store.model_state(name).last_notice_id == notice_id:

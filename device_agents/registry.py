@@ -206,6 +206,11 @@ class Registry:
         with self._lock:
             self._pinned[name] = slot
 
+    def held_unloaded(self, name: str) -> bool:
+        """True while nothing may load ``name`` on demand (``pin(name, None)``): unloaded or refused."""
+        with self._lock:
+            return name in self._pinned and self._pinned[name] is None
+
     def peek(self, name: str) -> Loaded | None:
         """The loaded entry of ``name``, not held (to read its latency window)."""
         with self._lock:

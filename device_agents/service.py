@@ -3,6 +3,7 @@
     status()  installed and served models, slots, errors
     install() hand a bundle to the lifecycle (verify, self-test, switch)
     uninstall(), rollback()  the operator's: remove a model, serve its previous version again
+    load_model(), unload_model(), repository(), statistics()  what Triton's extensions ask
     infer()   one request through its endpoint's pipeline
     stats()   live serving numbers (latency percentiles, throughput, batch sizes, queues)
 
@@ -20,9 +21,10 @@ from device_agents.config import AgentConfig
 from device_agents.endpoints import Endpoints
 from device_agents.errors import UnavailableError
 from device_agents.lifecycle import InstallResult, Lifecycle
+from device_agents.metrics import STAGES
 from device_agents.pipeline import Request
 from device_agents.runtimes import ServedModel
-from device_agents.stats import exact_percentiles, serving_stats
+from device_agents.stats import exact_percentiles, serving_stats, snapshot
 from device_agents.store import ModelState
 
 T = TypeVar("T")
@@ -74,6 +76,44 @@ class AgentService:
     def rollback(self, name: str, *, origin: str = "cli") -> ModelState:
         """Serve ``name``'s previous version again, recorded as the operator's rollback."""
         return self.lifecycle.operator_rollback(name, origin=origin)
+
+    def load_model(self, name: str) -> int:
+        """Serve ``name``'s installed version again after ``unload_model``; its version."""
+        return self.lifecycle.load(name)
+
+    def unload_model(self, name: str) -> None:
+        """Stop serving ``name`` (it stays installed) until ``load_model`` or the next start."""
+        self.lifecycle.unload(name)
+
+    def repository(self) -> list[dict[str, Any]]:
+        """Every installed model: name, active version, and whether it is served (``ready``) or why not."""
+        out = []
+        for name, ms in self.lifecycle.model_states().items():
+            if ms.active is None:
+                continue
+            ready = not self.lifecycle.registry.held_unloaded(name)
+            reason = "" if ready else (ms.error or "unloaded")
+            out.append({"name": name, "version": ms.active.version, "ready": ready, "reason": reason})
+        return out
+
+    def statistics(self) -> dict[str, dict[str, Any]]:
+        """Per model since start: the served version, requests that succeeded and failed, and per
+        stage (``request``, ``decode``, ``queue``, ``infer``, ``encode``, ``batch``) a count and total
+        (seconds; rows for ``batch``)."""
+        snap = snapshot(self.metrics.registry.collect())
+        out: dict[str, dict[str, Any]] = {}
+        served = self.models()
+        for name, ms in self.lifecycle.model_states().items():
+            if ms.active is None:
+                continue
+            row: dict[str, Any] = {"version": served.get(name, ms.active.version)}
+            row["success"] = int(sum(v for (m, code), v in snap.requests.items() if m == name and code == "200"))
+            row["fail"] = int(sum(v for (m, code), v in snap.requests.items() if m == name and code != "200"))
+            for kind, stage in (("request", ""), *(("stage", s) for s in STAGES), ("batch", "")):
+                h = snap.histograms.get((kind, name, stage))
+                row[stage or kind] = (int(h.count), h.total) if h is not None else (0, 0.0)
+            out[name] = row
+        return out
 
     def serves(self, name: str) -> bool:
         """True when ``name`` is an endpoint (a label safe to put on metrics)."""

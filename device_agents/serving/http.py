@@ -31,10 +31,16 @@ class _Handler(V2Routes, InstallRoute):
             self._infer(parts)
         elif parts == ["edgekit", "v1", "install"]:
             self.install_post()
+        elif parts[:3] == ["v2", "repository", "models"] and len(parts) == 5 and parts[4] in ("load", "unload"):
+            self.repository_post(parts[3], parts[4])
         elif parts[:3] == ["edgekit", "v1", "models"] and len(parts) == 5 and parts[4] in ("uninstall", "rollback"):
             self.manage_post(parts[3], parts[4])
         else:
-            self._discard()
+            try:
+                if not self.v2_post(parts):
+                    self._discard()
+            except EdgekitError as exc:
+                self._send_error(exc)
 
 
 class AgentServer(V2Server):

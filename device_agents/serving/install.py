@@ -2,7 +2,8 @@
 ``{"bundle": "/absolute/path.ekb", "origin": "cli"}`` -> the install result (200), or the
 refusal with its error type and exit code (400); 403 from anywhere but loopback, or without
 ``Content-Type: application/json``. ``POST /edgekit/v1/models/{name}/uninstall`` and
-``.../rollback`` (``{"origin": "cli"}``) follow the same rules and answer the model's new state."""
+``.../rollback`` (``{"origin": "cli"}``) follow the same rules and answer the model's new state,
+as do Triton's ``POST /v2/repository/models/{name}/load|unload``."""
 
 from __future__ import annotations
 
@@ -62,6 +63,24 @@ class InstallRoute(RequestHandler):
         finally:
             reservation.close()
 
+    def repository_post(self, name: str, action: str) -> None:
+        """Answer Triton's ``POST /v2/repository/models/{name}/load|unload`` under the install route's
+        rules (loopback, ``Content-Type: application/json``); 200 with an empty JSON object."""
+        reservation = self._reservation()
+        try:
+            self._check_loopback()
+            self._check_json()
+            self._read_body(reservation)  # parameters (a config to load with, unload_dependents) are not taken
+            if action == "load":
+                self.server.service.load_model(name)
+            else:
+                self.server.service.unload_model(name)
+            self._send_json(200, {})
+        except EdgekitError as exc:
+            self._send_error(exc)
+        finally:
+            reservation.close()
+
     def _check_loopback(self) -> None:
         if not is_loopback(self.client_address[0]):
             self.close_connection = True  # the body stays unread
@@ -72,7 +91,10 @@ class InstallRoute(RequestHandler):
         (form or text/plain): requiring application/json forces a CORS preflight, never answered."""
         if self.headers.get_content_type() != JSON:
             self.close_connection = True  # the body stays unread
-            raise _Forbidden("install takes Content-Type: application/json")
+            raise _Forbidden(
+                f"POST {self.path} takes Content-Type: application/json (tritonclient: "
+                "headers={'Content-Type': 'application/json'})"
+            )
 
     def _install(self, body: bytes | bytearray) -> None:
         try:

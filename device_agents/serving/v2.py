@@ -2,7 +2,9 @@
 ``AgentService`` -> encode, and nothing else (no policy; errors map to one status each).
 
 ``GET /v2``, ``/v2/health/live``, ``/v2/health/ready``, ``/v2/models/{name}[/versions/{v}]``,
-``/v2/models/{name}[/versions/{v}]/ready``, ``POST /v2/models/{name}[/versions/{v}]/infer``, plus
+``/v2/models/{name}[/versions/{v}]/ready``, ``POST /v2/models/{name}[/versions/{v}]/infer``, the
+Triton extensions tools call (``GET /v2/models/{name}/config``, ``GET /v2/models[/{name}]/stats``,
+``POST /v2/repository/index``; load and unload are state-changing: ``serving.install``), plus
 ``GET /metrics`` (Prometheus text) and ``GET /edgekit/v1/stats``. Errors are ``{"error": "..."}``
 with 400 (bad input, including one the runtime rejects), 404 (unknown model), 413 (too large),
 429 (queue full) / 503 (draining, decode slots busy) with ``Retry-After``, 504 (deadline passed)
@@ -16,8 +18,10 @@ service's ``infer``; nothing of HTTP.
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from device_agents import __version__
 from device_agents.config import ServerConfig
@@ -27,11 +31,11 @@ from device_agents.pipeline import Request, RequestTiming
 from device_agents.runtimes import ServedModel
 from device_agents.service import AgentService
 from device_agents.serving.bodies import Reservation, inflate
-from device_agents.serving.codec import HeaderCache, decode_request, encode_response, tensor_metadata
+from device_agents.serving.codec import HeaderCache, Spec, decode_request, encode_response, tensor_metadata
 from device_agents.serving.transport import BINARY, RequestHandler, Transport
 from edgekit.bundle.errors import EdgekitError, InferenceInputError, ModelNotFoundError
 
-EXTENSIONS = ("binary_tensor_data",)
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics", "model_repository")
 
 Decode = Callable[[ServedModel], Request]
 Encode = Callable[[Request], tuple[bytes, int | None]]
@@ -124,6 +128,8 @@ class V2Routes(RequestHandler):
             self._send(200, service.metrics_text(), METRICS_CONTENT_TYPE)
         elif parts == ["edgekit", "v1", "stats"]:
             self._send_json(200, service.stats())
+        elif parts == ["v2", "models", "stats"]:
+            self._send_json(200, {"model_stats": model_statistics(service.statistics())})
         elif parts[:2] == ["v2", "models"] and len(parts) > 2:
             name, version, rest = model_route(parts)
             if rest == []:
@@ -131,10 +137,39 @@ class V2Routes(RequestHandler):
             elif rest == ["ready"]:
                 service.model(name, version)
                 self._send(200)
+            elif rest == ["config"]:
+                self._send_json(200, model_config(name, service.model(name, version)))
+            elif rest == ["stats"]:
+                stats = service.statistics()
+                if name not in stats:
+                    raise ModelNotFoundError(f"no model named {name!r} is installed here")
+                self._send_json(200, {"model_stats": model_statistics({name: stats[name]})})
             else:
                 self._not_found()
         else:
             return False
+        return True
+
+    def v2_post(self, parts: list[str]) -> bool:
+        """Answer ``POST /v2/repository/index`` (read-only); False when ``parts`` is not it."""
+        if parts != ["v2", "repository", "index"]:
+            return False
+        reservation = Reservation(self.server.budget, self.server.limits.retry_after_s, self.server.inflate_budget)
+        try:
+            body = self._read_raw_body(reservation)
+        finally:
+            reservation.close()
+        try:
+            only_ready = bool(json.loads(body or b"{}").get("ready", False))
+        except (ValueError, AttributeError) as exc:
+            raise InferenceInputError('the repository index takes {"ready": true|false} or an empty body') from exc
+        index = [
+            {"name": m["name"], "version": str(m["version"]), "state": "READY" if m["ready"] else "UNAVAILABLE",
+             "reason": m["reason"]}
+            for m in self.server.service.repository()
+            if m["ready"] or not only_ready
+        ]  # fmt: skip
+        self._send_json(200, index)
         return True
 
     def _model_metadata(self, name: str, version: int | None) -> None:
@@ -243,6 +278,60 @@ class V2Routes(RequestHandler):
             return encode(request)
 
         return decode, encode_noting_cache
+
+
+def model_config(name: str, model: ServedModel) -> dict[str, Any]:
+    """Triton's model configuration (``GET .../config``) of a served model: its served tensors with
+    full shapes (``max_batch_size`` 0: a dynamic batch axis shows as -1 in ``dims``)."""
+    m = model.manifest
+
+    def tensors(specs: Sequence[Spec]) -> list[dict[str, Any]]:
+        return [
+            {"name": t["name"], "data_type": "TYPE_" + ("STRING" if t["datatype"] == "BYTES" else t["datatype"]),
+             "dims": t["shape"]}
+            for t in map(tensor_metadata, specs)
+        ]  # fmt: skip
+
+    return {
+        "name": name,
+        "platform": m.compatibility.runtime,
+        "backend": m.compatibility.runtime,
+        "version_policy": {"specific": {"versions": [str(m.version)]}},
+        "max_batch_size": 0,
+        "input": tensors(model.wire_inputs),
+        "output": tensors(model.wire_outputs),
+        "parameters": {"target": {"string_value": m.target}},
+    }
+
+
+def model_statistics(stats: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Triton's statistics extension entries from ``AgentService.statistics`` (durations in ns)."""
+
+    def duration(count_total: tuple[int, float]) -> dict[str, int]:
+        return {"count": count_total[0], "ns": round(count_total[1] * 1e9)}
+
+    out = []
+    for name, row in sorted(stats.items()):
+        batches, rows = row["batch"]
+        out.append(
+            {
+                "name": name,
+                "version": str(row["version"]),
+                "last_inference": 0,  # not kept
+                "inference_count": int(rows) if batches else row["success"],
+                "execution_count": batches or row["success"],
+                "inference_stats": {
+                    "success": {"count": row["success"], "ns": round(row["request"][1] * 1e9)},
+                    "fail": {"count": row["fail"], "ns": 0},
+                    "queue": duration(row["queue"]),
+                    "compute_input": duration(row["decode"]),
+                    "compute_infer": duration(row["infer"]),
+                    "compute_output": duration(row["encode"]),
+                },
+                "batch_stats": [],
+            }
+        )
+    return out
 
 
 def model_route(parts: list[str]) -> tuple[str, int | None, list[str]]:

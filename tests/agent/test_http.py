@@ -72,7 +72,12 @@ def _post(agent: RunningAgent, path: str, body: bytes, headers: dict[str, str] |
 
 def test_server_and_model_metadata(client: triton.InferenceServerClient) -> None:
     assert client.is_server_live() and client.is_server_ready()
-    assert client.get_server_metadata()["extensions"] == ["binary_tensor_data"]
+    assert client.get_server_metadata()["extensions"] == [
+        "binary_tensor_data",
+        "model_configuration",
+        "statistics",
+        "model_repository",
+    ]
     meta = client.get_model_metadata("tiny")
     assert meta == {
         "name": "tiny",
