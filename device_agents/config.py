@@ -44,8 +44,8 @@ directory of the config file. A format change bumps ``CONFIG_VERSION`` and adds 
 
 A version 1 file (no ``config_version``) migrates: ``[runtime]`` spreads over the
 ``[runtimes.*]`` tables it applied to, ``max_request_mb`` moves to ``[server]``, and tables new in
-version 2 (``[models]``, ``[budgets]``, ``[server]``) are kept. Planned settings (a model's
-``variants``; the ``variant`` and ``batch`` steps of ``[budgets] degrade``) are
+version 2 (``[models]``, ``[budgets]``, ``[server]``) are kept. Planned settings (the ``batch``
+step of ``[budgets] degrade``) are
 documented and refused with a clear error: nothing in the file is silently ignored. ``[budgets]``
 (memory, power and thermal) is described on ``BudgetsConfig``.
 """
@@ -400,8 +400,9 @@ class ModelConfig:
     """``[models.<served name>]``: how one served name is run.
 
     ``cache`` is the result cache (``ModelCacheConfig``); ``route`` makes the name a cascade of
-    other models (``RouteConfig``); ``variants`` (a variant set under budgets) is planned by later
-    agent versions: setting it is refused, never ignored.
+    other models (``RouteConfig``); ``variants`` makes it a variant set: served models (separate
+    bundles, best first) of which each request is answered by the first that fits the memory
+    budget, the power state and the request's deadline (``device_agents.budgets.variants``).
     """
 
     threads: int = 0  # overrides [runtimes.<runtime>] threads for this model; 0 = the runtime's setting
@@ -409,13 +410,16 @@ class ModelConfig:
     batching: BatchingConfig | None = None
     cache: ModelCacheConfig | None = None  # None: the manifest's cache policy, if it has one
     route: RouteConfig | None = None
-    variants: tuple[str, ...] | None = None  # planned
+    variants: tuple[str, ...] | None = None  # served model names, best first
 
     def __post_init__(self) -> None:
         if self.threads < 0 or self.workers < 0:
             raise ValueError(f"threads and workers must be >= 0, got {self.threads} and {self.workers}")
         if self.variants is not None:
-            raise ValueError(_planned("variants"))
+            if len(self.variants) < 2 or len(set(self.variants)) != len(self.variants):
+                raise ValueError(f"variants lists {list(self.variants)}: name two or more different served models")
+            if self.route is not None:
+                raise ValueError("variants and route are two kinds of endpoint: set one of them")
 
     def check(self, name: str, manifest: Manifest) -> None:
         """``ConfigError`` when this table cannot serve ``manifest`` (batching a static batch axis or a
@@ -445,8 +449,9 @@ class ModelConfig:
 
 BUDGET_WHEN_FULL = ("refuse", "unload_idle")
 BUDGET_RELOAD = ("on_request", "retry_after")
-BUDGET_DEGRADE = ("drop", "shed")  # in order; a smaller variant and smaller batches are planned
-_BUDGET_DEGRADE_PLANNED = ("variant", "batch")
+BUDGET_DEGRADE = ("drop", "shed")  # the default steps, in order
+BUDGET_DEGRADE_STEPS = ("variant", "drop", "shed")  # "variant": a variant set answers with its last variant
+_BUDGET_DEGRADE_PLANNED = ("batch",)
 
 
 @dataclass(frozen=True)
@@ -460,13 +465,14 @@ class BudgetsConfig:
     unloading another, gets a 503 + Retry-After (``"retry_after"``).
 
     ``power_w`` (average watts over ``power_window_s``) or ``energy_j`` (joules per window) is the
-    power budget; over it, the agent degrades through ``degrade`` in order (``drop``: refuse
-    requests whose parameters say ``droppable``; ``shed``: refuse every request with 503 +
-    Retry-After), and it backs off the same way ``thermal_margin_c`` before a thermal zone's trip
-    point (or ``thermal_c``). Energy is read from the board's sensors; where there is none,
-    ``device_power_w`` models it (busy time x that power) and a power budget without either is a
-    warning at start, not a failed start. ``nvpmodel_mode`` sets a Jetson's power mode at start
-    (read-only otherwise). ``sysfs_root`` is where the sensors are read (``/``).
+    power budget; over it, the agent degrades through ``degrade`` in order (``variant``: a variant
+    set answers with its last variant; ``drop``: refuse requests whose parameters say
+    ``droppable``; ``shed``: refuse every request with 503 + Retry-After), and it backs off the
+    same way ``thermal_margin_c`` before a thermal zone's trip point (or ``thermal_c``). Energy is
+    read from the board's sensors; where there is none, ``device_power_w`` models it (busy time x
+    that power) and a power budget without either is a warning at start, not a failed start.
+    ``nvpmodel_mode`` sets a Jetson's power mode at start (read-only otherwise). ``sysfs_root`` is
+    where the sensors are read (``/``).
     """
 
     memory_mb: int | None = None
@@ -507,12 +513,12 @@ class BudgetsConfig:
         if not 0 < self.hysteresis < 1 or self.min_dwell_s < 0:
             raise ValueError("hysteresis must be between 0 and 1, and min_dwell_s >= 0")
         if not self.degrade:
-            raise ValueError(f"degrade is empty: list the steps, in order, from {', '.join(BUDGET_DEGRADE)}")
+            raise ValueError(f"degrade is empty: list the steps, in order, from {', '.join(BUDGET_DEGRADE_STEPS)}")
         for step in self.degrade:
             if step in _BUDGET_DEGRADE_PLANNED:
                 raise ValueError(_planned(f"degrade step {step!r}"))
-            if step not in BUDGET_DEGRADE or self.degrade.count(step) > 1:
-                raise ValueError(f"degrade: {step!r} must be one of {', '.join(BUDGET_DEGRADE)}, each once")
+            if step not in BUDGET_DEGRADE_STEPS or self.degrade.count(step) > 1:
+                raise ValueError(f"degrade: {step!r} must be one of {', '.join(BUDGET_DEGRADE_STEPS)}, each once")
 
     @property
     def memory_bytes(self) -> int | None:

@@ -100,6 +100,9 @@ class Endpoints:
         route = self.config.model(name).route
         if route is not None:
             return self._cascade(name, route)
+        variants = self.config.model(name).variants
+        if variants is not None:
+            return self._variant_set(name, variants)
         self.registry.get(name)  # ModelNotFoundError for a name that is not served: no endpoint for it
         with self._lock:
             endpoint = self._endpoints.get(name)
@@ -123,11 +126,26 @@ class Endpoints:
                 endpoint = self._endpoints[name] = CascadeEndpoint(name, members, route.threshold, self.metrics)
         return endpoint
 
+    def _variant_set(self, name: str, variants: tuple[str, ...]) -> Endpoint:
+        from device_agents.budgets.state import budgets_for
+        from device_agents.budgets.variants import VariantEndpoint
+
+        for variant in variants:
+            if self.config.model(variant).route is not None or self.config.model(variant).variants is not None:
+                raise ConfigError(f"agent.models.{name}.variants: {variant!r} is not a model; name served models")
+        members: list[Any] = [self.get(variant) for variant in variants]
+        with self._lock:
+            endpoint = self._endpoints.get(name)
+            if endpoint is None:
+                endpoint = VariantEndpoint(name, members, self.registry, budgets_for(self.config.store))
+                self._endpoints[name] = endpoint
+        return endpoint
+
     def has(self, name: str) -> bool:
         return name in self._endpoints
 
     def names(self) -> list[str]:
-        routes = {name for name, m in self.config.models.items() if m.route is not None}
+        routes = {name for name, m in self.config.models.items() if m.route is not None or m.variants is not None}
         return sorted(set(self.registry.models()) | set(self.registry.installed()) | routes)
 
     def _depths(self) -> list[tuple[str, int, int]]:

@@ -261,6 +261,13 @@ class MemoryBudget:
             self._refuse(manifest, need, source, others, retry=False)
         self._refuse(manifest, need, source, {}, retry=False)
 
+    def fits_now(self, manifest: Manifest) -> bool:
+        """Whether ``manifest``'s model could be loaded now without unloading another."""
+        held = self._held_by()
+        others = sum(v for k, v in held.items() if k != manifest.name)
+        other = max(0, self.rss() - self.baseline_bytes - sum(held.values()))
+        return self._fits(self.need(manifest)[0], others + other)
+
     # -- loading ---------------------------------------------------------------------------
     def load(self, manifest: Manifest, loader: Callable[[], ServedModel], *, on_demand: bool = False) -> ServedModel:
         """Admit ``manifest``'s model, unloading idle ones if the policy allows, and load it with
