@@ -202,3 +202,13 @@ def test_memory_budget_admits_on_the_peak_of_a_load_and_holds_what_it_keeps(extr
     budget.load(cls, load)
     assert budget.state().held_by == {"cls": 60 * MB}
     assert budget.need(cls) == (150 * MB, "measured")
+
+
+def test_memory_budget_says_whether_a_model_fits_now_without_unloading(extracted: Path) -> None:
+    rss = CountedRss(50)
+    budget = MemoryBudget(200 * MB, rss=rss, when_full="unload_idle")
+    cls = manifest(extracted, "cls", peak_mb=100)
+    budget.load(cls, loader(extracted, cls, rss, 100))
+    assert budget.fits_now(manifest(extracted, "small", peak_mb=40))
+    assert not budget.fits_now(manifest(extracted, "big", peak_mb=60))  # would need cls unloaded
+    assert budget.fits_now(replace(cls, version=2))  # its own name's holding does not count against it
