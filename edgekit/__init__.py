@@ -52,6 +52,11 @@ def package(
     device_profile: str | Path | None = None,
     postprocess: str | None = None,
     labels_file: str | Path | None = None,
+    task: str | Mapping[str, str] | None = None,
+    compress: Sequence[str] = (),
+    reference: str | Path | None = None,
+    train: str | Path | Mapping[str, Any] | None = None,
+    train_labels: str | Path | np.ndarray | Sequence[int] | None = None,
 ) -> PackageResult:
     """Convert, quantize and validate ``model`` (ONNX) for each of ``targets`` and write one signed
     bundle per target into ``out_dir`` (``NAME-TARGET-vVERSION.ekb``).
@@ -73,7 +78,10 @@ def package(
     on the device; ``device_profile``: the profile that wrote, to choose by device latency.
     ``preprocess`` / ``postprocess`` (``"boxes=yolo,score=0.25,iou=0.45"`` or ``"topk=5"``) and
     ``labels_file`` are recorded in the manifest for the agent: it then takes an encoded image and
-    answers boxes or classes, scores and labels.
+    answers boxes or classes, scores and labels. ``task``: how outputs are judged (``classify``,
+    ``regress``, ``embed``, ``detect``, ``segment``, or ``{output: task}``). ``compress``: steps
+    such as ``"prune-channels=0.5"`` applied first (fine-tuned on ``train``/``train_labels``), gated
+    against the original; ``reference``: the original when ``model`` is already compressed.
 
     Returns a ``PackageResult``: ``bundles`` (target -> path), ``rows`` (the validation table),
     ``passed``, ``table()``, ``to_dict()``. Raises ``edgekit.errors.ConfigError`` and friends for
@@ -111,6 +119,11 @@ def package(
         device_profile=device_profile,
         postprocess=postprocess,
         labels_file=labels_file,
+        task=task,
+        compress=compress,
+        reference=reference,
+        train=train,
+        train_labels=train_labels,
     )
 
 
