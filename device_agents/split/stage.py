@@ -39,7 +39,7 @@ from device_agents.errors import RuntimeFailure
 from device_agents.pipeline.stage import Request, StageContext
 from device_agents.split.client import TailClient, TailError
 from device_agents.split.link import LinkEstimate
-from edgekit.bundle.errors import ConfigError, EdgekitError
+from edgekit.bundle.errors import ConfigError
 from edgekit.bundle.manifest import Manifest, SplitCut, SplitPlan
 
 if TYPE_CHECKING:
@@ -126,6 +126,8 @@ class SplitStage:
         cut = self.choose(plan, rows)
         self._record_choice(cut.id if cut else LOCAL)
         if cut is None:
+            if self._probe_tensor is None and time.monotonic() >= self.down_until:
+                self._make_probe_tensor(request, model, plan)
             return
         request.inputs = model.check_inputs(request.inputs)  # a 400 for a bad input, as locally
         try:
@@ -142,7 +144,7 @@ class SplitStage:
         except TailError as exc:
             self._fallback(exc.reason, exc)
             return
-        except (EdgekitError, OSError, RuntimeError, ValueError) as exc:  # the head failed: the full model may not
+        except Exception as exc:  # whatever the head's runtime raises, the full model may still answer
             self._fallback("head", exc)
             return
         if not self.client.last_call_connected():
@@ -159,6 +161,21 @@ class SplitStage:
         request.outputs = outputs
         request.served_version = model.manifest.version
         request.response_parameters["split"] = cut.id
+
+    def _make_probe_tensor(self, request: Request, model: ServedModel, plan: SplitPlan) -> None:
+        """Local from the start (the link first thought too slow): the default cut's head on one
+        row of this request gives the probes a tensor to measure the link with, so that a link
+        better than thought is found (else no request would ever go through the tail)."""
+        cut = next((c for c in plan.cuts if c.id == plan.default_cut), plan.cuts[0] if plan.cuts else None)
+        if cut is None:
+            return
+        try:
+            inputs = model.check_inputs({k: v[:1] for k, v in request.inputs.items()})
+            mid = dict(self._head(model, cut).run(inputs))
+        except Exception as exc:  # the request goes on to the local model whatever the head does
+            log.warning("%s: head %s for the link probe failed: %s", self.endpoint, cut.id, exc)
+            return
+        self._probe_tensor = (cut.tail_model, mid, model.outputs, cut.tail_latency_ms or 0.0)
 
     # -- the choice ---------------------------------------------------------------------
     def choose(self, plan: SplitPlan, rows: int = 1) -> SplitCut | None:

@@ -273,3 +273,20 @@ def test_agent_sends_its_bearer_token_to_the_tail(tmp_path: Path, split_build: S
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_agent_starting_local_finds_a_faster_link_with_its_probes(tmp_path: Path, split_build: SplitBuild) -> None:
+    tails = list(split_build.bundles.tails.values())
+    with serve_tail(tails, trust=split_build.public_key) as (tail_url, _):
+        # a first guess of 0.01 Mbit/s: every cut looks slower than local, so no request would ever
+        # go through the tail; the probes (with a cut tensor made from a request) measure the link
+        config = _config(tmp_path, split_build.public_key, tail_url, bandwidth_mbps=0.01, probe_interval_s=0.2)
+        with _agent(config, split_build.bundles.device) as url:
+            np.testing.assert_allclose(_infer(url, split_build.x), split_build.want, rtol=1e-4, atol=1e-5)
+            assert _metric(url, "edgekit_split_chosen", model="m", cut="local") == 1
+            deadline = time.monotonic() + 60
+            while _metric(url, "edgekit_split_requests_total") == 0 and time.monotonic() < deadline:
+                np.testing.assert_allclose(_infer(url, split_build.x), split_build.want, rtol=1e-4, atol=1e-5)
+                time.sleep(0.1)
+            assert _metric(url, "edgekit_split_requests_total") > 0
+            assert _metric(url, "edgekit_split_link_bandwidth_mbps", model="m") > 1
