@@ -294,6 +294,12 @@ def _register_package(sub: Any) -> None:
     )
     p.add_argument("--overwrite", action="store_true", help="replace bundles of the same name and version")
     p.add_argument(
+        "--require-accelerator",
+        action="store_true",
+        help="fail (exit 3) rather than write a bundle that runs on the CPU only where the target has an accelerator "
+        "(coral without the Edge TPU compiler)",
+    )
+    p.add_argument(
         "--allow-failed",
         action="store_true",
         help="also write bundles that fail validation (marked failed in the manifest; exit code 3 all the same)",
@@ -318,6 +324,26 @@ def _register_package(sub: Any) -> None:
     p.add_argument("--log-dir", type=Path, metavar="DIR", help="keep each target's converter output as DIR/TARGET.log")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_package)
+
+
+def _require_accelerator(targets: Sequence[str], options: Sequence[str]) -> None:
+    """Before any work: a coral bundle without ``edgetpu_compiler`` would run on LiteRT's CPU only."""
+    import shutil
+
+    from edgekit.errors import AcceleratorMissingError
+    from edgekit.targets.coral import EDGETPU_COMPILER
+
+    if "coral" not in targets:
+        return
+    given = [o.split("=", 1)[1] for o in options if o.startswith("coral.edgetpu_compiler=")]
+    compiler = given[-1] if given else EDGETPU_COMPILER
+    if shutil.which(compiler) is None:
+        raise AcceleratorMissingError(
+            f"--require-accelerator: {compiler} is not on PATH, so the coral bundle would run on the CPU only "
+            "(LiteRT, not compiled for the Edge TPU); install the Edge TPU compiler (package edgetpu-compiler from "
+            "Coral's Debian repository, https://coral.ai/docs/edgetpu/compiler/; x86-64 only) or give its path with "
+            "--option coral.edgetpu_compiler=PATH"
+        )
 
 
 def _fill_first_try_defaults(args: argparse.Namespace) -> None:
@@ -363,6 +389,8 @@ def _package_or_raise(args: argparse.Namespace) -> int:
     from edgekit.validate.metrics import parse_tolerance_args
 
     targets = parse_targets(args.target, note=lambda text: print(f"note: {text}", file=sys.stderr))
+    if args.require_accelerator:
+        _require_accelerator(targets, args.option)
     _fill_first_try_defaults(args)
     shapes = dict(parse_input_shape(s) for s in args.input_shape)
     expires = bundle_expiry(args.expires_days)

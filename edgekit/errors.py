@@ -8,7 +8,14 @@ from edgekit.bundle.errors import *  # noqa: F403  # re-export: one set of error
 from edgekit.bundle.errors import EdgekitError
 from edgekit.bundle.errors import __all__ as _shared
 
-__all__ = [*_shared, "CalibrationDataError", "ModelFormatError", "UnsupportedOpError", "ValidationFailedError"]
+__all__ = [
+    *_shared,
+    "AcceleratorMissingError",
+    "CalibrationDataError",
+    "ModelFormatError",
+    "UnsupportedOpError",
+    "ValidationFailedError",
+]
 
 
 class ModelFormatError(EdgekitError):
@@ -25,6 +32,12 @@ class CalibrationDataError(EdgekitError):
 
 class ValidationFailedError(EdgekitError):
     """A converted artifact is outside the tolerance against the FP32 source model."""
+
+    exit_code = 3
+
+
+class AcceleratorMissingError(EdgekitError):
+    """``--require-accelerator``: a bundle would run on the CPU only (its accelerator's compiler is missing)."""
 
     exit_code = 3
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -102,7 +101,7 @@ from edgekit.validate.metrics import (
 from edgekit.validate.ort_runner import ort_cpu_runner
 from edgekit.validate.postprocess import LABELS_FILE, Postprocess, read_labels_file
 from edgekit.validate.preprocess import Preprocess, image_files
-from edgekit.validate.table import format_table
+from edgekit.validate.table import format_table, result_text
 
 GOLDEN_FILE = "golden.npz"
 FLOAT_PRECISIONS = ("fp32", "fp16")  # a target's float candidates: the last resort of its fallback chain
@@ -130,6 +129,9 @@ class Row:
     # runtime, or a ratio on the other side of 1): (baseline name, its p50 / the artifact's p50),
     # the same side-by-side round; this ratio decides "slower than fp32"
     own_fp32: tuple[str, float] | None = None
+    shipped: str = ""  # the candidate shipped and its runtime ("nncf int8 on openvino"); "" without a search
+    timed_on: str = ""  # where the latencies were measured ("this host: x86_64 AVX-512 VNNI", a device profile)
+    cpu_only: str = ""  # an accelerator target whose artifact runs on the CPU only, and why
 
     @property
     def passed(self) -> bool:
@@ -171,6 +173,9 @@ class PackageResult:
                     "passed": r.passed,
                     "failures": list(r.failures),
                     "bundle": None if r.bundle is None else str(r.bundle),
+                    "shipped": r.shipped or None,
+                    "timed_on": r.timed_on or None,
+                    "result": result_text(r),
                     "validation": to_data(r.validation),
                 }
                 for r in self.rows
@@ -938,6 +943,8 @@ def _validate_and_describe(
     row = Row(
         target, precision, result.precision.label, result.precision.method, validation, comparison.failures,
         own_fp32=_own_fp32(searched, validation),
+        shipped=f"{searched.chosen.name} on {manifest.compatibility.runtime}" if searched is not None else "",
+        timed_on=_timed_on(searched, validation), cpu_only=_cpu_only(manifest),
     )  # fmt: skip
     return manifest, comparison, row
 
@@ -1242,10 +1249,28 @@ def _dynamic(spec: TensorSpec) -> bool:
     return any(isinstance(d, str) for d in spec.shape)
 
 
+def _timed_on(searched: Any, validation: Validation) -> str:
+    """Where the row's latencies come from: a device profile, this host (its CPU's features), or nowhere."""
+    from edgekit.host_cpu import describe_host_cpu
+
+    if searched is not None and searched.chosen.latency_from:
+        return str(searched.chosen.latency_from)
+    return f"this host: {describe_host_cpu()}" if validation.latency_p50_ms is not None else ""
+
+
+def _cpu_only(manifest: Manifest) -> str:
+    """Why a coral bundle runs on the CPU only: not compiled for the Edge TPU (no edgetpu_compiler)."""
+    if manifest.target == "coral" and "edgetpu_compiler" not in manifest.compatibility.hardware:
+        return "LiteRT CPU only: not compiled for the Edge TPU"
+    return ""
+
+
 def _host_description(describe: Mapping[str, Any]) -> str:
     runtime = describe.get("runtime", "runtime")
     ver = describe.get("version", "")
-    return f"host {runtime} {ver} on {platform.machine()}".replace("  ", " ")
+    from edgekit.host_cpu import describe_host_cpu
+
+    return f"host {runtime} {ver} on {describe_host_cpu()}".replace("  ", " ")
 
 
 def _tried_notes(searched: Any, precision: str) -> tuple[str, ...]:

@@ -31,21 +31,33 @@ def format_table(rows: Sequence[Any]) -> str:
         lines.append(
             (
                 r.target,
-                f"{r.precision} ({r.label})",
+                f"{r.precision} ({r.label})" + (f" \u2192 {r.shipped}" if getattr(r, "shipped", "") else ""),
                 _size(v.size_bytes),
                 f"{v.size_ratio:.2f}x" if v.size_ratio is not None else "-",
                 _accuracy(v),
                 _latency(v),
                 _speed(v) + (f" ({r.own_fp32[1]:.2f}x vs {r.own_fp32[0]})" if getattr(r, "own_fp32", None) else ""),
-                ("passed" if v.passed else "FAILED")
-                + (", slower than fp32" if v.slower_than_fp32 else "")
-                + ("" if r.bundle is not None else ", no bundle"),
+                result_text(r),
             )
         )
     widths = [max(len(row[i]) for row in lines) for i in range(len(HEADERS))]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
+    timed = sorted({t for r in rows if (t := getattr(r, "timed_on", ""))})
+    out += [f"timed on {t}" for t in timed]  # a host with AVX-512 VNNI or AMX is not the device's CPU
     return "\n".join(out)
+
+
+def result_text(r: Any) -> str:
+    """The result column: passed / FAILED, and what the user must not miss about the bundle."""
+    v = r.validation
+    cpu_only = getattr(r, "cpu_only", "")
+    return (
+        ("passed" if v.passed else "FAILED")
+        + (f" ({cpu_only})" if cpu_only else "")
+        + (", slower than fp32" if v.slower_than_fp32 else "")
+        + ("" if r.bundle is not None else ", no bundle")
+    )
 
 
 def _size(n: int) -> str:

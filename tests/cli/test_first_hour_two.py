@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -197,4 +199,87 @@ def test_agent_config_found_from_env_then_cwd(capsys, ws, tmp_path: Path, monkey
         "",
         "edgekit-agent: error: no agent config: give --config FILE, set EDGEKIT_AGENT_CONFIG, or put agent.toml in "
         "this folder or at /etc/edgekit/agent.toml\n",
+    )
+
+
+# -- what was shipped, and on what it was timed ---------------------------------------------
+
+
+def test_cli_package_names_the_shipped_candidate_and_where_it_was_timed(capsys, ws, tmp_path: Path) -> None:
+    from edgekit.bundle.archive import read_unverified_manifest
+    from edgekit.host_cpu import describe_host_cpu
+
+    code, out, _ = _cli(
+        capsys, "package", ws["model"], "--key", ws["key"], "-o", tmp_path, "--calib", ws["calib"], "-q"
+    )
+    manifest, _ = read_unverified_manifest(tmp_path / "tiny-cpu-v1.ekb")
+    assert manifest.candidates is not None
+    shipped = f"{manifest.candidates.chosen} on onnxruntime"
+    table = out.splitlines()
+    assert code == 0 and table[2].startswith(f"cpu     int8 (w8a8) \u2192 {shipped}  ")
+    assert table[3] == f"timed on this host: {describe_host_cpu()}"
+    assert manifest.validation.measured_on.endswith(f" on {describe_host_cpu()}")
+    code, out, _ = _cli(
+        capsys, "package", ws["model"], "--key", ws["key"], "-o", tmp_path, "--calib", ws["calib"], "-q", "--json"
+    )
+    (row,) = json.loads(out)["rows"]
+    second, _ = read_unverified_manifest(tmp_path / "tiny-cpu-v2.ekb")  # timed again: maybe another candidate
+    assert second.candidates is not None and row["shipped"] == f"{second.candidates.chosen} on onnxruntime"
+    assert row["timed_on"] == f"this host: {describe_host_cpu()}" and row["result"].startswith("passed")
+
+
+def test_host_cpu_names_the_features_that_decide_int8_speed(tmp_path: Path) -> None:
+    from edgekit.host_cpu import cpu_flags, describe_host_cpu
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni amx_tile\n")
+    assert describe_host_cpu(cpu_flags(info), "x86_64") == "x86_64 AVX-512 VNNI AMX"
+    info.write_text("processor\t: 0\nFeatures\t: fp asimd asimdhp asimddp\n")
+    assert describe_host_cpu(cpu_flags(info), "aarch64") == "aarch64 NEON dot-product FP16"
+    assert describe_host_cpu(set(), "x86_64") == "x86_64"
+
+
+@pytest.mark.skipif(shutil.which("edgetpu_compiler") is not None, reason="the Edge TPU compiler is installed here")
+def test_cli_coral_without_the_edge_tpu_compiler_says_cpu_only_everywhere(capsys, ws, tmp_path: Path) -> None:
+    argv = ("package", ws["model"], "--key", ws["key"], "-o", tmp_path, "--calib", ws["calib"], "--target", "coral")
+    code, out, err = _cli(capsys, *argv, "--input-shape", "input=1x3x16x16", "--require-accelerator")
+    assert (code, out) == (3, "")
+    assert err == (
+        "edgekit: error: --require-accelerator: edgetpu_compiler is not on PATH, so the coral bundle would run on the "
+        "CPU only (LiteRT, not compiled for the Edge TPU); install the Edge TPU compiler (package edgetpu-compiler "
+        "from Coral's Debian repository, https://coral.ai/docs/edgetpu/compiler/; x86-64 only) or give its path "
+        "with --option coral.edgetpu_compiler=PATH\n"
+    )
+    assert not list(tmp_path.iterdir())  # refused before any conversion
+    code, out, _ = _cli(capsys, *argv, "--input-shape", "input=1x3x16x16", "-q", "--json")
+    (row,) = json.loads(out)["rows"]
+    assert code == 0 and row["result"].startswith("passed (LiteRT CPU only: not compiled for the Edge TPU)")
+    from edgekit.packager import Row
+    from edgekit.validate.table import result_text
+
+    assert (
+        result_text(
+            Row(
+                "coral",
+                "int8",
+                "w8a8",
+                "",
+                _passed(),
+                cpu_only="LiteRT CPU only: not compiled for the Edge TPU",
+                bundle=tmp_path,
+            )
+        )
+        == "passed (LiteRT CPU only: not compiled for the Edge TPU)"
+    )
+
+
+def _passed():  # a validation record that passed, as the table reads it
+    from edgekit.bundle.codec import from_data
+    from edgekit.bundle.manifest import Validation
+
+    return from_data(
+        Validation,
+        {"passed": True, "kind": "classifier", "samples": 4, "tolerance": {}, "size_bytes": 1, "measured_on": "host"},
+        "validation",
+        ValueError,
     )

@@ -118,7 +118,8 @@ def test_package_progress_lines_and_summary_table(int8_package) -> None:
         "result",
     ]
     assert re.match(
-        r"cpu\s+int8 \(w8a8\)\s+\d+\.\d KB\s+\d\.\d\dx\s+top-1 agree \d+\.\d%\s+\d\.\d{3} / \d\.\d{3} ms \(\d\.\d{3}\)"
+        r"cpu\s+int8 \(w8a8\) \u2192 .+ on onnxruntime"
+        r"\s+\d+\.\d KB\s+\d\.\d\dx\s+top-1 agree \d+\.\d%\s+\d\.\d{3} / \d\.\d{3} ms \(\d\.\d{3}\)"
         r"\s+\d\.\d\dx\s+passed(, slower than fp32)?$",
         table[2],
     )
