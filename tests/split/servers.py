@@ -1,14 +1,16 @@
 """Tail servers as real processes on 127.0.0.1, started by the tests: ``edgekit serve-tail`` and
-KServe's own ``ModelServer`` (``python -m edgekit.split.kserve_tail``)."""
+KServe's own ``ModelServer`` (``python -m edgekit.split.kserve_tail``); and a delaying TCP proxy."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -100,3 +102,59 @@ def _end(proc: subprocess.Popen[str]) -> None:
             proc.wait()
     if proc.stdout is not None:
         proc.stdout.close()
+
+
+class DelayProxy:
+    """A TCP proxy on 127.0.0.1 that holds every chunk ``delay_s`` before passing it on, each way
+    (RTT + 2 x delay_s): the link's delay where ``tc netem`` is missing. ``delay_s`` may change
+    while it runs; the order of the bytes never does."""
+
+    def __init__(self, target: tuple[str, int], delay_s: float = 0.0) -> None:
+        self.target = target
+        self.delay_s = delay_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            for a, b in ((client, upstream), (upstream, client)):
+                held: queue.Queue[tuple[float, bytes]] = queue.Queue()
+                threading.Thread(target=self._read, args=(a, held), daemon=True).start()
+                threading.Thread(target=self._write, args=(b, held), daemon=True).start()
+
+    def _read(self, sock: socket.socket, held: queue.Queue[tuple[float, bytes]]) -> None:
+        while True:
+            try:
+                data = sock.recv(65536)
+            except OSError:
+                data = b""
+            held.put((time.monotonic() + self.delay_s, data))
+            if not data:
+                return
+
+    def _write(self, sock: socket.socket, held: queue.Queue[tuple[float, bytes]]) -> None:
+        while True:
+            due, data = held.get()
+            time.sleep(max(0.0, due - time.monotonic()))
+            try:
+                if not data:
+                    sock.shutdown(socket.SHUT_WR)
+                    return
+                sock.sendall(data)
+            except OSError:
+                return

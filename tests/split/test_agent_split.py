@@ -24,7 +24,7 @@ from device_agents.serving.http import AgentServer
 from device_agents.split.stage import SplitMetrics, SplitStage
 from edgekit.bundle.archive import read_unverified_manifest
 from tests.split.conftest import SplitBuild
-from tests.split.servers import kserve_tail, serve_tail
+from tests.split.servers import DelayProxy, kserve_tail, serve_tail
 
 
 def _config(root: Path, pub: Path, tail_url: str, **split: Any) -> AgentConfig:
@@ -290,3 +290,38 @@ def test_agent_starting_local_finds_a_faster_link_with_its_probes(tmp_path: Path
                 time.sleep(0.1)
             assert _metric(url, "edgekit_split_requests_total") > 0
             assert _metric(url, "edgekit_split_link_bandwidth_mbps", model="m") > 1
+
+
+def test_agent_goes_local_when_the_rtt_grows_and_splits_again_when_it_shrinks(
+    tmp_path: Path, split_build: SplitBuild
+) -> None:
+    tails = list(split_build.bundles.tails.values())
+    with serve_tail(tails, trust=split_build.public_key) as (tail_url, _):
+        host, port = tail_url.removeprefix("http://").rsplit(":", 1)
+        proxy = DelayProxy((host, int(port)))
+        try:
+            config = _config(tmp_path, split_build.public_key, proxy.url, probe_interval_s=0.2)
+            with _agent(config, split_build.bundles.device) as url:
+
+                def settle(split: bool) -> None:
+                    """Requests until a cut (``split``) or local was chosen 3 times in a row (60 s at most)."""
+                    streak, deadline = 0, time.monotonic() + 60
+                    while streak < 3:
+                        assert time.monotonic() < deadline, (
+                            f"never {'split' if split else 'local'}: rtt {_metric(url, 'edgekit_split_link_rtt_ms')} "
+                            f"ms, bandwidth {_metric(url, 'edgekit_split_link_bandwidth_mbps')} Mbit/s"
+                        )
+                        np.testing.assert_allclose(_infer(url, split_build.x), split_build.want, rtol=1e-4, atol=1e-5)
+                        local = _metric(url, "edgekit_split_chosen", model="m", cut="local") == 1
+                        streak = streak + 1 if local != split else 0
+                        time.sleep(0.1)
+
+                settle(split=True)  # loopback: a head here, the tail there
+                proxy.delay_s = 0.1  # 200 ms more each round trip: more than the 100 ms local run
+                settle(split=False)
+                assert _metric(url, "edgekit_split_link_rtt_ms", model="m") > 100
+                proxy.delay_s = 0.0
+                settle(split=True)
+                assert _metric(url, "edgekit_split_fallbacks_total") == 0  # chosen, not forced
+        finally:
+            proxy.close()
