@@ -15,10 +15,14 @@ keeps within its memory and power budgets under load.
   answered request (the work done). Clients send as fast as answers come (pausing 50 ms on a
   503); the average power over a 30 s window after the first bucket is spent is compared with
   the budget; level changes are the agent's ``edgekit_degradation_changes_total``.
+- Variants: the same power budget over a variant set (a MatMul and a scaling of one interface)
+  with ``degrade = ["variant", "shed"]``: each answer feeds the counter its variant's energy; the
+  average power, and how often the answers switched down to the small variant and back up.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import statistics
@@ -47,6 +51,7 @@ def run(ctx: BenchContext, *, name: str) -> list[Measurement]:
     rows = _accounting(ctx, name)
     rows += _memory(ctx, name)
     rows += _power(ctx, name)
+    rows += _variants(ctx, name)
     return rows
 
 
@@ -320,6 +325,140 @@ def _power(ctx: BenchContext, name: str) -> list[Measurement]:
         Measurement(
             name,
             f"power budget held over {MEASURE_S:.0f} s",
+            "average power",
+            "W",
+            "budget",
+            "measured",
+            POWER_BUDGET_W,
+            avg_w,
+            note,
+        ),
+    ]
+
+
+# -- variants under a power budget -------------------------------------------------------------
+VARIANT_N = 1024
+VARIANT_J = {"v-big": 0.03, "v-small": 0.003}  # the fixture board's energy per answer of each variant
+
+
+def _variant_model(path: Path, *, big: bool) -> Path:
+    """``y = x @ w`` ([N, N] weights) or ``y = x * 0.5``: the same [batch, N] interface."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    if big:
+        w = (np.random.default_rng(0).standard_normal((VARIANT_N, VARIANT_N)) * 0.01).astype(np.float32)
+        node, init = helper.make_node("MatMul", ["x", "w"], ["y"]), numpy_helper.from_array(w, "w")
+    else:
+        node, init = helper.make_node("Mul", ["x", "w"], ["y"]), numpy_helper.from_array(np.array(0.5, np.float32), "w")
+    graph = helper.make_graph(
+        [node],
+        "variant",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", VARIANT_N])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", VARIANT_N])],
+        [init],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def _infer_variant(url: str, x: np.ndarray) -> tuple[int, str]:
+    body = json.dumps(
+        {"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]}
+    ).encode()
+    request = urllib.request.Request(f"{url}/v2/models/det/infer", data=body, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return int(r.status), str(json.loads(r.read()).get("parameters", {}).get("variant", ""))
+    except urllib.error.HTTPError as exc:
+        exc.read()
+        return int(exc.code), ""
+
+
+def _variants(ctx: BenchContext, name: str) -> list[Measurement]:
+    from examples.agent_process import RunningAgent
+
+    work = ctx.workdir / "budgets-variants"
+    work.mkdir(parents=True, exist_ok=True)
+    zone = work / "sysfs/sys/class/powercap/intel-rapl:0"
+    zone.mkdir(parents=True, exist_ok=True)
+    (zone / "name").write_text("package-0\n")
+    (zone / "max_energy_range_uj").write_text("262143328850\n")
+    counter = zone / "energy_uj"
+    used_uj = [0]
+    lock = threading.Lock()
+
+    def spend(joules: float) -> None:
+        with lock:
+            used_uj[0] += int(joules * 1e6)
+            counter.write_text(f"{used_uj[0] % 262143328850}\n")
+
+    spend(0.0)
+    x = np.random.default_rng(1).standard_normal((1, VARIANT_N)).astype(np.float32)
+    bundles = [
+        _bundle(ctx, _variant_model(work / f"{v}.onnx", big=v == "v-big"), v, np.repeat(x, 8, axis=0), work / v)
+        for v in VARIANT_J
+    ]
+    config = (
+        '[models.det]\nvariants = ["v-big", "v-small"]\n'
+        f"[budgets]\npower_w = {POWER_BUDGET_W}\npower_window_s = {POWER_WINDOW_S}\nsample_interval_s = 0.1\n"
+        f'degrade = ["variant", "shed"]\nsysfs_root = "{work / "sysfs"}"\n'
+    )
+    answers: list[tuple[float, int, str]] = []
+    with RunningAgent(work / "agent", [ctx.pub], threads=1, extra_config=config) as agent:
+        for bundle in bundles:
+            agent.install(bundle)
+        stop = threading.Event()
+
+        def idle() -> None:
+            last = time.monotonic()
+            while not stop.wait(0.05):
+                now = time.monotonic()
+                spend(IDLE_W * (now - last))
+                last = now
+
+        def client() -> None:
+            while not stop.is_set():
+                code, variant = _infer_variant(agent.url, x)
+                answers.append((time.monotonic(), code, variant))
+                if code == 200:
+                    spend(VARIANT_J.get(variant, 0.0))
+                else:
+                    time.sleep(0.05)
+
+        threads = [threading.Thread(target=idle)] + [threading.Thread(target=client) for _ in range(2)]
+        for t in threads:
+            t.start()
+        ctx.progress(f"{name}: a variant set under {POWER_BUDGET_W} W; {2 * POWER_WINDOW_S + MEASURE_S:.0f} s of load")
+        time.sleep(2 * POWER_WINDOW_S)
+        with lock:
+            e0, t0 = used_uj[0], time.monotonic()
+        changes0 = _value(_metrics(agent.url), "edgekit_degradation_changes_total")
+        time.sleep(MEASURE_S)
+        with lock:
+            e1, t1 = used_uj[0], time.monotonic()
+        changes = _value(_metrics(agent.url), "edgekit_degradation_changes_total") - changes0
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    window = sorted(a for a in answers if t0 <= a[0] <= t1)
+    served = [v for _, code, v in window if code == 200]
+    down = sum(1 for a, b in itertools.pairwise(served) if (a, b) == ("v-big", "v-small"))
+    up = sum(1 for a, b in itertools.pairwise(served) if (a, b) == ("v-small", "v-big"))
+    if not down or not up:
+        raise BenchError(f"the variant did not switch down and back up under the power budget ({down} down, {up} up)")
+    avg_w = (e1 - e0) / 1e6 / (t1 - t0)
+    note = (
+        f"fixture RAPL counter: {IDLE_W} W idle + {VARIANT_J['v-big']} J per v-big answer, {VARIANT_J['v-small']} J "
+        f"per v-small; {served.count('v-big')} v-big and {served.count('v-small')} v-small answers, "
+        f"{len(window) - len(served)} refused; switched down {down} and up {up} times; {changes:.0f} level changes"
+    )
+    return [
+        Measurement(
+            name,
+            f"variant set under a power budget, {MEASURE_S:.0f} s",
             "average power",
             "W",
             "budget",

@@ -163,7 +163,8 @@ BENCHMARKS: tuple[Entry, ...] = (
         "budgets.agent",
         "bench.budgets:run",
         "budgets: the admission stage's per-request cost vs none; RSS under a memory budget with two models that "
-        "do not both fit (LRU swaps); a power budget held over 30 s against a fixture RAPL counter fed by the work",
+        "do not both fit (LRU swaps); a power budget held over 30 s against a fixture RAPL counter fed by the work, "
+        "alone and over a variant set (switches down and back up)",
     ),
     Entry(
         "cascade.digits",
