@@ -276,6 +276,11 @@ def cmd_install(args: argparse.Namespace) -> int:
             result = _install_here(config, bundle)
         else:
             result = _install_via_daemon(daemon_url(config.store), bundle)
+    from device_agents.service import unmatched_model_tables
+
+    installed = [n for n, ms in Store(config.store).load_state().models.items() if ms.active is not None]
+    for warning in unmatched_model_tables(config, installed):
+        print(f"warning: {warning}", file=sys.stderr)
     if not result["changed"]:
         print(f"{result['name']} v{result['version']} is already installed")
         return 0

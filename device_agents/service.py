@@ -13,7 +13,9 @@ no policy. ``drain`` stops taking requests and lets the running ones finish (SIG
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import difflib
+import logging
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,6 +30,27 @@ from device_agents.stats import exact_percentiles, serving_stats, snapshot
 from device_agents.store import ModelState
 
 T = TypeVar("T")
+
+
+log = logging.getLogger("edgekit.agent")
+
+
+def unmatched_model_tables(config: AgentConfig, installed: Iterable[str]) -> list[str]:
+    """One warning per ``[models.NAME]`` table that names no installed model (a typo such as
+    ``[models.tinyresnt]`` otherwise applies its batching or cache to nothing, silently). Tables
+    that make their name an endpoint (``variants``, ``route``) name no installed model by design."""
+    names = sorted(set(installed))
+    out = []
+    for table, mc in sorted(config.models.items()):
+        if table in names or mc.variants is not None or mc.route is not None:
+            continue
+        near = difflib.get_close_matches(table, names, n=1)
+        hint = f"; did you mean [models.{near[0]}]?" if near else ""
+        out.append(
+            f"[models.{table}] names no installed model (installed: {', '.join(names) or 'none'}{hint}): its "
+            "settings apply to nothing until a model of that name is installed"
+        )
+    return out
 
 
 class AgentService:
@@ -45,6 +68,9 @@ class AgentService:
         self.lifecycle.start()
         for name in self.lifecycle.models():
             self.config.model(name).check(name, self.lifecycle.registry.get(name).manifest)
+        installed = [n for n, ms in self.lifecycle.model_states().items() if ms.active is not None]
+        for warning in unmatched_model_tables(self.config, installed):
+            log.warning("%s", warning)
 
     @property
     def ready(self) -> bool:

@@ -97,3 +97,18 @@ def test_rollback_and_uninstall_without_a_running_agent(config_path: Path, bundl
         "uninstalled",
         "uninstalled by the operator (cli)",
     ]
+
+
+def test_a_models_table_for_no_installed_model_is_a_warning_at_install_and_start(
+    config_path: Path, bundles: Bundles, agent_factory: AgentFactory
+) -> None:
+    config_path.write_text(config_path.read_text() + "\n[models.tinny.batching]\nmax_batch_size = 4\n")
+    code, out, err = _run(config_path, "install", str(bundles.v1))
+    assert code == 0 and out.startswith("installed tiny v1")
+    warning = (
+        "[models.tinny] names no installed model (installed: tiny; did you mean [models.tiny]?): its settings apply "
+        "to nothing until a model of that name is installed"
+    )
+    assert err == f"warning: {warning}\n"
+    agent = agent_factory(config_path)
+    assert f"WARNING edgekit.agent: {warning}" in agent.log.read_text()
