@@ -326,6 +326,28 @@ def _register_package(sub: Any) -> None:
     p.set_defaults(func=_package)
 
 
+def _note_default_preprocess(model: Path, calib: str) -> None:
+    """Images given without --preprocess are read with the default pre-processing: say which."""
+    from edgekit.compress.onnx_prep import load_onnx, served_signature
+    from edgekit.validate.preprocess import Preprocess, image_files
+
+    files = image_files(calib)
+    if not files:
+        return
+    try:
+        inputs = served_signature(load_onnx(model)).inputs
+    except EdgekitError:
+        return  # the packager says what is wrong with the model
+    if len(inputs) != 1:
+        return
+    steps = " -> ".join(_step(s) for s in Preprocess().to_steps(inputs[0]))
+    print(
+        f"note: --calib {calib}: {len(files)} images read as {inputs[0].name!r} with the default pre-processing: "
+        f"{steps}; pass --preprocess KEY=V,... if the model was trained otherwise",
+        file=sys.stderr,
+    )
+
+
 def _require_accelerator(targets: Sequence[str], options: Sequence[str]) -> None:
     """Before any work: a coral bundle without ``edgetpu_compiler`` would run on LiteRT's CPU only."""
     import shutil
@@ -391,6 +413,8 @@ def _package_or_raise(args: argparse.Namespace) -> int:
     targets = parse_targets(args.target, note=lambda text: print(f"note: {text}", file=sys.stderr))
     if args.require_accelerator:
         _require_accelerator(targets, args.option)
+    if args.calib and not args.preprocess:
+        _note_default_preprocess(args.model, args.calib)
     _fill_first_try_defaults(args)
     shapes = dict(parse_input_shape(s) for s in args.input_shape)
     expires = bundle_expiry(args.expires_days)

@@ -283,3 +283,16 @@ def _passed():  # a validation record that passed, as the table reads it
         "validation",
         ValueError,
     )
+
+
+def test_cli_package_from_images_without_preprocess_says_which_it_used(capsys, ws, tmp_path: Path) -> None:
+    from tests.cli.test_first_hour import _image_folder
+
+    images = _image_folder(tmp_path / "images", ws["model"])
+    code, _, err = _package_signed_with(capsys, ws, ws["key"], tmp_path / "out", "--calib", images)
+    assert code == 0
+    assert err == (
+        f"note: --calib {images}: 12 images read as 'input' with the default pre-processing: resize size=16x16 "
+        "interpolation=bilinear -> scale value=0.00392157 -> layout layout=NCHW -> cast dtype=float32; "
+        "pass --preprocess KEY=V,... if the model was trained otherwise\n"
+    )
