@@ -131,7 +131,11 @@ class DelayProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(self.target)
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:  # the server is gone: the client sees its connection closed
+                client.close()
+                continue
             for a, b in ((client, upstream), (upstream, client)):
                 held: queue.Queue[tuple[float, bytes]] = queue.Queue()
                 threading.Thread(target=self._read, args=(a, held), daemon=True).start()
