@@ -105,6 +105,9 @@ def build_parser() -> Parser:
     from edgekit import board_commands  # `edgekit board ...`: pyserial is imported only when one runs
 
     board_commands.register(sub)
+    from edgekit import export  # `edgekit export MODULE:FACTORY`: torch is imported only when run
+
+    export.register(sub)
     for command in sub.choices.values():  # also after the subcommand; SUPPRESS keeps one given before it
         command.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
