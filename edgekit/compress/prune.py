@@ -37,31 +37,46 @@ class PruneReport:
     params_after: int
     macs_before: int
     macs_after: int
-    kept_layers: tuple[str, ...]  # layers left whole because they produce an output
+    kept_layers: tuple[str, ...]  # layers left whole, each "name (why)"
 
 
-def output_layers(module: Any) -> list[Any]:
-    """The weighted layers whose result reaches a model output through weight-free ops only."""
+_WEIGHTED = ("Conv1d", "Conv2d", "Conv3d", "Linear", "ConvTranspose2d")
+
+
+def fixed_layers(module: Any) -> dict[str, str]:
+    """Layer name -> why its output channels must stay as they are: it produces a model output
+    (its channels are the outputs), or its result reaches a Reshape to a constant shape (as
+    exported graphs write flattens: ``[-1, 200]`` no longer fits once channels go), in both
+    cases through weight-free ops only."""
     import torch
 
+    weighted = tuple(getattr(torch.nn, n) for n in _WEIGHTED)
+    names = {id(m): n for n, m in module.named_modules()}
     graph = getattr(module, "graph", None)
-    weighted = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear, torch.nn.ConvTranspose2d)
     if graph is None:  # not an fx graph: the last weighted layer is the classifier
         last = [m for m in module.modules() if isinstance(m, weighted)]
-        return last[-1:]
+        return {names[id(m)]: "produces an output" for m in last[-1:]}
     modules = dict(module.named_modules())
-    found: list[Any] = []
-    seen: set[Any] = set()
-    stack = [n for n in graph.nodes if n.op == "output"]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op == "call_module" and isinstance(modules.get(node.target), weighted):
-            found.append(modules[node.target])
-            continue  # stop at the first weighted layer on this path
-        stack.extend(n for n in node.all_input_nodes)
+    found: dict[str, str] = {}
+
+    def walk(starts: list[Any], reason: str) -> None:
+        seen: set[Any] = set()
+        stack = list(starts)
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if node.op == "call_module" and isinstance(modules.get(node.target), weighted):
+                found.setdefault(str(node.target), reason)
+                continue  # stop at the first weighted layer on this path
+            stack.extend(node.all_input_nodes)
+
+    walk([n for n in graph.nodes if n.op == "output"], "produces an output")
+    for node in graph.nodes:
+        reshape = node.op == "call_module" and type(modules.get(node.target)).__name__ == "OnnxReshape"
+        if reshape and len(node.args) > 1 and getattr(node.args[1], "op", "") == "get_attr":
+            walk([node.args[0]], "feeds a Reshape to a fixed shape")
     return found
 
 
@@ -88,7 +103,8 @@ def prune_channels(
         raise ConfigError(f"pruning criterion {criterion!r}: choose one of {', '.join(CRITERIA)}")
     if criterion == "taylor" and not gradient_batches:
         raise ConfigError("taylor importance needs data: give --train (inputs; labels are not needed)")
-    keep = output_layers(module)
+    fixed = fixed_layers(module)
+    keep = [module.get_submodule(name) for name in fixed]
     importance = {
         "l1": lambda: tp.importance.MagnitudeImportance(p=1),
         "l2": lambda: tp.importance.MagnitudeImportance(p=2),
@@ -118,7 +134,6 @@ def prune_channels(
     with torch.no_grad():
         module(*example)  # the rewired graph still runs at the traced shape
     macs_after, params_after = tp.utils.count_ops_and_params(module, example)
-    names = {id(m): n for n, m in module.named_modules()}
     return PruneReport(
         criterion=criterion,
         ratio=ratio,
@@ -126,7 +141,7 @@ def prune_channels(
         params_after=int(params_after),
         macs_before=int(macs_before),
         macs_after=int(macs_after),
-        kept_layers=tuple(sorted(names.get(id(m), "?") for m in keep)),
+        kept_layers=tuple(f"{name} ({why})" for name, why in sorted(fixed.items())),
     )
 
 
@@ -265,7 +280,7 @@ __all__ = [
     "PruneReport",
     "SparsityReport",
     "compressed_size",
-    "output_layers",
+    "fixed_layers",
     "parse_pattern",
     "prune_channels",
     "sparsify",

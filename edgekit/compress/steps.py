@@ -262,7 +262,7 @@ def _run_step(step: Step, current: Path, out: Path, chain: _Chain) -> tuple[str,
         torch_bridge.export_like(module, chain.interface, out, example)
         return (
             f"{prep.criterion} importance: parameters {prep.params_before:,} -> {prep.params_after:,}, multiply-adds "
-            f"{prep.macs_before / max(prep.macs_after, 1):.2f}x fewer; output layers kept whole: "
+            f"{prep.macs_before / max(prep.macs_after, 1):.2f}x fewer; kept whole: "
             f"{', '.join(prep.kept_layers) or '-'}; {tuned}",
             {"ratio": ratio, "criterion": prep.criterion, "params_after": str(prep.params_after)},
         )

@@ -79,17 +79,28 @@ def interface(path: Path) -> OnnxInterface:
 
 
 def load_module(path: Path) -> Any:
-    """The ONNX model as a torch module (onnx2torch), in training-ready float32."""
+    """The ONNX model as a torch module (onnx2torch), in training-ready float32.
+
+    Graphs onnx2torch cannot read as they are (old opsets, initializers listed as graph inputs,
+    as paddle2onnx writes them) are read after the packager's own preparation (opset upgrade,
+    shape inference, ONNX Runtime's basic optimisation: the same function, checked there)."""
+    import tempfile
+
+    from edgekit.compress.onnx_prep import prepare_model
     from edgekit.compress.onnx_to_torch import onnx_to_torch
 
     try:
-        module = onnx_to_torch(path)
-    except Exception as exc:  # onnx2torch raises bare exceptions for ops it lacks
-        raise ModelFormatError(
-            f"{path.name}: cannot be turned into a trainable torch module for compression ({exc}); "
-            "compress the PyTorch model before exporting it, or use quantization only"
-        ) from exc
-    return module.float()
+        return onnx_to_torch(path).float()
+    except Exception as first:  # onnx2torch raises bare exceptions (KeyError, ...) on graphs it cannot read
+        with tempfile.TemporaryDirectory(prefix="edgekit-torch-") as tmp:
+            try:
+                prepared = prepare_model(path, Path(tmp))
+                return onnx_to_torch(prepared.path).float()
+            except Exception as exc:  # the same
+                raise ModelFormatError(
+                    f"{path.name}: cannot be turned into a trainable torch module for compression ({first!r}; after "
+                    f"preparation: {exc!r}); compress the PyTorch model before exporting it, or use quantization only"
+                ) from exc
 
 
 def export_like(module: Any, reference: OnnxInterface, out: Path, example: tuple[Any, ...]) -> Path:

@@ -75,6 +75,12 @@ def is_class_scores(outputs: np.ndarray) -> bool:
     return outputs.ndim == 2 and outputs.shape[1] > 1
 
 
+def is_probabilities(outputs: np.ndarray) -> bool:
+    """Class scores that are already probabilities (the model ends in a softmax): non-negative
+    rows summing to 1."""
+    return bool(is_class_scores(outputs) and outputs.min() >= 0 and np.allclose(outputs.sum(-1), 1.0, atol=1e-3))
+
+
 def _first(out: Any) -> Any:
     return out[0] if isinstance(out, tuple | list) else out
 
@@ -116,6 +122,8 @@ def distill(
     torch.manual_seed(settings.seed)
     rng = np.random.default_rng(settings.seed)
     classes = is_class_scores(teacher)
+    # a model ending in a softmax: its outputs are probabilities, compared as log-probabilities
+    probabilities = is_probabilities(teacher)
     better: Callable[[float, float], bool] = (lambda a, b: a > b) if classes else (lambda a, b: a < b)
     metric = "top1_agreement" if classes else "mse"
     before = best = evaluate(student, eval_inputs, eval_teacher)
@@ -124,8 +132,12 @@ def distill(
         raise ConfigError(f"{len(labels)} labels for {len(teacher)} training samples: give one label per sample")
     optimizer = torch.optim.AdamW(student.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     n = int(inputs[0].shape[0])
-    steps = max(1, math.ceil(n / settings.batch_size)) * max(settings.epochs, 1)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=settings.lr, total_steps=steps)
+    # small data sets get smaller batches, so that an epoch still takes a few dozen steps
+    batch = max(8, min(settings.batch_size, n // 20))
+    steps = max(1, math.ceil(n / batch)) * max(settings.epochs, 1)
+    # cosine decay from the full rate: a warm-up would spend the first epochs, which early
+    # stopping judges, at a rate too small to move
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
     t = settings.temperature
     target = torch.from_numpy(teacher.astype(np.float32))
     hard = None if labels is None else torch.from_numpy(labels.astype(np.int64))
@@ -133,12 +145,20 @@ def distill(
     for epoch in range(1, settings.epochs + 1):
         student.train()
         order = rng.permutation(n)
-        for start in range(0, n, settings.batch_size):
-            idx = order[start : start + settings.batch_size]
+        for start in range(0, n, batch):
+            idx = order[start : start + batch]
             xs = [torch.from_numpy(np.ascontiguousarray(x[idx])) for x in inputs]
             out = _first(student(*xs)).float()
             tgt = target[idx]
-            if classes:
+            if probabilities:
+                log_p = torch.log(out.clamp_min(1e-8))
+                soft = F.kl_div(log_p, tgt, reduction="batchmean")
+                loss = (
+                    soft
+                    if hard is None
+                    else settings.alpha * F.nll_loss(log_p, hard[idx]) + (1 - settings.alpha) * soft
+                )
+            elif classes:
                 soft = F.kl_div(F.log_softmax(out / t, -1), F.softmax(tgt / t, -1), reduction="batchmean") * t * t
                 loss = (
                     soft
@@ -162,7 +182,7 @@ def distill(
             best_state = copy.deepcopy(student.state_dict())
         else:
             stale += 1
-            if stale >= settings.patience:
+            if stale >= settings.patience and epoch >= settings.epochs // 2:
                 break
     student.load_state_dict(best_state)
     student.eval()
