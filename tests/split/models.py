@@ -4,8 +4,12 @@ smaller than their input (where cutting pays at low bandwidth)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import onnx
 
 SIZE = 96  # input [batch, 3, 96, 96]: 110592 bytes per sample
 # tensor -> bytes per sample, for the chain below
@@ -17,7 +21,6 @@ def shrinking_convnet(path: Path, *, seed: int = 0, skip: bool = False) -> Path:
 
     ``skip``: ``r2`` is also added to ``r3``'s first 8 channels' projection (an Add reading ``r2``
     after conv3), so two tensors cross the cuts between them."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
@@ -65,11 +68,7 @@ def shrinking_convnet(path: Path, *, seed: int = 0, skip: bool = False) -> Path:
         [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 10])],
         inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    onnx.save(model, str(path))
-    return path
+    return _save(graph, path)
 
 
 def inputs(n: int, *, seed: int = 1) -> np.ndarray:
@@ -83,7 +82,6 @@ def heavy_middle_convnet(path: Path, *, seed: int = 0, width: int = 48) -> Path:
     """A cheap 4x4/4 stem to 8x32x32 (32 KB, the cut worth sending), three ``width``-channel 3x3
     convs at 32x32 (most of the compute), a 4x4/4 conv down to 8x8x8 (2 KB), then a classifier:
     at high bandwidth the head after the stem wins, at low bandwidth running locally does."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
@@ -119,6 +117,13 @@ def heavy_middle_convnet(path: Path, *, seed: int = 0, width: int = 48) -> Path:
         [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 10])],
         inits,
     )
+    return _save(graph, path)
+
+
+def _save(graph: onnx.GraphProto, path: Path) -> Path:
+    import onnx
+    from onnx import helper
+
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
     onnx.checker.check_model(model)

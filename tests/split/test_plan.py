@@ -14,28 +14,8 @@ from edgekit.errors import ConfigError
 from edgekit.split import graph
 from edgekit.split.measure import SplitCompositionError, measure
 from edgekit.split.planner import plan_model
+from tests.split.conftest import write_profiles
 from tests.split.models import TENSOR_BYTES, inputs, shrinking_convnet
-
-# device: the head costs grow along the chain; server: every tail 1 ms
-HEAD_MS = {"c1": 5.0, "r1": 5.0, "c2": 15.0, "r2": 15.0, "c3": 60.0, "r3": 60.0, "c4": 95.0, "r4": 95.0}
-HEAD_MS.update({"gap": 99.0, "flat": 99.0, "logits": 99.9})
-
-
-def _profiles(tmp_path: Path, model: Path) -> tuple[Path, Path]:
-    cuts = graph.enumerate_cuts(graph.load_model(model))
-    device = {
-        "format": "edgekit-split-profile/1",
-        "full_ms": 100.0,
-        "cuts": {c.id: {"tensors": list(c.tensors), "head_ms": HEAD_MS[c.tensors[0]]} for c in cuts},
-    }
-    server = {
-        "format": "edgekit-split-profile/1",
-        "full_ms": 1.0,
-        "cuts": {c.id: {"tensors": list(c.tensors), "tail_ms": 1.0} for c in cuts},
-    }
-    (tmp_path / "device.json").write_text(json.dumps(device))
-    (tmp_path / "server.json").write_text(json.dumps(server))
-    return tmp_path / "device.json", tmp_path / "server.json"
 
 
 def test_enumerate_cuts_keeps_single_tensor_cuts_only_when_max_tensors_is_one(tmp_path: Path) -> None:
@@ -89,7 +69,7 @@ def test_plan_measures_bytes_per_sample_and_compression_cost(tmp_path: Path) -> 
 
 def test_plan_choice_changes_with_bandwidth(tmp_path: Path) -> None:
     model = shrinking_convnet(tmp_path / "m.onnx")
-    device, server = _profiles(tmp_path, model)
+    device, server = write_profiles(tmp_path, model)
     run = plan_model(
         model,
         tmp_path / "out",
@@ -146,7 +126,7 @@ def test_cli_split_plan_prints_the_choice_per_bandwidth_and_writes_the_plot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = shrinking_convnet(tmp_path / "m.onnx")
-    device, server = _profiles(tmp_path, model)
+    device, server = write_profiles(tmp_path, model)
     np.savez(tmp_path / "calib.npz", x=inputs(4))
     out = tmp_path / "plan"
     code = main(
