@@ -523,10 +523,13 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def describe_manifest(m: Any, signed_by: str) -> list[str]:
     """Human-readable lines for ``edgekit inspect``."""
+    from edgekit.validate.table import cpu_only_reason
+
     v = m.validation
     lines = [
         f"{m.name} v{m.version}  target {m.target}  "
-        f"runtime {m.compatibility.runtime} {m.compatibility.runtime_version}",
+        f"runtime {m.compatibility.runtime} {m.compatibility.runtime_version}"
+        + (f"  ({cpu_only_reason(m)})" if cpu_only_reason(m) else ""),
         f"created {m.created}  expires {m.expires or 'never'}",
         f"signed by key {signed_by} (not verified here; run `edgekit verify`)",
         f"source {m.source.filename} sha256 {m.source.sha256[:16]}... opset {m.source.opset}",

@@ -101,7 +101,7 @@ from edgekit.validate.metrics import (
 from edgekit.validate.ort_runner import ort_cpu_runner
 from edgekit.validate.postprocess import LABELS_FILE, Postprocess, read_labels_file
 from edgekit.validate.preprocess import Preprocess, image_files
-from edgekit.validate.table import format_table, result_text
+from edgekit.validate.table import cpu_only_reason, format_table, result_text
 
 GOLDEN_FILE = "golden.npz"
 FLOAT_PRECISIONS = ("fp32", "fp16")  # a target's float candidates: the last resort of its fallback chain
@@ -944,7 +944,7 @@ def _validate_and_describe(
         target, precision, result.precision.label, result.precision.method, validation, comparison.failures,
         own_fp32=_own_fp32(searched, validation),
         shipped=f"{searched.chosen.name} on {manifest.compatibility.runtime}" if searched is not None else "",
-        timed_on=_timed_on(searched, validation), cpu_only=_cpu_only(manifest),
+        timed_on=_timed_on(searched, validation), cpu_only=cpu_only_reason(manifest),
     )  # fmt: skip
     return manifest, comparison, row
 
@@ -1256,13 +1256,6 @@ def _timed_on(searched: Any, validation: Validation) -> str:
     if searched is not None and searched.chosen.latency_from:
         return str(searched.chosen.latency_from)
     return f"this host: {describe_host_cpu()}" if validation.latency_p50_ms is not None else ""
-
-
-def _cpu_only(manifest: Manifest) -> str:
-    """Why a coral bundle runs on the CPU only: not compiled for the Edge TPU (no edgetpu_compiler)."""
-    if manifest.target == "coral" and "edgetpu_compiler" not in manifest.compatibility.hardware:
-        return "LiteRT CPU only: not compiled for the Edge TPU"
-    return ""
 
 
 def _host_description(describe: Mapping[str, Any]) -> str:

@@ -48,6 +48,14 @@ def format_table(rows: Sequence[Any]) -> str:
     return "\n".join(out)
 
 
+def cpu_only_reason(m: Any) -> str:
+    """Why an accelerator target's bundle (a manifest) runs on the CPU only, "" when it does not: a
+    coral bundle not compiled for the Edge TPU (``edgetpu_compiler`` was not on PATH when packaged)."""
+    if m.target == "coral" and "edgetpu_compiler" not in m.compatibility.hardware:
+        return "LiteRT CPU only: not compiled for the Edge TPU"
+    return ""
+
+
 def result_text(r: Any) -> str:
     """The result column: passed / FAILED, and what the user must not miss about the bundle."""
     v = r.validation

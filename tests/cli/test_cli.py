@@ -173,7 +173,9 @@ def test_cli_package_prints_progress_table_and_bundle_path(capsys, workspace, tm
     assert re.search(r" \d+\.\d{3} / \d+\.\d{3} ms \(\d+\.\d{3}\) ", lines[2])  # latency with its spread
     assert set(lines[1]) == {"-", " "}
     assert lines[2].startswith("cpu ") and "fp32 (w32a32)" in lines[2] and lines[2].endswith("passed")
-    assert lines[3:] == [f"cpu: {tmp_path}/tiny-cpu-v5.ekb"]
+    from edgekit.host_cpu import describe_host_cpu
+
+    assert lines[3:] == [f"timed on this host: {describe_host_cpu()}", f"cpu: {tmp_path}/tiny-cpu-v5.ekb"]
     progress = [re.sub(r"^ *\d+\.\ds ", "", line) for line in err.splitlines()]
     assert all(re.match(r"^ *\d+\.\ds ", line) for line in err.splitlines())  # elapsed time first
     assert progress[0] == "preparing tiny.onnx"
@@ -288,7 +290,8 @@ def test_cli_package_default_precision_with_a_per_target_override(capsys, worksp
     assert rows[0].startswith("cpu ") and "int8 (w8a8)" in rows[0]
     assert rows[0].endswith(("passed", "passed, slower than fp32"))
     assert rows[1].startswith("apple ") and "int8-weights (w8a16)" in rows[1] and rows[1].endswith("passed")
-    assert out.splitlines()[4:] == [f"cpu: {tmp_path}/m-cpu-v1.ekb", f"apple: {tmp_path}/m-apple-v1.ekb"]
+    assert out.splitlines()[4].startswith("timed on ")
+    assert out.splitlines()[5:] == [f"cpu: {tmp_path}/m-cpu-v1.ekb", f"apple: {tmp_path}/m-apple-v1.ekb"]
 
 
 # -- inspect / verify / run -----------------------------------------------------------------
