@@ -304,7 +304,8 @@ class ModelCacheConfig:
     ``exact`` answers a request whose inputs and answer-changing parameters are byte for byte
     those of a cached one. ``approximate`` (near-duplicate sensor input) also answers one whose
     inputs' signature is within ``max_distance`` (cosine distance of downsampled, normalised
-    copies: ``device_agents.cache.approximate``) of a cached one's;
+    copies: ``device_agents.cache.approximate``) of a cached one's (without it, the threshold the
+    packager calibrated into the manifest: ``edgekit package --cache approximate``);
     ``recheck_fraction`` of those hits are re-run through the model in the background, and when
     their false-hit rate is over ``false_hit_budget`` with 95% confidence the threshold is halved.
     ``semantic`` (keyed by ``embed_with``, another served model's output) is planned, refused
@@ -317,7 +318,7 @@ class ModelCacheConfig:
     ttl_s: float | None = None  # None: the manifest's ttl_s, else DEFAULT_CACHE_TTL_S
     embed_with: str | None = None
     recheck_fraction: float = 0.0
-    max_distance: float | None = None  # approximate (required there): the distance threshold
+    max_distance: float | None = None  # approximate: the distance threshold (None: the manifest's calibrated one)
     false_hit_budget: float = 0.01  # approximate: the false-hit rate the run-time recheck holds
 
     def __post_init__(self) -> None:
@@ -340,11 +341,6 @@ class ModelCacheConfig:
             raise ValueError("recheck_fraction applies to approximate and semantic hits; an exact hit is exact")
         if self.max_distance is not None and (self.mode != "approximate" or not 0 < self.max_distance <= 2):
             raise ValueError(f'max_distance goes with mode = "approximate", between 0 and 2; got {self.max_distance}')
-        if self.mode == "approximate" and self.max_distance is None:
-            raise ValueError(
-                'mode = "approximate" needs max_distance (the cosine distance under which an answer is reused, '
-                "e.g. 0.01); the run-time recheck halves it while hits are wrong too often"
-            )
         if not 0 < self.false_hit_budget < 1:
             raise ValueError(f"false_hit_budget must be between 0 and 1, got {self.false_hit_budget}")
 

@@ -47,7 +47,7 @@ from device_agents.config import DEFAULT_CACHE_TTL_S, AgentConfig, ModelCacheCon
 from device_agents.metrics import CacheSeries
 from device_agents.pipeline.stage import Request, StageContext
 from device_agents.runtimes import ServedModel
-from edgekit.bundle.errors import InferenceInputError
+from edgekit.bundle.errors import ConfigError, InferenceInputError
 from edgekit.bundle.manifest import Manifest
 
 log = logging.getLogger("edgekit.agent")
@@ -91,8 +91,9 @@ def policy(name: str, agent: AgentConfig, manifest: Manifest) -> CachePolicy | N
             manifest.version,
         )
         return None
-    mode = configured.mode if configured is not None else "exact"
-    if configured is None and declared is not None and declared.mode != "exact":
+    calibrated = declared.approximate if declared is not None and declared.mode == "approximate" else None
+    mode = configured.mode if configured is not None else ("approximate" if calibrated is not None else "exact")
+    if configured is None and declared is not None and declared.mode not in ("exact", "approximate"):
         log.warning(
             "%s: the manifest asks for a %s cache, which this agent version does not have; caching exact matches only",
             name,
@@ -103,10 +104,22 @@ def policy(name: str, agent: AgentConfig, manifest: Manifest) -> CachePolicy | N
         ttl_s = float(declared.ttl_s) if declared is not None else DEFAULT_CACHE_TTL_S
     max_mb = configured.max_mb if configured is not None else None
     max_bytes = None if max_mb is None else max_mb * _MB
-    if configured is not None and configured.mode == "approximate":
-        return CachePolicy(
-            mode, ttl_s, max_bytes, configured.max_distance, configured.recheck_fraction, configured.false_hit_budget
-        )
+    if mode == "approximate":
+        # the config's threshold and budget, else those the packager calibrated into the manifest
+        max_distance = configured.max_distance if configured is not None else None
+        if max_distance is None and calibrated is not None:
+            max_distance = calibrated.max_distance
+        if max_distance is None:
+            raise ConfigError(
+                f'agent.models.{name}.cache: mode = "approximate" needs max_distance (the cosine distance under '
+                f"which an answer is reused, e.g. 0.01), and the manifest of {manifest.name} v{manifest.version} "
+                "has no calibrated one: set it, or package with --cache approximate --false-hit-budget 0.01"
+            )
+        budget = configured.false_hit_budget if configured is not None else None
+        if budget is None:
+            budget = calibrated.false_hit_budget if calibrated is not None and calibrated.false_hit_budget else 0.01
+        recheck = configured.recheck_fraction if configured is not None else 0.0
+        return CachePolicy(mode, ttl_s, max_bytes, max_distance, recheck, budget)
     return CachePolicy(mode, ttl_s, max_bytes)
 
 

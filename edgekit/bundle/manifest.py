@@ -346,6 +346,13 @@ class ApproximateCache:
     max_distance: float
     agreement: float
     samples: int
+    # the host calibration (``edgekit.validate.cache_calibration``): false hits / hits at
+    # ``max_distance``, its one-sided 95% upper bound, the budget it was held to, and the hits
+    false_hit_rate: float | None = None
+    false_hit_bound: float | None = None
+    false_hit_budget: float | None = None
+    hits: int | None = None
+    bound_method: str | None = None  # e.g. "wilson one-sided 95%"
 
 
 @dataclass(frozen=True)

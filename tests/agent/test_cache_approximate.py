@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 
 from device_agents.cache.approximate import MIN_RECHECKS, FalseHitMeter, NearIndex, agrees, signature, wilson
+from device_agents.cache.stage import policy
 from device_agents.config import load_config
 from device_agents.lifecycle import Lifecycle
 from device_agents.pipeline import Pipeline, Request
 from edgekit.bundle.errors import ConfigError
+from edgekit.bundle.manifest import ApproximateCache, CachePolicy, Manifest
+from tests.agent.bundles import read_manifest, rebundle
 from tests.agent.conftest import Bundles, write_config
 from tests.factories import sample_inputs
 
@@ -94,11 +97,24 @@ def test_false_hit_meter_tightens_only_when_the_rate_is_over_the_budget_with_con
     assert wrong.threshold == 0.2 and wrong.rechecked == 0  # measured afresh at the new threshold
 
 
-def test_approximate_config_needs_a_threshold(tmp_path: Path) -> None:
+def _calibrated(manifest: Manifest, max_distance: float) -> Manifest:
+    """``manifest`` declaring an approximate cache calibrated at ``max_distance``."""
+    approximate = ApproximateCache(
+        embedding="input", max_distance=max_distance, agreement=0.99, samples=500, false_hit_rate=0.01,
+        false_hit_bound=0.04, false_hit_budget=0.05, hits=300, bound_method="wilson one-sided 95%",
+    )  # fmt: skip
+    return manifest.with_updates(cache=CachePolicy(mode="approximate", approximate=approximate))
+
+
+def test_approximate_policy_needs_a_threshold_from_the_config_or_the_manifest(tmp_path: Path, bundles: Bundles) -> None:
     path = tmp_path / "agent.toml"
-    path.write_text('store = "s"\ntrusted_keys = ["k.pub"]\n[models.m.cache]\nmode = "approximate"\n')
-    with pytest.raises(ConfigError, match=r"agent.models.m.cache: mode = \"approximate\" needs max_distance"):
-        load_config(path)
+    path.write_text('store = "s"\ntrusted_keys = ["k.pub"]\n[models.tiny.cache]\nmode = "approximate"\n')
+    agent = load_config(path)
+    manifest = read_manifest(bundles.v1)
+    with pytest.raises(ConfigError, match=r"agent.models.tiny.cache: mode = \"approximate\" needs max_distance"):
+        policy("tiny", agent, manifest)
+    got = policy("tiny", agent, _calibrated(manifest, 0.03))
+    assert got is not None and got.mode == "approximate" and got.max_distance == 0.03
     path.write_text('store = "s"\ntrusted_keys = ["k.pub"]\n[models.m.cache]\nmax_distance = 0.1\n')
     with pytest.raises(ConfigError, match=r"agent.models.m.cache: max_distance goes with mode = \"approximate\""):
         load_config(path)
@@ -160,5 +176,41 @@ def test_approximate_recheck_tightens_a_threshold_set_too_loose(
             time.sleep(0.1)
         assert b'edgekit_cache_distance_threshold{model="tiny"} 1.0' in lc.metrics.exposition()
         assert any("distance threshold 2 -> 1" in r.getMessage() for r in caplog.records)
+    finally:
+        lc.stop()
+
+
+def test_approximate_policy_takes_the_manifest_s_threshold_when_the_config_sets_none(
+    tmp_path: Path, bundles: Bundles
+) -> None:
+    path = tmp_path / "agent.toml"
+    path.write_text('store = "s"\ntrusted_keys = ["k.pub"]\n')
+    calibrated = _calibrated(read_manifest(bundles.v1), 0.03)
+    got = policy("tiny", load_config(path), calibrated)  # no [models.tiny.cache]: the manifest's policy
+    assert got is not None and got.mode == "approximate" and got.max_distance == 0.03
+    assert got.false_hit_budget == 0.05 and got.recheck_fraction == 0.0
+    path.write_text(
+        'store = "s"\ntrusted_keys = ["k.pub"]\n[models.tiny.cache]\nmode = "approximate"\nmax_distance = 0.5\n'
+    )
+    got = policy("tiny", load_config(path), calibrated)
+    assert got is not None and got.max_distance == 0.5  # the config's threshold wins
+
+
+def test_agent_answers_near_duplicates_with_the_manifest_s_calibrated_threshold(
+    tmp_path: Path, keypair: tuple[Path, Path], bundles: Bundles
+) -> None:
+    manifest = _calibrated(read_manifest(bundles.v1), 0.02)
+    bundle = rebundle(bundles.v1, keypair[0], tmp_path / "tiny-calibrated.ekb", cache=manifest.cache)
+    lc = Lifecycle(load_config(write_config(tmp_path, keypair[1])))  # no cache table at all
+    lc.start()
+    try:
+        lc.install(bundle)
+        pipeline = Pipeline("tiny", lc.registry, lc.config, lc.metrics, threading.Semaphore(4))  # type: ignore[arg-type]  # what Slots wraps
+        x = _scene(30, size=16)
+        assert _ask(pipeline, x).response_parameters["cache"] == "miss"
+        near = _ask(pipeline, x + np.float32(0.01))
+        assert near.response_parameters["cache"] == "hit" and 0 <= near.response_parameters["distance"] <= 0.02
+        assert _ask(pipeline, _scene(31, size=16)).response_parameters["cache"] == "miss"
+        assert b'edgekit_cache_distance_threshold{model="tiny"} 0.02' in lc.metrics.exposition()
     finally:
         lc.stop()
