@@ -96,17 +96,21 @@ def test_cli_public_key_without_its_pair_points_at_keygen(capsys, ws, tmp_path: 
     )
 
 
-COMMANDS = (
-    "'keygen', 'package', 'inspect', 'verify', 'run', 'bench', 'calib', 'publish', 'fleet', 'split', "
-    "'serve-tail', 'doctor', 'cascade', 'compress', 'board'"
-)
+def _commands() -> str:
+    """The host CLI's commands as argparse lists them (every new command joins the list)."""
+    import argparse
+
+    from edgekit.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return ", ".join(repr(c) for c in sub.choices)
 
 
 def test_cli_misspelt_command_did_you_mean_before_its_flags(capsys, ws) -> None:
     code, out, err = _cli(capsys, "pakage", ws["model"], "--target", "cpu")
     assert (code, out) == (2, "")
     assert err == (
-        f"edgekit: error: argument COMMAND: invalid choice: 'pakage' (choose from {COMMANDS}); did you mean "
+        f"edgekit: error: argument COMMAND: invalid choice: 'pakage' (choose from {_commands()}); did you mean "
         "'package'?\n"
     )
 
