@@ -541,6 +541,8 @@ class ServerConfig:
     max_connections: int = 512  # at the cap, the oldest idle connection is closed for a new one
     idle_timeout_s: float = 30.0  # a connection with no complete request for this long is closed
     max_buffered_mb: int = 64  # body bytes held at once as received (and again as inflated); more wait, then 503
+    # a body gets idle_timeout_s plus its Content-Length at this rate to arrive, then the connection is closed
+    min_body_rate_kib_s: int = 64
     max_concurrent_decodes: int = 4  # request bodies parsed at once; more wait (1 s), then 503
     workers: int = 2  # inference threads per model (batches run one per worker)
     queue_size: int = 64  # requests waiting per model before a 429
@@ -562,6 +564,10 @@ class ServerConfig:
     @property
     def max_buffered_bytes(self) -> int:
         return max(self.max_buffered_mb, self.max_request_mb) * _MB
+
+    def body_deadline_s(self, length: int) -> float:
+        """How long a body of ``length`` bytes may take to arrive, from its request line."""
+        return self.idle_timeout_s + length / (self.min_body_rate_kib_s * 1024)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ delayed ACKs add 40+ ms per request). Each response is written with one ``send``
 Limits (``[server]``): a connection idle for ``idle_timeout_s`` is closed; at
 ``max_connections`` the oldest idle connection is closed to make room (if none is idle, the new
 one gets a 503 and is closed: sockets never pile up unanswered); bodies over ``max_request_mb``
-(before or after gzip) are 413; every body byte held is reserved from ``max_buffered_mb``.
+(before or after gzip) are 413; every body byte held is reserved from ``max_buffered_mb`` as it
+arrives, and a body is due ``idle_timeout_s`` plus its length at ``min_body_rate_kib_s`` after
+its request line.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ _SERVER = f"edgekit-agent/{__version__}"
 # The status line and Server header of the usual answers, built once.
 _STATUS_LINES = {code: f"HTTP/1.1 {code} {_REASONS[code]}\r\nServer: {_SERVER}\r\n" for code in (200, 400, 404, 413)}
 _MAX_LINE = 65536
+_BODY_CHUNK_BYTES = 1 << 20  # a body not all in yet is read (and its budget taken) this much at a time
 
 
 class _Headers(dict[str, str]):
@@ -410,16 +413,37 @@ class RequestHandler(BaseHTTPRequestHandler):
         if length > limit or length < 0:
             self.close_connection = True  # the body stays unread
             raise RequestTooLargeError(f"request body of {length} bytes is over server.max_request_mb ({limit} bytes)")
+        rfile = self.rfile
+        if not length or len(rfile.peek(1)) >= length:  # type: ignore[attr-defined]  # all in the buffer: the usual case
+            try:
+                reservation.add(length)
+            except ServingError:
+                self.close_connection = True  # the body stays unread
+                raise
+            return rfile.read(length)
+        return self._read_arriving_body(length, reservation)
+
+    def _read_arriving_body(self, length: int, reservation: Reservation) -> bytes:
+        """A body not all in yet: its budget taken as its bytes arrive (a slow sender holds what it
+        sent, not what it declared), and all of it due by ``ServerConfig.body_deadline_s`` from the
+        request line (each read still waits at most ``idle_timeout_s``)."""
+        deadline = self._received + self.server.limits.body_deadline_s(length)
+        chunks: list[bytes] = []
+        left = length
         try:
-            reservation.add(length)
-        except ServingError:
-            self.close_connection = True  # the body stays unread
+            while left:
+                chunk = self.rfile.read1(min(left, _BODY_CHUNK_BYTES))
+                if not chunk:
+                    raise InferenceInputError("the request body ended early")
+                reservation.add(len(chunk))
+                chunks.append(chunk)
+                left -= len(chunk)
+                if left and time.perf_counter() > deadline:
+                    raise TimeoutError("request body slower than server.min_body_rate_kib_s")
+        except (ServingError, InferenceInputError):
+            self.close_connection = True  # the rest of the body stays unread
             raise
-        body = self.rfile.read(length)
-        if len(body) != length:
-            self.close_connection = True
-            raise InferenceInputError("the request body ended early")
-        return body
+        return b"".join(chunks)
 
     def _read_body(self, reservation: Reservation) -> bytes | bytearray:
         return inflate(

@@ -1,0 +1,102 @@
+"""What one client can hold of the running agent, over real sockets on loopback: a slow body holds
+the buffer budget for the bytes it sent, not for the length it declared, and is due by a deadline
+(a minimum rate), not by a silence timeout per read."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import select
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.agent.conftest import Bundles, RunningAgent, agent_cli, start_agent, write_config
+from tests.factories import sample_inputs
+
+# the default budget (64 MiB as received), a short deadline for a 1 MiB body: 5 s + 1 MiB at 1 MiB/s
+LIMITS = """
+[server]
+idle_timeout_s = 5.0
+min_body_rate_kib_s = 1024
+"""
+_MIB = 1 << 20
+
+
+def _infer_body(x: np.ndarray) -> bytes:
+    return json.dumps(
+        {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]}
+    ).encode()
+
+
+@pytest.fixture(scope="module")
+def agent(
+    tmp_path_factory: pytest.TempPathFactory, keypair: tuple[Path, Path], bundles: Bundles
+) -> Iterator[RunningAgent]:
+    config = write_config(tmp_path_factory.mktemp("client-held"), keypair[1], LIMITS)
+    done = agent_cli("install", str(bundles.v1), "--config", str(config))
+    assert done.returncode == 0, done.stdout + done.stderr
+    running = start_agent(config)
+    yield running
+    assert running.stop() == 0
+
+
+def _slow_sender(agent: RunningAgent, declared: int) -> socket.socket:
+    host, port = agent.address.split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(
+        f"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: {agent.address}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {declared}\r\n\r\n{{".encode()
+    )
+    return sock
+
+
+def _closed_within(sock: socket.socket, wait_s: float) -> bool:
+    """Whether the server closed ``sock`` within ``wait_s`` (readable at EOF, or reset)."""
+    readable, _, _ = select.select([sock], [], [], wait_s)
+    if not readable:
+        return False
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_body_budget_is_taken_as_bytes_arrive_when_a_slow_sender_declares_64_mib(agent: RunningAgent) -> None:
+    slow = _slow_sender(agent, 64 * _MIB)  # the whole default budget, declared
+    try:
+        host, port = agent.address.split(":")
+        for _ in range(3):
+            slow.sendall(b" ")  # trickling: a byte between requests of a fresh client
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            try:
+                conn.request("POST", "/v2/models/tiny/infer", _infer_body(sample_inputs(1)))
+                resp = conn.getresponse()
+                raw = resp.read()
+            finally:
+                conn.close()
+            assert resp.status == 200, raw  # before: 503 (the declared 64 MiB held the budget)
+            assert json.loads(raw)["outputs"]
+    finally:
+        slow.close()
+
+
+def test_body_deadline_closes_a_sender_below_the_minimum_rate_when_each_read_is_in_time(agent: RunningAgent) -> None:
+    slow = _slow_sender(agent, _MIB)  # due 5 s + 1 s after its request line
+    try:
+        closed = False
+        for _ in range(150):  # a byte every 0.2 s (well within idle_timeout_s), 30 s at most
+            try:
+                slow.sendall(b" ")
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            if _closed_within(slow, 0.2):
+                closed = True
+                break
+        assert closed  # before: each read came in time, and the body was never due
+    finally:
+        slow.close()
