@@ -266,7 +266,8 @@ def test_cli_package_failing_validation_prints_table_then_error_exit_3(capsys, w
     assert out.splitlines()[2].endswith("FAILED, no bundle")
     assert err.startswith(
         "edgekit: error: cpu fp16 failed validation on 8 held-out samples: top-1 agreement with "
-        "fp32 1, needs >= 1.5 (off by 0.5)\nno bundle was written"
+        "fp32 1, needs >= 1.5 (off by 0.5); fallback chain: ort fp16, the target's float candidate, failed the "
+        "final gate\nno bundle was written"
     )
     assert not list(tmp_path.glob("*.ekb"))
 
