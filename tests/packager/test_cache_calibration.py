@@ -1,0 +1,114 @@
+"""The approximate cache's host calibration: the threshold it picks holds its false-hit budget with
+its stated bound, a fresh draw of perturbations reproduces the rate within that bound, it is the
+largest such threshold, and its distances are the agent's own signature distances."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from device_agents.cache.approximate import NearIndex, signature
+from edgekit.validate.cache_calibration import (
+    CalibrationError,
+    Pairs,
+    RunFn,
+    calibrate,
+    choose,
+    perturb,
+    replay,
+    upper_bound,
+)
+from tests.agent.test_cache_approximate import _scene
+from tests.factories import _save
+
+SIZE = 32
+Arrays = dict[str, np.ndarray]
+
+
+def grid_classifier(path: Path, *, size: int = SIZE, classes: int = 10, seed: int = 0) -> Path:
+    """Scores of ``classes`` from the mean colour of each quarter of the image (AveragePool to
+    2x2, MatMul, Softmax): near copies of a scene mostly keep their class, other scenes often do
+    not, and a scene near a class boundary flips under a small shift: a threshold matters."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(seed).standard_normal((12, classes)).astype(np.float32)
+    half = [size // 2, size // 2]
+    nodes = [
+        helper.make_node("AveragePool", ["input"], ["pooled"], kernel_shape=half, strides=half),
+        helper.make_node("Flatten", ["pooled"], ["flat"]),
+        helper.make_node("MatMul", ["flat", "w"], ["scores"]),
+        helper.make_node("Softmax", ["scores"], ["probs"], axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "grid",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 3, size, size])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", classes])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    return _save(graph, path, 13)
+
+
+@pytest.fixture(scope="module")
+def run_fn(tmp_path_factory: pytest.TempPathFactory) -> RunFn:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(grid_classifier(tmp_path_factory.mktemp("cal") / "grid.onnx")))
+
+    def fn(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"probs": session.run(None, {"input": arrays["input"]})[0]}
+
+    return fn
+
+
+@pytest.fixture(scope="module")
+def scenes() -> dict[str, np.ndarray]:
+    return {"input": np.concatenate([_scene(seed, SIZE) for seed in range(150)]).astype(np.float32)}
+
+
+def test_cache_calibration_reproduces_its_rate_on_a_fresh_draw_within_its_bound(run_fn: RunFn, scenes: Arrays) -> None:
+    calibration = calibrate(run_fn, scenes, budget=0.05, copies=4, seed=0)
+    assert calibration.samples == 149 + 4 * 150  # the stream's look-ups and the perturbed copies'
+    assert 0 < calibration.threshold < 0.1  # near copies only: other scenes are >= 0.1 away
+    assert calibration.false_hit_rate <= calibration.bound <= 0.05
+    assert calibration.bound == upper_bound(round(calibration.false_hit_rate * calibration.hits), calibration.hits)
+    for seed in (1, 2, 3):  # perturbations the calibration did not see
+        hits, false = replay(run_fn, scenes, copies=4, seed=seed).at(calibration.threshold)
+        assert hits > 100 and false / hits <= calibration.bound, (seed, hits, false, calibration)
+
+
+def test_cache_calibration_picks_the_largest_threshold_within_the_budget(run_fn: RunFn, scenes: Arrays) -> None:
+    pairs = replay(run_fn, scenes, copies=4, seed=0)
+    assert (~pairs.agreed).sum() > 0  # the data has false hits to avoid
+    calibration = choose(pairs, 0.05)
+    for d in np.unique(pairs.distance[pairs.distance > calibration.threshold]):
+        assert upper_bound(*reversed(pairs.at(float(d)))) > 0.05, d
+    with pytest.raises(CalibrationError, match=r"no distance threshold .* under 0.02 .* give more evaluation data"):
+        choose(pairs, 0.02)  # this data cannot show 2% with 95% confidence
+
+
+def test_cache_calibration_all_agreeing_look_ups_take_every_distance() -> None:
+    pairs = Pairs(np.linspace(0.0, 0.5, 400), np.ones(400, bool))
+    calibration = choose(pairs, 0.01)
+    assert calibration.threshold == 0.5 and calibration.hits == 400 and calibration.false_hit_rate == 0.0
+    with pytest.raises(CalibrationError, match="about 268 hits"):
+        choose(Pairs(np.linspace(0.0, 0.5, 100), np.ones(100, bool)), 0.01)
+
+
+def test_cache_calibration_distances_are_the_agent_s_signature_distances(run_fn: RunFn, scenes: Arrays) -> None:
+    few = {"input": scenes["input"][:20]}
+    pairs = replay(run_fn, few, copies=1, seed=7)
+    index = NearIndex()
+    for i in range(20):
+        sig = signature({"input": few["input"][i : i + 1]})
+        assert sig is not None
+        index.add(b"ctx", sig, bytes([i]))
+    copy = perturb(few, np.random.default_rng(7))  # the replay's first (only) draw
+    for i in range(20):
+        sig = signature({"input": copy["input"][i : i + 1]})
+        assert sig is not None
+        near = index.nearest(b"ctx", sig)
+        assert near is not None and near[1] == pytest.approx(pairs.distance[19 + i], abs=1e-6)
