@@ -538,8 +538,10 @@ class ServerConfig:
     """``[server]``: the limits of the HTTP front-end and of the serving pipeline."""
 
     max_request_mb: int = 64  # a body (after gzip/deflate inflation) over this is a 413
-    max_connections: int = 512  # at the cap, the oldest idle connection is closed for a new one
+    max_connections: int = 512  # at the cap the oldest idle one (else one of half reading headers) is closed
     idle_timeout_s: float = 30.0  # a connection with no complete request for this long is closed
+    header_timeout_s: float = 10.0  # a request's headers are due this long after its request line, else it is closed
+    max_header_kib: int = 32  # a header block over this is a 431 (at most 100 header lines, each counted)
     max_buffered_mb: int = 64  # body bytes held at once as received (and again as inflated); more wait, then 503
     # a body gets idle_timeout_s plus its Content-Length at this rate to arrive, then the connection is closed
     min_body_rate_kib_s: int = 64

@@ -7,8 +7,10 @@ Stdlib ``ThreadingHTTPServer`` with HTTP/1.1 keep-alive and TCP_NODELAY (without
 delayed ACKs add 40+ ms per request). Each response is written with one ``send``.
 
 Limits (``[server]``): a connection idle for ``idle_timeout_s`` is closed; at
-``max_connections`` the oldest idle connection is closed to make room (if none is idle, the new
-one gets a 503 and is closed: sockets never pile up unanswered); bodies over ``max_request_mb``
+``max_connections`` the oldest idle connection is closed to make room (if none is idle, and half
+the cap or more are reading headers, the longest of those; else the new one gets a 503 and is
+closed: sockets never pile up unanswered); a request's headers are due ``header_timeout_s``
+after its request line, at most ``max_header_kib`` (431 past that); bodies over ``max_request_mb``
 (before or after gzip) are 413; every body byte held is reserved from ``max_buffered_mb`` as it
 arrives, and a body is due ``idle_timeout_s`` plus its length at ``min_body_rate_kib_s`` after
 its request line.
@@ -71,15 +73,17 @@ _HEADER_BLOCK_MAX_BYTES = 1024
 
 
 class _Connection:
-    """One open connection: its socket and whether a request is being handled on it (a new
-    connection counts as busy until its handler waits for a request line)."""
+    """One open connection: its socket, whether a request is being handled on it (a new
+    connection counts as busy until its handler waits for a request line), and since when it
+    reads a request's headers (``perf_counter``; 0.0 when it does not)."""
 
-    __slots__ = ("busy", "idle_since", "sock")
+    __slots__ = ("busy", "head_since", "idle_since", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.busy = True
         self.idle_since = time.monotonic()
+        self.head_since = 0.0
 
 
 class Transport(ThreadingHTTPServer):
@@ -110,7 +114,9 @@ class Transport(ThreadingHTTPServer):
         self._header_blocks_lock = threading.Lock()
         self._conns: dict[int, _Connection] = {}
         self._conns_lock = threading.Lock()
+        self._reaper_stop = threading.Event()
         super().__init__((host, port), handler)
+        threading.Thread(target=self._reap_slow_headers, name="http-reaper", daemon=True).start()
         # What the agent loaded to get here (SDKs, models, config: ~100k objects) lives as long as the
         # process: out of the collector's sight, a full collection no longer walks it. A full
         # collection of it took 85-120 ms on a 2-core x86_64 VM, every thread stopped; it came once in ~2000 small
@@ -137,15 +143,41 @@ class Transport(ThreadingHTTPServer):
         sock: socket.socket = request
         with self._conns_lock:
             if len(self._conns) >= self.limits.max_connections:
-                idle = [c for c in self._conns.values() if not c.busy]
-                if not idle:
+                oldest = self._evictable()
+                if oldest is None:
                     self._refuse(sock)
                     return
-                oldest = min(idle, key=lambda c: c.idle_since)
                 self._conns.pop(oldest.sock.fileno(), None)
                 _shut(oldest.sock)  # its handler sees EOF and ends
             self._conns[sock.fileno()] = _Connection(sock)
         super().process_request(request, client_address)
+
+    def _evictable(self) -> _Connection | None:
+        """At the cap: the oldest idle connection, else (when connections reading headers hold
+        half the cap or more) the one reading its headers longest; None when every one is busy."""
+        idle = [c for c in self._conns.values() if not c.busy]
+        if idle:
+            return min(idle, key=lambda c: c.idle_since)
+        heads = [c for c in self._conns.values() if c.head_since]
+        if heads and len(heads) * 2 >= self.limits.max_connections:
+            return min(heads, key=lambda c: c.head_since)
+        return None
+
+    def _reap_slow_headers(self) -> None:
+        """Close connections whose headers are not all in ``header_timeout_s`` after their
+        request line (a per-read timeout lets a byte every few seconds hold one for ever)."""
+        timeout_s = self.limits.header_timeout_s
+        while not self._reaper_stop.wait(min(1.0, timeout_s / 4)):
+            late = time.perf_counter() - timeout_s
+            with self._conns_lock:
+                for conn in self._conns.values():
+                    if 0.0 < conn.head_since < late:
+                        conn.head_since = 0.0
+                        _shut(conn.sock)  # its handler sees EOF and ends
+
+    def server_close(self) -> None:
+        self._reaper_stop.set()
+        super().server_close()
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         set_os_name("http-conn")  # a connection's thread, to top -H (device_agents.threads)
@@ -214,7 +246,7 @@ class RequestHandler(BaseHTTPRequestHandler):
             return
         self._received = time.perf_counter()  # the request line is in: the request was received
         if conn is not None:
-            conn.busy = True
+            conn.busy, conn.head_since = True, self._received
         if len(self.raw_requestline) > _MAX_LINE:
             self.requestline = self.request_version = self.command = ""
             self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG)
@@ -224,6 +256,8 @@ class RequestHandler(BaseHTTPRequestHandler):
             return
         if not self.parse_request():
             return
+        if conn is not None:
+            conn.head_since = 0.0
         handler = getattr(self, f"do_{self.command}", None)
         if handler is None:
             self.send_error(HTTPStatus.NOT_IMPLEMENTED, f"Unsupported method ({self.command!r})")
@@ -267,11 +301,20 @@ class RequestHandler(BaseHTTPRequestHandler):
             return False
         if block is None:
             headers = _Headers()
+            left = self.server.limits.max_header_kib * 1024  # the block's bytes, counted before they are kept
             for _ in range(_MAX_HEADERS + 1):
-                raw = self.rfile.readline(_MAX_LINE + 1)
-                if raw in (b"\r\n", b"\n", b""):
+                raw = self.rfile.readline(min(left, _MAX_LINE) + 1)
+                if raw in (b"\r\n", b"\n"):
                     break
-                if len(raw) > _MAX_LINE or not self._add_header(headers, raw.decode("iso-8859-1")):
+                if not raw:  # the client went away, or was closed for sending its headers too slowly
+                    self.close_connection = True
+                    return False
+                left -= len(raw)
+                if left < 0 or len(raw) > _MAX_LINE:
+                    self.close_connection = True
+                    self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "Headers over server.max_header_kib")
+                    return False
+                if not self._add_header(headers, raw.decode("iso-8859-1")):
                     return False
             else:
                 self.close_connection = True
@@ -310,6 +353,8 @@ class RequestHandler(BaseHTTPRequestHandler):
             self.rfile.read(end + 4)
             return _Headers(known)  # a copy: nothing a request does to its headers reaches the next
         if buffered.count(b"\n", 0, end) != buffered.count(b"\r\n", 0, end):  # bare-LF lines
+            return None
+        if end > self.server.limits.max_header_kib * 1024:  # line by line: answered with a 431 there
             return None
         self.rfile.read(end + 4)
         headers = self._parse_block(block)

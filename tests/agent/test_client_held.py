@@ -1,6 +1,7 @@
 """What one client can hold of the running agent, over real sockets on loopback: a slow body holds
 the buffer budget for the bytes it sent, not for the length it declared, and is due by a deadline
-(a minimum rate), not by a silence timeout per read."""
+(a minimum rate), not by a silence timeout per read; headers are due by a deadline too, their
+block is capped before it is kept, and connections reading headers give way to new clients."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ LIMITS = """
 [server]
 idle_timeout_s = 5.0
 min_body_rate_kib_s = 1024
+header_timeout_s = 1.0
+max_connections = 4
 """
 _MIB = 1 << 20
 
@@ -100,3 +103,63 @@ def test_body_deadline_closes_a_sender_below_the_minimum_rate_when_each_read_is_
         assert closed  # before: each read came in time, and the body was never due
     finally:
         slow.close()
+
+
+def _connect(agent: RunningAgent) -> socket.socket:
+    host, port = agent.address.split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _get_live(agent: RunningAgent, extra: bytes = b"") -> bytes:
+    """The status line of GET /v2/health/live on a new connection, with ``extra`` header lines."""
+    sock = _connect(agent)
+    try:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + extra + b"\r\n")
+        answer = b""
+        while b"\r\n" not in answer:
+            got = sock.recv(65536)
+            if not got:
+                break
+            answer += got
+        return answer.split(b"\r\n", 1)[0]
+    finally:
+        sock.close()
+
+
+def test_header_deadline_closes_a_connection_trickling_header_lines_when_each_read_is_in_time(
+    agent: RunningAgent,
+) -> None:
+    sock = _connect(agent)
+    try:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\n")
+        closed = False
+        for i in range(150):  # a header line every 0.2 s (well within idle_timeout_s), 30 s at most
+            try:
+                sock.sendall(f"X-Slow-{i}: 1\r\n".encode())
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            if _closed_within(sock, 0.2):
+                closed = True
+                break
+        assert closed  # before: each header line came in time, and the headers were never due
+    finally:
+        sock.close()
+
+
+def test_header_block_over_max_header_kib_is_431_when_each_line_is_short_enough(agent: RunningAgent) -> None:
+    lines = [b"X-Pad-%d: %s\r\n" % (i, b"a" * 1000) for i in range(40)]  # 40 KiB, over 32 KiB
+    assert _get_live(agent, b"".join(lines)).startswith(b"HTTP/1.1 431 ")  # before: 200
+    assert _get_live(agent, b"".join(lines[:20])) == b"HTTP/1.1 200 OK"
+
+
+def test_connections_reading_headers_give_way_to_a_new_client_at_the_connection_cap(agent: RunningAgent) -> None:
+    held = [_connect(agent) for _ in range(4)]  # the cap: every one in the middle of its headers
+    try:
+        for s in held:
+            s.sendall(b"GET /v2/health/live HTTP/1.1\r\nX-Half: 1\r\n")
+        # a header line each while the new client comes: each is reading headers, none is idle
+        assert _get_live(agent) == b"HTTP/1.1 200 OK"  # before: 503 (all four counted busy)
+    finally:
+        for s in held:
+            s.close()
