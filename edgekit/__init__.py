@@ -57,6 +57,8 @@ def package(
     reference: str | Path | None = None,
     train: str | Path | Mapping[str, Any] | None = None,
     train_labels: str | Path | np.ndarray | Sequence[int] | None = None,
+    cache: str | None = None,
+    false_hit_budget: float = 0.01,
 ) -> PackageResult:
     """Convert, quantize and validate ``model`` (ONNX) for each of ``targets`` and write one signed
     bundle per target into ``out_dir`` (``NAME-TARGET-vVERSION.ekb``).
@@ -82,6 +84,8 @@ def package(
     ``regress``, ``embed``, ``detect``, ``segment``, or ``{output: task}``). ``compress``: steps
     such as ``"prune-channels=0.5"`` applied first (fine-tuned on ``train``/``train_labels``), gated
     against the original; ``reference``: the original when ``model`` is already compressed.
+    ``cache``: the result cache the manifest declares (``exact``, or ``approximate`` with a distance
+    threshold calibrated on the evaluation data to hold ``false_hit_budget``).
 
     Returns a ``PackageResult``: ``bundles`` (target -> path), ``rows`` (the validation table),
     ``passed``, ``table()``, ``to_dict()``. Raises ``edgekit.errors.ConfigError`` and friends for
@@ -124,6 +128,8 @@ def package(
         reference=reference,
         train=train,
         train_labels=train_labels,
+        cache=cache,
+        false_hit_budget=false_hit_budget,
     )
 
 

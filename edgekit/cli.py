@@ -257,6 +257,20 @@ def _register_package(sub: Any) -> None:
         "outputs keep their default gate",
     )
     p.add_argument(
+        "--cache",
+        choices=("exact", "approximate"),
+        help="the result cache the manifest declares for the agent; approximate calibrates its distance threshold "
+        "on the evaluation data (the agent uses it unless [models.NAME.cache] max_distance is set)",
+    )
+    p.add_argument(
+        "--false-hit-budget",
+        type=float,
+        default=0.01,
+        metavar="RATE",
+        help="--cache approximate: the share of cache hits allowed to differ from a fresh answer, held with a "
+        "one-sided 95%% bound on the evaluation data and its perturbed copies (default 0.01)",
+    )
+    p.add_argument(
         "--objective",
         choices=("latency", "size"),
         default="latency",
@@ -458,6 +472,8 @@ def _package_or_raise(args: argparse.Namespace) -> int:
             reference=args.reference,
             train=args.train,
             train_labels=args.train_labels,
+            cache=args.cache,
+            false_hit_budget=args.false_hit_budget,
         )
     except PackageValidationError as exc:
         error, result = exc, exc.result
@@ -521,6 +537,23 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache_lines(cache: Any) -> list[str]:
+    lines = [f"cache: {cache.mode}, ttl {cache.ttl_s} s, up to {cache.max_entries} entries"]
+    a = cache.approximate
+    if a is not None:
+        lines.append(f"  distance threshold {a.max_distance:.4g} ({a.embedding}), {a.samples} look-ups replayed")
+        if a.false_hit_rate is not None and a.false_hit_bound is not None:
+            budget = f", budget {a.false_hit_budget:g}" if a.false_hit_budget is not None else ""
+            hits = f" of {a.hits} hits" if a.hits is not None else ""
+            lines.append(
+                f"  false-hit rate {a.false_hit_rate:.4f}{hits}, upper bound {a.false_hit_bound:.4f} "
+                f"({a.bound_method or '95%'}){budget}"
+            )
+        else:
+            lines.append(f"  agreement {a.agreement:.4f}")
+    return lines
+
+
 def describe_manifest(m: Any, signed_by: str) -> list[str]:
     """Human-readable lines for ``edgekit inspect``."""
     from edgekit.validate.table import cpu_only_reason
@@ -580,6 +613,8 @@ def describe_manifest(m: Any, signed_by: str) -> list[str]:
         e = m.estimates
         peak = f", peak {e.peak_memory_mb:g} MB" if e.peak_memory_mb is not None else ""
         lines.append(f"memory: {e.memory_mb:g} MB resident{peak} (load + first inference, {e.measured_on or 'host'})")
+    if m.cache is not None:
+        lines += _cache_lines(m.cache)
     if m.preprocess:
         lines.append("pre-processing: " + " -> ".join(_step(s) for s in m.preprocess))
     if m.postprocess:

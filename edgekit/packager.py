@@ -258,6 +258,8 @@ def package(
     reference: str | Path | None = None,
     train: ArraysLike | None = None,
     train_labels: str | Path | np.ndarray | Sequence[int] | None = None,
+    cache: str | None = None,
+    false_hit_budget: float = 0.01,
 ) -> PackageResult:
     """Package ``model`` (ONNX) for ``targets`` and write one signed bundle per target.
 
@@ -280,7 +282,10 @@ def package(
     ``sparsity=0.8``, ``share-weights=16``; ``edgekit.compress.steps``) applied to ``model`` first,
     fine-tuned on ``train`` (+ ``train_labels``) where given; the result is packaged and every gate
     compares with the ORIGINAL model. ``reference``: the original model to gate against when ``model``
-    is already compressed (the same inputs and outputs).
+    is already compressed (the same inputs and outputs). ``cache``: the result-cache policy the
+    manifest declares for the agent (``exact`` or ``approximate``); ``approximate`` calibrates its
+    distance threshold on the evaluation data with the FP32 source so that the false-hit rate's
+    one-sided 95% bound is within ``false_hit_budget`` (``edgekit.validate.cache_calibration``).
 
     Targets with candidates (cpu, intel, jetson, coral, apple) go through the optimisation engine
     (``edgekit.optimize``): ``objective`` (``latency`` or ``size``) orders the candidates within the gate,
@@ -416,6 +421,13 @@ def package(
         tasks, gate_notes = output_tasks(prepared.served, run.reference, given_tasks)
         run = dataclasses.replace(run, kind=kind_of(tasks, prepared.served), tasks=tasks, gate_notes=gate_notes)
         engine = dataclasses.replace(engine, tasks=tuple(tasks.items()))
+        if cache is not None:
+            from edgekit.validate.cache_calibration import cache_policy
+
+            declared = cache_policy(
+                cache, false_hit_budget, fp32, eval_arrays, run.reference, _batch(prepared.served, static=False), say
+            )
+            run = dataclasses.replace(run, manifest_extras={**run.manifest_extras, "cache": declared})
         if preprocess is not None or postprocess is not None:
             image = _first_image(eval if eval is not None else calib)
             run = _with_processing(run, preprocess, postprocess, labels_names, labels_file, image)

@@ -24,11 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from device_agents.cache.approximate import agrees, signature, wilson
-from edgekit.bundle.errors import EdgekitError
+from edgekit.bundle.manifest import ApproximateCache, CachePolicy
+from edgekit.errors import CalibrationDataError, ConfigError
 from edgekit.validate.calib import sample_count, take
-from edgekit.validate.metrics import run_all
-
-RunFn = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
+from edgekit.validate.metrics import RunFn, run_all
 
 Z_ONE_SIDED_95 = 1.6449  # one-sided 95%: the rate is under the bound with 95% confidence
 BOUND_METHOD = "wilson one-sided 95%"
@@ -36,7 +35,7 @@ DEFAULT_COPIES = 4  # perturbed copies per evaluation sample
 MIN_DISTANCE = 1e-6  # the smallest threshold written (the agent takes 0 < max_distance <= 2)
 
 
-class CalibrationError(EdgekitError):
+class CalibrationError(CalibrationDataError):
     """No distance threshold holds the false-hit budget on the evaluation data."""
 
 
@@ -184,3 +183,42 @@ def _nearest(rows: np.ndarray, sig: np.ndarray) -> tuple[int, float]:
     sims = rows @ sig
     j = int(np.argmax(sims))
     return j, float(1.0 - sims[j])
+
+
+CACHE_MODES = ("exact", "approximate")
+
+
+def cache_policy(
+    mode: str,
+    budget: float,
+    fn: RunFn,
+    arrays: Mapping[str, np.ndarray],
+    answers: Mapping[str, np.ndarray] | None = None,
+    batch: int = 1,
+    say: Callable[[str], None] = lambda _: None,
+) -> CachePolicy:
+    """The manifest's cache policy for ``edgekit package --cache MODE --false-hit-budget B``:
+    ``approximate`` is calibrated on ``arrays`` (``calibrate``) with ``fn``."""
+    if mode not in CACHE_MODES:
+        raise ConfigError(f"--cache must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
+    if mode == "exact":
+        return CachePolicy(mode="exact")
+    if not 0 < budget < 1:
+        raise ConfigError(f"--false-hit-budget must be between 0 and 1 (0.01 = 1% of hits), got {budget}")
+    found = calibrate(fn, arrays, budget, batch=batch, answers=answers)
+    say(
+        f"cache: approximate, distance threshold {found.threshold:.4g}: {found.hits} of {found.samples} look-ups hit, "
+        f"false-hit rate {found.false_hit_rate:.4f} (95% upper bound {found.bound:.4f}, budget {budget:g})"
+    )
+    approximate = ApproximateCache(
+        embedding="input",
+        max_distance=found.threshold,
+        agreement=1.0 - found.false_hit_rate,
+        samples=found.samples,
+        false_hit_rate=found.false_hit_rate,
+        false_hit_bound=found.bound,
+        false_hit_budget=budget,
+        hits=found.hits,
+        bound_method=BOUND_METHOD,
+    )
+    return CachePolicy(mode="approximate", approximate=approximate)

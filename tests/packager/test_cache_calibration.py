@@ -4,7 +4,6 @@ largest such threshold, and its distances are the agent's own signature distance
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -14,13 +13,13 @@ from device_agents.cache.approximate import NearIndex, signature
 from edgekit.validate.cache_calibration import (
     CalibrationError,
     Pairs,
-    RunFn,
     calibrate,
     choose,
     perturb,
     replay,
     upper_bound,
 )
+from edgekit.validate.metrics import RunFn
 from tests.agent.test_cache_approximate import _scene
 from tests.factories import _save
 
@@ -58,7 +57,7 @@ def run_fn(tmp_path_factory: pytest.TempPathFactory) -> RunFn:
 
     session = ort.InferenceSession(str(grid_classifier(tmp_path_factory.mktemp("cal") / "grid.onnx")))
 
-    def fn(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def fn(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {"probs": session.run(None, {"input": arrays["input"]})[0]}
 
     return fn
@@ -112,3 +111,78 @@ def test_cache_calibration_distances_are_the_agent_s_signature_distances(run_fn:
         assert sig is not None
         near = index.nearest(b"ctx", sig)
         assert near is not None and near[1] == pytest.approx(pairs.distance[19 + i], abs=1e-6)
+
+
+def _package_argv(tmp_path: Path, scenes: Arrays) -> list[str]:
+    """``edgekit package`` arguments for the grid classifier as ``grid`` v1 (fp32 cpu), evaluated
+    on ``scenes``, signed with a new key under ``tmp_path/keys``."""
+    from edgekit.cli import main
+
+    model = grid_classifier(tmp_path / "grid.onnx")
+    np.savez(tmp_path / "scenes.npz", input=scenes["input"])
+    assert main(["keygen", "--out", str(tmp_path / "keys"), "--name", "k"]) == 0
+    argv = [str(model), "--target", "cpu", "--precision", "fp32", "--eval", str(tmp_path / "scenes.npz")]
+    return [*argv, "--key", str(tmp_path / "keys/k.key"), "--name", "grid", "-o", str(tmp_path / "out"), "-q"]
+
+
+def test_package_cache_approximate_records_the_calibration_inspect_shows_it_and_the_agent_uses_it(
+    tmp_path: Path, scenes: Arrays, run_fn: RunFn, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import threading
+
+    from device_agents.config import load_config
+    from device_agents.lifecycle import Lifecycle
+    from device_agents.pipeline import Pipeline, Request
+    from edgekit.bundle.archive import read_unverified_manifest
+    from edgekit.cli import main
+    from tests.agent.conftest import write_config
+
+    argv = _package_argv(tmp_path, scenes)
+    assert main(["package", *argv, "--cache", "approximate", "--false-hit-budget", "0.05"]) == 0
+    bundle = tmp_path / "out" / "grid-cpu-v1.ekb"
+    manifest, _ = read_unverified_manifest(bundle)
+    assert manifest.cache is not None and manifest.cache.mode == "approximate"
+    recorded = manifest.cache.approximate
+    expected = calibrate(run_fn, scenes, budget=0.05)  # the same replay, run here
+    assert recorded is not None and recorded.max_distance == pytest.approx(expected.threshold)
+    assert recorded.false_hit_rate == pytest.approx(expected.false_hit_rate)
+    assert recorded.false_hit_bound is not None and recorded.false_hit_bound <= 0.05
+    assert (recorded.samples, recorded.hits, recorded.false_hit_budget) == (expected.samples, expected.hits, 0.05)
+    capsys.readouterr()
+
+    assert main(["inspect", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    assert "cache: approximate" in out
+    assert f"distance threshold {recorded.max_distance:.4g} (input), {recorded.samples} look-ups replayed" in out
+    assert f"upper bound {recorded.false_hit_bound:.4f} (wilson one-sided 95%), budget 0.05" in out
+
+    lc = Lifecycle(load_config(write_config(tmp_path / "agent", tmp_path / "keys/k.pub")))  # no cache table
+    lc.start()
+    try:
+        lc.install(bundle)
+        pipeline = Pipeline("grid", lc.registry, lc.config, lc.metrics, threading.Semaphore(4))  # type: ignore[arg-type]  # what Slots wraps
+
+        def ask(x: np.ndarray) -> Request:
+            return pipeline.run(None, lambda model: Request("grid", {"input": x}), lambda r: r)
+
+        x = _scene(500, SIZE)
+        assert ask(x).response_parameters["cache"] == "miss"
+        near = ask(x * np.float32(1.02))  # brighter: the same signature
+        assert near.response_parameters["cache"] == "hit"
+        assert near.response_parameters["distance"] <= recorded.max_distance
+        assert ask(_scene(501, SIZE)).response_parameters["cache"] == "miss"
+    finally:
+        lc.stop()
+
+
+def test_package_cache_approximate_a_budget_the_data_cannot_show_is_one_error_line(
+    tmp_path: Path, scenes: Arrays, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from edgekit.cli import main
+
+    argv = _package_argv(tmp_path, scenes)
+    capsys.readouterr()
+    assert main(["package", *argv, "--cache", "approximate", "--false-hit-budget", "0.02"]) == 2
+    err = capsys.readouterr().err
+    assert "no distance threshold keeps the cache's false-hit rate under 0.02" in err
+    assert not (tmp_path / "out" / "grid-cpu-v1.ekb").exists()
