@@ -308,9 +308,11 @@ class ModelCacheConfig:
     packager calibrated into the manifest: ``edgekit package --cache approximate``);
     ``recheck_fraction`` of those hits are re-run through the model in the background, and when
     their false-hit rate is over ``false_hit_budget`` with 95% confidence the threshold is halved.
-    ``semantic`` (keyed by ``embed_with``, another served model's output) is planned, refused
-    until then. ``max_mb``: this model's share of the disk tier (None: only ``[cache] max_mb``
-    bounds it). Refused for a stateful model."""
+    ``semantic``: the key is the output vector of ``embed_with``, another model served by this
+    agent (given the request's inputs), and a request whose vector is within ``max_distance``
+    (cosine distance) of a cached one's is answered from it, with the same recheck. ``max_mb``:
+    this model's share of the disk tier (None: only ``[cache] max_mb`` bounds it). Refused for a
+    stateful model."""
 
     mode: str = "exact"
     enabled: bool = True
@@ -324,13 +326,13 @@ class ModelCacheConfig:
     def __post_init__(self) -> None:
         if self.mode not in CACHE_MODES:
             raise ValueError(f"mode {self.mode!r} must be one of {', '.join(CACHE_MODES)}")
-        if self.mode == "semantic":
+        if (self.mode == "semantic") != (self.embed_with is not None):
             raise ValueError(
-                f'mode {self.mode!r} is planned, not in this agent version; use mode = "exact" or "approximate" '
-                "(or upgrade edgekit-agent)"
+                'mode = "semantic" goes with embed_with (the served name of the model whose output keys the '
+                "cache), and embed_with with it only"
             )
-        if self.embed_with is not None:
-            raise ValueError('embed_with goes with mode = "semantic" only')
+        if self.mode == "semantic" and self.max_distance is None:
+            raise ValueError('mode = "semantic" needs max_distance (the cosine distance of two embeddings, e.g. 0.05)')
         if self.max_mb is not None and self.max_mb <= 0:
             raise ValueError(f"max_mb must be > 0, got {self.max_mb}")
         if self.ttl_s is not None and not self.ttl_s > 0:
@@ -339,8 +341,10 @@ class ModelCacheConfig:
             raise ValueError(f"recheck_fraction must be between 0 and 1, got {self.recheck_fraction}")
         if self.recheck_fraction and self.mode == "exact":
             raise ValueError("recheck_fraction applies to approximate and semantic hits; an exact hit is exact")
-        if self.max_distance is not None and (self.mode != "approximate" or not 0 < self.max_distance <= 2):
-            raise ValueError(f'max_distance goes with mode = "approximate", between 0 and 2; got {self.max_distance}')
+        if self.max_distance is not None and (self.mode == "exact" or not 0 < self.max_distance <= 2):
+            raise ValueError(
+                f'max_distance goes with mode = "approximate" or "semantic", between 0 and 2; got {self.max_distance}'
+            )
         if not 0 < self.false_hit_budget < 1:
             raise ValueError(f"false_hit_budget must be between 0 and 1, got {self.false_hit_budget}")
 
@@ -552,11 +556,14 @@ class ServerConfig:
     hung_call_s: float = 60.0  # a runtime call running longer than this is hung: the model is reloaded
     drain_timeout_s: float = 10.0  # on SIGTERM, in-flight requests get this long to finish
     retry_after_s: int = 1  # the Retry-After of a 429/503
+    # names (besides the listen address, localhost and loopback addresses) that the Host and Origin
+    # of install, uninstall, rollback and repository load/unload requests may give; others are 403
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             number = getattr(self, f.name)
-            if number <= 0:
+            if isinstance(number, int | float) and number <= 0:
                 raise ValueError(f"{f.name} must be > 0, got {number}")
 
     @property

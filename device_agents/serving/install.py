@@ -1,14 +1,17 @@
 """The loopback-only ``POST /edgekit/v1/install`` that ``edgekit-agent install`` hands bundles to:
 ``{"bundle": "/absolute/path.ekb", "origin": "cli"}`` -> the install result (200), or the
-refusal with its error type and exit code (400); 403 from anywhere but loopback, or without
-``Content-Type: application/json``. ``POST /edgekit/v1/models/{name}/uninstall`` and
-``.../rollback`` (``{"origin": "cli"}``) follow the same rules and answer the model's new state,
-as do Triton's ``POST /v2/repository/models/{name}/load|unload``."""
+refusal with its error type and exit code (400); 403 from anywhere but loopback, without
+``Content-Type: application/json``, or with a ``Host`` (or an ``Origin``) that is not the
+listen address, localhost, a loopback address or one of ``server.allowed_hosts`` (a page whose
+name was rebound to 127.0.0.1 is same-origin with the agent, but names itself in both).
+``POST /edgekit/v1/models/{name}/uninstall`` and ``.../rollback`` (``{"origin": "cli"}``) follow
+the same rules and answer the model's new state, as do Triton's ``POST /v2/repository/models/{name}/load|unload``."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from device_agents.serving.transport import JSON, RequestHandler, is_loopback
 from device_agents.serving.v2 import V2Server
@@ -30,6 +33,7 @@ class InstallRoute(RequestHandler):
         reservation = self._reservation()
         try:
             self._check_loopback()
+            self._check_host()
             self._check_json()
             self._install(self._read_body(reservation))
         except EdgekitError as exc:
@@ -42,6 +46,7 @@ class InstallRoute(RequestHandler):
         reservation = self._reservation()
         try:
             self._check_loopback()
+            self._check_host()
             self._check_json()
             body = self._read_body(reservation)
             try:
@@ -69,6 +74,7 @@ class InstallRoute(RequestHandler):
         reservation = self._reservation()
         try:
             self._check_loopback()
+            self._check_host()
             self._check_json()
             self._read_body(reservation)  # parameters (a config to load with, unload_dependents) are not taken
             if action == "load":
@@ -85,6 +91,39 @@ class InstallRoute(RequestHandler):
         if not is_loopback(self.client_address[0]):
             self.close_connection = True  # the body stays unread
             raise _Forbidden("this route answers only on loopback; run `edgekit-agent` on the device itself")
+
+    def _check_host(self) -> None:
+        """Refuse (403) a ``Host`` or ``Origin`` naming another site (DNS rebinding)."""
+        host = self.headers.get("Host")
+        origin = self.headers.get("Origin")
+        if host is None or not self._names_this_agent(host):
+            self.close_connection = True  # the body stays unread
+            raise _Forbidden(
+                f"POST {self.path} takes a Host that names this agent (its listen address, localhost, "
+                "or one of server.allowed_hosts)"
+            )
+        if origin is not None:
+            parts = urlsplit(origin)
+            if parts.scheme not in ("http", "https") or not self._names_this_agent(parts.netloc):
+                self.close_connection = True
+                raise _Forbidden(f"POST {self.path} is not taken from a page of another origin")
+
+    def _names_this_agent(self, authority: str) -> bool:
+        """Whether ``host[:port]`` names this agent: its port (when given) and a known name."""
+        name, port = authority.lower(), ""
+        if name.startswith("["):  # [v6]:port
+            name, _, rest = name[1:].partition("]")
+            port = rest.removeprefix(":")
+        elif name.count(":") == 1:
+            name, port = name.split(":")
+        if port and port != str(self.server.server_address[1]):
+            return False
+        listen = str(self.server.server_address[0]).lower()
+        return (
+            name in ("localhost", listen)
+            or is_loopback(name)
+            or any(name == allowed.lower() for allowed in self.server.limits.allowed_hosts)
+        )
 
     def _check_json(self) -> None:
         """A web page open on the device can POST to loopback, but only as a "simple" request

@@ -9,6 +9,7 @@ import http.client
 import json
 import select
 import socket
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +26,7 @@ idle_timeout_s = 5.0
 min_body_rate_kib_s = 1024
 header_timeout_s = 1.0
 max_connections = 4
+allowed_hosts = ["Edge.local"]
 """
 _MIB = 1 << 20
 
@@ -163,3 +165,49 @@ def test_connections_reading_headers_give_way_to_a_new_client_at_the_connection_
     finally:
         for s in held:
             s.close()
+
+
+def _state_post(agent: RunningAgent, path: str, doc: dict[str, str], headers: dict[str, str]) -> tuple[int, str]:
+    host, port = agent.address.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("POST", path, json.dumps(doc), {"Content-Type": "application/json", **headers})
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/edgekit/v1/install", "/v2/repository/models/tiny/unload", "/edgekit/v1/models/tiny/uninstall"],
+)
+def test_state_changing_routes_refuse_a_host_or_origin_of_another_site_when_on_loopback(
+    agent: RunningAgent, path: str, tmp_path: Path
+) -> None:
+    port = agent.address.split(":")[1]
+    doc = {"bundle": str(tmp_path / "missing.ekb")}
+    for headers in (
+        {"Host": f"evil.example:{port}"},  # a rebound name: before, the route ran
+        {"Host": agent.address, "Origin": f"http://evil.example:{port}"},
+        {"Host": f"127.0.0.1:{int(port) + 1}"},
+    ):
+        status, text = _state_post(agent, path, doc, headers)
+        assert status == 403, (headers, text)
+    assert _get_live(agent) == b"HTTP/1.1 200 OK"
+    with urllib.request.urlopen(agent.url + "/v2/models/tiny/ready", timeout=10) as resp:
+        assert resp.status == 200  # nothing was unloaded or uninstalled
+
+
+def test_install_route_takes_the_listen_address_localhost_and_allowed_hosts(
+    agent: RunningAgent, tmp_path: Path
+) -> None:
+    port = agent.address.split(":")[1]
+    doc = {"bundle": str(tmp_path / "missing.ekb")}
+    for headers in (
+        {"Host": agent.address},
+        {"Host": f"localhost:{port}", "Origin": f"http://localhost:{port}"},
+        {"Host": f"edge.LOCAL:{port}"},
+    ):
+        status, text = _state_post(agent, "/edgekit/v1/install", doc, headers)
+        assert status == 400, (headers, text)  # past the checks: the bundle is missing
