@@ -10,7 +10,11 @@ With ``mode = "approximate"``, an exact miss is looked up again by its inputs' s
 the distance threshold answers it (response parameters ``cache = "hit"`` and ``distance``), and
 ``recheck_fraction`` of those hits are re-run through the model in a background thread (models
 without pre- or post-processing: the answer compared is the model's own), which holds the
-false-hit budget by halving the threshold.
+false-hit budget by halving the threshold. Without a configured ``max_distance`` the threshold is
+the one the packager calibrated into the manifest (``edgekit package --cache approximate``).
+With ``mode = "semantic"`` the vector looked up is the unit-length output of ``embed_with``,
+another served model run on the same inputs (``StageContext.registry`` leases it), instead of
+the inputs' signature; the rest (threshold, hits, rechecks) is the approximate mode's.
 A request with the v2 parameter ``"cache": "bypass"`` is neither looked up nor stored. Every
 request through them carries the response parameter ``cache``: ``hit``, ``miss`` or ``bypass``.
 
@@ -36,6 +40,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -70,6 +75,7 @@ class CachePolicy:
     max_distance: float | None = None  # approximate mode: the starting distance threshold
     recheck_fraction: float = 0.0
     false_hit_budget: float = 0.01
+    embed_with: str | None = None  # semantic mode: the served model whose output vector is the key
 
 
 def policy(name: str, agent: AgentConfig, manifest: Manifest) -> CachePolicy | None:
@@ -104,6 +110,21 @@ def policy(name: str, agent: AgentConfig, manifest: Manifest) -> CachePolicy | N
         ttl_s = float(declared.ttl_s) if declared is not None else DEFAULT_CACHE_TTL_S
     max_mb = configured.max_mb if configured is not None else None
     max_bytes = None if max_mb is None else max_mb * _MB
+    if configured is not None and configured.mode == "semantic":
+        if configured.embed_with == name:
+            raise ConfigError(
+                f"agent.models.{name}.cache: embed_with names the model itself; name another served model "
+                "(an encoder) whose output vector keys the cache"
+            )
+        return CachePolicy(
+            mode,
+            ttl_s,
+            max_bytes,
+            configured.max_distance,
+            configured.recheck_fraction,
+            configured.false_hit_budget,
+            configured.embed_with,
+        )
     if mode == "approximate":
         # the config's threshold and budget, else those the packager calibrated into the manifest
         max_distance = configured.max_distance if configured is not None else None
@@ -159,9 +180,17 @@ class CacheLookup:
     name = "cache_lookup"
 
     def __init__(
-        self, endpoint: str, cache: ResultCache, policy: CachePolicy, series: CacheSeries, link: _Link
+        self,
+        endpoint: str,
+        cache: ResultCache,
+        policy: CachePolicy,
+        series: CacheSeries,
+        link: _Link,
+        registry: Any = None,  # device_agents.registry.Registry: runs the semantic mode's embed_with model
     ) -> None:
         self.endpoint = endpoint
+        self.registry = registry
+        self._embed_failed = False  # the encoder failed last time: said once, not per request
         self.cache = cache
         self.policy = policy
         self.series = series
@@ -202,7 +231,7 @@ class CacheLookup:
         hit = self.cache.get(key, self.endpoint)
         sig = None
         if hit is None and self.meter is not None and self.link.index is not None:
-            sig = signature(request.inputs) if not request.raw else None
+            sig = self._key_vector(request)
             near = None if sig is None else self.link.index.nearest(key.header, sig)
             if near is not None and near[1] <= self.meter.threshold:
                 hit = self.cache.get_digest(near[0], self.endpoint)
@@ -221,6 +250,34 @@ class CacheLookup:
         rid = id(request)
         pending[rid] = (key, t0, maker.version, sig)
         request.on_done.append(lambda: _forget(pending, rid))
+
+    def _key_vector(self, request: Request) -> np.ndarray | None:
+        """The vector looked up: the inputs' signature (approximate), or the unit-length output of
+        the ``embed_with`` model on the same inputs (semantic; None when it cannot run: then the
+        request is an exact look-up only)."""
+        if request.raw:
+            return None
+        embed_with = self.policy.embed_with
+        if embed_with is None:
+            return signature(request.inputs)
+        if self.registry is None:
+            return None
+        try:
+            with self.registry.lease(embed_with) as lease:
+                outputs = lease.model.infer(dict(request.inputs))
+        except Exception as exc:  # the encoder is not served, or refused these inputs: exact look-up only
+            (log.debug if self._embed_failed else log.warning)(
+                "%s: semantic cache: %s could not embed a request (%s); exact look-ups until it can",
+                self.endpoint,
+                embed_with,
+                exc,
+            )
+            self._embed_failed = True
+            return None
+        self._embed_failed = False
+        vector = np.asarray(next(iter(outputs.values())), np.float32).ravel()
+        norm = float(np.linalg.norm(vector))
+        return vector / norm if norm > 0 else None
 
     def _maybe_recheck(self, request: Request, model: ServedModel, cached: Mapping[str, np.ndarray]) -> None:
         """Queue this approximate hit for a fresh run, with probability ``recheck_fraction``."""
@@ -321,7 +378,7 @@ def lookup(context: StageContext) -> CacheLookup | None:
         return None
     link = _links[(context.agent.store, context.name)] = _Link(NearIndex() if found.max_distance is not None else None)
     cache = shared_cache(context.agent, context.metrics.cache)
-    return CacheLookup(context.name, cache, found, context.metrics.cache, link)
+    return CacheLookup(context.name, cache, found, context.metrics.cache, link, context.registry)
 
 
 def store(context: StageContext) -> CacheStore | None:

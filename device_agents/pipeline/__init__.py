@@ -73,7 +73,7 @@ class Pipeline:
         self.request_timeout_s = server.request_timeout_s
         self.retry_after_s = server.retry_after_s
         # the configured stages (built before the batcher's threads start: a factory may refuse)
-        context = StageContext(name, config.model(name), config, registry.get(name).manifest, metrics)
+        context = StageContext(name, config.model(name), config, registry.get(name).manifest, metrics, registry)
         self.before: tuple[Stage, ...]
         self.after: tuple[Stage, ...]
         self.before, self.after = stage_table.build_stages(context)

@@ -179,6 +179,8 @@ class StageContext:
     agent: AgentConfig
     manifest: Manifest
     metrics: AgentMetrics
+    # the agent's models (``device_agents.registry.Registry``): a stage that runs another served model
+    registry: Any = None
 
 
 StageFactory = Callable[[StageContext], "Stage | None"]

@@ -76,7 +76,7 @@ def test_config_without_updates_table_has_none(tmp_path: Path) -> None:
         (BASE + "[models.m.batching]\npreferred_batch_sizes = [64]\n", "preferred_batch_sizes: 64 is not between"),
         (BASE + "[models.m.cache]\nttl = 3\n", "agent.models.m.cache: unknown key 'ttl' (did you mean 'ttl_s'?"),
         (BASE + "[models.m.cache]\nmode = 'fuzzy'\n", "agent.models.m.cache: mode 'fuzzy' must be one of exact"),
-        (BASE + "[models.m.cache]\nmode = 'semantic'\n", "agent.models.m.cache: mode 'semantic' is planned"),
+        (BASE + "[models.m.cache]\nmode = 'semantic'\n", 'agent.models.m.cache: mode = "semantic" goes with'),
         (BASE + "[models.m.cache]\nmax_mb = 0\n", "agent.models.m.cache: max_mb must be > 0"),
         (BASE + "[models.m.cache]\nrecheck_fraction = 0.1\n", "agent.models.m.cache: recheck_fraction applies to"),
         (BASE + "[cache]\nmax_mbytes = 5\n", "agent.cache: unknown key 'max_mbytes' (did you mean 'max_mb'?"),
