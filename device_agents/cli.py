@@ -460,6 +460,25 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    """Ask the running daemon for a Chrome trace of the requests it serves in the next N seconds."""
+    if not 0 < args.seconds <= 60:
+        raise ConfigError(f"--seconds takes 0 < N <= 60, not {args.seconds:g}")
+    config = load_config(args.config)
+    with daemon_lock(config.store) as free:
+        if free:
+            raise StoreError(f"no edgekit-agent daemon runs on {config.store}; start it with `edgekit-agent run`")
+    url = f"{daemon_url(config.store)}/edgekit/v1/trace?seconds={args.seconds:g}"
+    trace = _post_to_daemon(url, {}, "the trace request")
+    atomic_write(args.output, json.dumps(trace, separators=(",", ":")).encode())
+    other = trace.get("otherData", {})
+    print(
+        f"wrote {args.output}: {other.get('requests', 0)} requests in {other.get('batches', 0)} runtime calls "
+        f"over {args.seconds:g} s (open it in https://ui.perfetto.dev or chrome://tracing)"
+    )
+    return 0
+
+
 COMMANDS = {
     "run": cmd_run,
     "install": cmd_install,
@@ -468,6 +487,7 @@ COMMANDS = {
     "list": cmd_list,
     "uninstall": cmd_uninstall,
     "rollback": cmd_rollback,
+    "trace": cmd_trace,
 }
 
 
@@ -508,7 +528,10 @@ def build_parser() -> Parser:
     uninstall.add_argument("name", metavar="NAME", help="the model's name")
     rollback = sub.add_parser("rollback", help="serve a model's previous version again (through a running agent)")
     rollback.add_argument("name", metavar="NAME", help="the model's name")
-    for p in (run, install, status, stats, listing, uninstall, rollback):
+    trace = sub.add_parser("trace", help="write a Chrome trace of the requests the running daemon serves")
+    trace.add_argument("--seconds", type=float, default=5.0, help="how long to record (default 5, at most 60)")
+    trace.add_argument("-o", "--output", type=Path, default=Path("trace.json"), help="where (default trace.json)")
+    for p in (run, install, status, stats, listing, uninstall, rollback, trace):
         p.add_argument(
             "--config",
             type=Path,

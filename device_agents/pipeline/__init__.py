@@ -38,6 +38,8 @@ from device_agents.pipeline.batching import Batcher
 from device_agents.pipeline.jobs import Job
 from device_agents.pipeline.slots import Slots
 from device_agents.pipeline.stage import Request, RequestTiming, Stage, StageContext
+from device_agents.pipeline.trace import ACTIVE as TRACING
+from device_agents.pipeline.trace import Recording
 from device_agents.registry import Lease, Registry
 from device_agents.runtimes import ServedModel
 
@@ -100,6 +102,7 @@ class Pipeline:
         stages: list[tuple[str, float]] = []  # observed together, once, whatever stage ends the request
         deferred: RequestTiming | None = None  # where the front-end takes them from, if it gave one
         request: Request | None = None
+        job: Job | None = None  # its runtime call (read only while a trace records)
         before = self.before
         t0 = time.perf_counter()
         if batched:
@@ -139,7 +142,7 @@ class Pipeline:
                     batcher.arrive(-1)
                 lease.release()  # answered early: no queue, no infer
             else:
-                self._queue_infer(request, lease, stages, version, batched)
+                job = self._queue_infer(request, lease, stages, version, batched)
                 if self.after:
                     self._chain(self.after, request, stages, early=False)
             t2 = time.perf_counter()
@@ -149,11 +152,23 @@ class Pipeline:
         finally:
             if request is not None and request.on_done:
                 self._done(request)
+            recording = TRACING.recording  # None unless `edgekit-agent trace` runs: the only cost then
+            if recording is not None and stages:
+                self._trace(recording, request, job, t0, stages)
             if stages:
                 if deferred is not None:  # recorded by the front-end, after its answer is written
                     deferred.model, deferred.stages = self.name, stages
                 else:
                     self.metrics.observe_stages(self.name, stages)
+
+    def _trace(
+        self, recording: Recording, request: Request | None, job: Job | None, t0: float, stages: list[tuple[str, float]]
+    ) -> None:
+        """Hand this request's stage times to the trace recording (``pipeline.trace``)."""
+        batch = None if job is None or not job.started else (job.enqueued, job.started, job.finished, job.batch_rows)
+        answered = {} if request is None else dict(request.response_parameters)
+        endpoint = self.name if request is None else request.endpoint
+        recording.add(self.name, endpoint, t0, time.perf_counter(), list(stages), batch, answered)
 
     def _run_before(self, request: Request, lease: Lease, stages: list[tuple[str, float]]) -> bool:
         """The configured stages before the queue, timed; False when one answered the request
@@ -185,8 +200,9 @@ class Pipeline:
 
     def _queue_infer(
         self, request: Request, lease: Lease, stages: list[tuple[str, float]], version: int | None, batched: bool
-    ) -> None:
-        """The batcher's stages: queue and infer (inline when the model is idle); ``lease`` released."""
+    ) -> Job:
+        """The batcher's stages: queue and infer (inline when the model is idle); ``lease`` released.
+        Returns the job (its call's times, for a trace)."""
         batcher = self.batcher
         deferred = request.timing
         job = Job(request.inputs, version, request.deadline)
@@ -218,6 +234,7 @@ class Pipeline:
         if deferred is not None:
             deferred.runtime_s = job.runtime_s
         request.outputs, request.served_version = job.outputs, job.served_version
+        return job
 
     def _done(self, request: Request) -> None:
         """The stages' cleanups, once each, in reverse order; one that raises is logged."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from device_agents.config import ServerConfig
 from device_agents.service import AgentService
 from device_agents.serving.install import InstallRoute
+from device_agents.serving.trace_route import TraceRoute
 from device_agents.serving.transport import is_loopback, route
 from device_agents.serving.v2 import EXTENSIONS, V2Routes, V2Server
 from edgekit.bundle.errors import EdgekitError
@@ -17,7 +18,7 @@ from edgekit.bundle.errors import EdgekitError
 __all__ = ["EXTENSIONS", "AgentServer", "is_loopback"]
 
 
-class _Handler(V2Routes, InstallRoute):
+class _Handler(V2Routes, TraceRoute, InstallRoute):
     def do_GET(self) -> None:  # stdlib naming
         try:
             if not self.v2_get(route(self.path)):
@@ -31,6 +32,8 @@ class _Handler(V2Routes, InstallRoute):
             self._infer(parts)
         elif parts == ["edgekit", "v1", "install"]:
             self.install_post()
+        elif parts == ["edgekit", "v1", "trace"]:
+            self.trace_post()
         elif parts[:3] == ["v2", "repository", "models"] and len(parts) == 5 and parts[4] in ("load", "unload"):
             self.repository_post(parts[3], parts[4])
         elif parts[:3] == ["edgekit", "v1", "models"] and len(parts) == 5 and parts[4] in ("uninstall", "rollback"):
