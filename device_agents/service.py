@@ -6,6 +6,7 @@
     load_model(), unload_model(), repository(), statistics()  what Triton's extensions ask
     infer()   one request through its endpoint's pipeline
     stats()   live serving numbers (latency percentiles, throughput, batch sizes, queues)
+    trace()   a Chrome trace of the requests served in the next N seconds (``pipeline.trace``)
 
 Front-ends decode and encode their wire format and map errors to their status codes; they hold
 no policy. ``drain`` stops taking requests and lets the running ones finish (SIGTERM).
@@ -181,3 +182,9 @@ class AgentService:
 
     def metrics_text(self) -> bytes:
         return self.metrics.exposition()
+
+    def trace(self, seconds: float) -> dict[str, Any]:
+        """Record the requests served in the next ``seconds``; their Chrome trace (``pipeline.trace``)."""
+        from device_agents.pipeline.trace import ACTIVE
+
+        return ACTIVE.record(seconds)

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from device_agents.errors import ServingError
+from edgekit.bundle.errors import InferenceInputError
 
 # The longest trace the agent records (the events of every request are held until it ends).
 MAX_TRACE_S = 60.0
@@ -130,13 +131,15 @@ class Tracing:
 
     def record(self, seconds: float) -> dict[str, Any]:
         """Record the requests served in the next ``seconds`` (at most ``MAX_TRACE_S``); their trace."""
+        if not 0 < seconds <= MAX_TRACE_S:
+            raise InferenceInputError(f"a trace takes 0 < seconds <= {MAX_TRACE_S:g}, not {seconds:g}")
         if not self._lock.acquire(blocking=False):
             raise TraceBusyError("a trace is already recording on this agent; wait for it to end")
         try:
             recording = Recording()
             self.recording = recording
             try:
-                time.sleep(min(max(seconds, 0.0), MAX_TRACE_S))
+                time.sleep(seconds)
             finally:
                 self.recording = None
             return recording.events()

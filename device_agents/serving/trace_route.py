@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from urllib.parse import parse_qs, urlsplit
 
-from device_agents.pipeline.trace import ACTIVE, MAX_TRACE_S
 from device_agents.serving.install import InstallRoute
 from edgekit.bundle.errors import EdgekitError, InferenceInputError
 
@@ -28,9 +27,7 @@ class TraceRoute(InstallRoute):
                 seconds = float(query.get("seconds", ["5"])[0])
             except ValueError as exc:
                 raise InferenceInputError("trace takes ?seconds=N (a number of seconds)") from exc
-            if not 0 < seconds <= MAX_TRACE_S:
-                raise InferenceInputError(f"trace takes ?seconds=N with 0 < N <= {MAX_TRACE_S:g}, not {seconds:g}")
-            trace = ACTIVE.record(seconds)
+            trace = self.server.service.trace(seconds)
             self._send(200, json.dumps(trace, separators=(",", ":"), default=str).encode())
         except EdgekitError as exc:
             self._send_error(exc)
