@@ -35,7 +35,7 @@ def run(ctx: BenchContext, *, name: str) -> list[Measurement]:
     from bench.serving import _package
     from device_agents.config import load_config
     from device_agents.lifecycle import Lifecycle
-    from device_agents.pipeline import Pipeline, Request, stage
+    from device_agents.pipeline import Pipeline, Request, stage, trace
     from device_agents.pipeline.slots import Slots
 
     work = ctx.workdir / "serving-stages"
@@ -75,6 +75,7 @@ def run(ctx: BenchContext, *, name: str) -> list[Measurement]:
 
         sides: dict[str, Callable[[], object]] = {"call": call_alone}
         sides.update({f"stages={n}": through(p) for n, p in pipelines.items()})
+        sides["traced"] = through(pipelines[0])  # the empty chain while a trace records
         ctx.progress(f"{name}: the model call vs pipelines of 0, 1 and 4 stages, interleaved, CPU time")
         cpu_us: dict[str, list[float]] = {k: [] for k in sides}
         for fn in sides.values():
@@ -82,11 +83,14 @@ def run(ctx: BenchContext, *, name: str) -> list[Measurement]:
                 fn()
         for _ in range(max(5, ctx.repeats)):
             for key, fn in sides.items():
+                trace.ACTIVE.recording = trace.Recording() if key == "traced" else None
                 start = time.thread_time()
                 for _ in range(_REQUESTS):
                     fn()
                 cpu_us[key].append((time.thread_time() - start) / _REQUESTS * 1e6)
+                trace.ACTIVE.recording = None
     finally:
+        trace.ACTIVE.recording = None
         stage.STAGE_FACTORIES = table
         for p in pipelines.values():
             p.stop(5)
@@ -110,5 +114,12 @@ def run(ctx: BenchContext, *, name: str) -> list[Measurement]:
             note=f"{per_stage:.2f} us per stage (1 stage: {med['stages=1'] - med['stages=0']:+.2f} us); medians of "
             f"{rounds} interleaved rounds",
             a_spread=spread["stages=0"], b_spread=spread["stages=4"],
+        ),
+        Measurement(
+            name, "an empty stage list while `edgekit-agent trace` records vs not", "CPU per request", "us",
+            "not tracing", "tracing", med["stages=0"], med["traced"],
+            note=f"{med['traced'] - med['stages=0']:+.2f} us per request to record its stages; off, the pipeline "
+            f"reads one attribute (in the no-stages row); medians of {rounds} interleaved rounds",
+            a_spread=spread["stages=0"], b_spread=spread["traced"],
         ),
     ]  # fmt: skip
