@@ -559,6 +559,8 @@ class ServerConfig:
     # names (besides the listen address, localhost and loopback addresses) that the Host and Origin
     # of install, uninstall, rollback and repository load/unload requests may give; others are 403
     allowed_hosts: tuple[str, ...] = ()
+    # the install route takes bundle paths only under these directories (empty: any regular file)
+    install_dirs: tuple[Path, ...] = ()
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -10,13 +10,17 @@ the same rules and answer the model's new state, as do Triton's ``POST /v2/repos
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from device_agents.serving.transport import JSON, RequestHandler, is_loopback
 from device_agents.serving.v2 import V2Server
 from edgekit.bundle.codec import to_data
-from edgekit.bundle.errors import EdgekitError, InferenceInputError
+from edgekit.bundle.errors import BundleError, EdgekitError, InferenceInputError
+
+_GZIP_MAGIC = b"\x1f\x8b"  # an .ekb is a gzip'd tar
 
 
 class _Forbidden(EdgekitError):
@@ -50,7 +54,7 @@ class InstallRoute(RequestHandler):
             self._check_json()
             body = self._read_body(reservation)
             try:
-                origin = str(json.loads(body or b"{}").get("origin", "cli"))
+                origin = printable(str(json.loads(body or b"{}").get("origin", "cli")))
             except (ValueError, AttributeError) as exc:
                 raise InferenceInputError(f'{action} takes {{"origin": "cli"}} or an empty body') from exc
             act = self.server.service.uninstall if action == "uninstall" else self.server.service.rollback
@@ -139,12 +143,46 @@ class InstallRoute(RequestHandler):
         try:
             doc = json.loads(body)
             bundle = Path(doc["bundle"])
-            origin = str(doc.get("origin", "cli"))
+            origin = printable(str(doc.get("origin", "cli")))
         except (ValueError, KeyError, TypeError) as exc:
             raise InferenceInputError('install takes {"bundle": "/absolute/path.ekb"}') from exc
         try:
+            self._check_bundle_file(bundle)
             result = self.server.service.install(bundle, origin=origin)
         except EdgekitError as exc:
             self._send_json(400, {"error": str(exc), "error_type": type(exc).__name__, "exit_code": exc.exit_code})
             return
         self._send_json(200, to_data(result))
+
+    def _check_bundle_file(self, bundle: Path) -> None:
+        """Refuse, before the install takes the store's lock, a path that is not a regular file
+        starting like a bundle, or not under ``server.install_dirs`` (when set): a named pipe
+        would block the install, lock held, and no error quotes what another file holds.
+        Opened non-blocking, so a FIFO is refused at once."""
+        shown = printable(str(bundle))
+        if not bundle.is_absolute():
+            raise BundleError(f"bundle path {shown} is not absolute; give the full path of the .ekb")
+        dirs = self.server.limits.install_dirs
+        if dirs:
+            real = Path(os.path.realpath(bundle))
+            if not any(real.is_relative_to(os.path.realpath(d)) for d in dirs):
+                raise BundleError(f"bundle {shown} is not under server.install_dirs; copy it into one of them")
+        try:
+            fd = os.open(bundle, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise BundleError(f"cannot open bundle {shown}: {exc.strerror}") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise BundleError(f"bundle {shown} is not a regular file; give the path of an .ekb file")
+            if os.pread(fd, len(_GZIP_MAGIC), 0) != _GZIP_MAGIC:
+                raise BundleError(f"{shown} is not an edgekit bundle (.ekb, from `edgekit package`)")
+        finally:
+            os.close(fd)
+
+
+def printable(text: str, max_chars: int = 200) -> str:
+    """``text`` (a client-supplied string bound for logs and state) with control characters
+    escaped (a newline cannot forge a log line) and cut at ``max_chars``."""
+    if text.isprintable() and len(text) <= max_chars:
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:max_chars])

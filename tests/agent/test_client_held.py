@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import select
 import socket
 import urllib.request
@@ -211,3 +212,30 @@ def test_install_route_takes_the_listen_address_localhost_and_allowed_hosts(
     ):
         status, text = _state_post(agent, "/edgekit/v1/install", doc, headers)
         assert status == 400, (headers, text)  # past the checks: the bundle is missing
+
+
+def test_install_route_refuses_a_named_pipe_at_once_and_takes_a_bundle_after_it(
+    agent: RunningAgent, tmp_path: Path, bundles: Bundles
+) -> None:
+    fifo = tmp_path / "pipe.ekb"
+    os.mkfifo(fifo)
+    status, text = _state_post(agent, "/edgekit/v1/install", {"bundle": str(fifo)}, {"Host": agent.address})
+    assert status == 400 and "not a regular file" in text  # before: the install blocked, the store locked
+    doc = {"bundle": str(bundles.v2), "origin": "cli\nFORGED log line"}
+    status, text = _state_post(agent, "/edgekit/v1/install", doc, {"Host": agent.address})
+    assert status == 200, text
+    log = agent.log.read_text()
+    assert "cli\\nFORGED log line" in log  # escaped where it is logged
+    assert not any(line.startswith("FORGED") for line in log.splitlines())
+
+
+def test_install_route_errors_quote_nothing_of_another_file_when_it_is_no_bundle(
+    agent: RunningAgent, tmp_path: Path
+) -> None:
+    secret = tmp_path / "shadow"
+    secret.write_bytes(b"QZsecret-hash:19000:0:99999:7:::\n")
+    status, text = _state_post(agent, "/edgekit/v1/install", {"bundle": str(secret)}, {"Host": agent.address})
+    assert status == 400 and "not an edgekit bundle" in text
+    assert "QZ" not in text  # before: "b'QZ'", the file's first bytes
+    status, text = _state_post(agent, "/edgekit/v1/install", {"bundle": str(tmp_path)}, {"Host": agent.address})
+    assert status == 400 and "not a regular file" in text  # before: the connection was dropped
