@@ -5,12 +5,14 @@
     edgekit-agent status --config agent.toml
     edgekit-agent stats --config agent.toml [--interval 2] [--count N]
     edgekit-agent list | uninstall NAME | rollback NAME  [--config agent.toml]
+    edgekit-agent trace --seconds 5 -o trace.json --config agent.toml
 
 A running daemon holds ``<store>/daemon.lock`` and writes its address to ``<store>/daemon.json``.
 ``install`` hands the bundle to that daemon over loopback (``POST /edgekit/v1/install``), so
 the running agent switches to it; with no daemon it installs into the store itself, holding the
 same lock so that no daemon starts halfway. ``stats`` scrapes the daemon's ``/metrics`` and
-prints a live table. SIGTERM drains: new requests get 503, running ones finish (up to
+prints a live table; ``trace`` asks the daemon (``POST /edgekit/v1/trace``) for a Chrome trace
+of the requests it serves in the next N seconds. SIGTERM drains: new requests get 503, running ones finish (up to
 ``server.drain_timeout_s``), then the daemon stops. Errors print ``edgekit-agent: error: <message>``
 and exit with the error's ``exit_code``.
 """
