@@ -123,6 +123,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from device_agents.serving.http import AgentServer
 
     config = load_config(args.config)
+    config.check_exposure()  # off loopback only with a bearer token
     raise_nofile_limit()
     log_usable_cpus()
     # wait while a one-shot `install` holds the lock; refuse at once when another daemon does

@@ -53,6 +53,7 @@ documented and refused with a clear error: nothing in the file is silently ignor
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import re
 import sys
@@ -561,11 +562,15 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()
     # the install route takes bundle paths only under these directories (empty: any regular file)
     install_dirs: tuple[Path, ...] = ()
+    # a file holding the bearer token (Authorization: Bearer ...) that clients not on loopback must
+    # send; required when listen is not a loopback address
+    auth_token_file: Path | None = None
+    metrics_loopback_only: bool = False  # /metrics and the stats routes answer loopback clients only
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             number = getattr(self, f.name)
-            if isinstance(number, int | float) and number <= 0:
+            if isinstance(number, int | float) and not isinstance(number, bool) and number <= 0:
                 raise ValueError(f"{f.name} must be > 0, got {number}")
 
     @property
@@ -629,6 +634,15 @@ class AgentConfig:
     @property
     def listen_host(self) -> str:
         return parse_listen(self.listen)[0]
+
+    def check_exposure(self) -> None:
+        """``ConfigError`` (one line saying how) when ``listen`` is off loopback without a bearer token:
+        the agent daemon does not serve the network unauthenticated."""
+        if self.server.auth_token_file is None and not _is_loopback_host(self.listen_host):
+            raise ConfigError(
+                f"listen {self.listen!r} is not loopback: set [server] auth_token_file (a file holding the token "
+                "clients send as Authorization: Bearer ...) or listen on 127.0.0.1"
+            )
 
     @property
     def listen_port(self) -> int:
@@ -772,6 +786,15 @@ def parse_listen(listen: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"listen {listen!r} must be HOST:PORT, e.g. '127.0.0.1:8500'")
     return host, int(port)
+
+
+def _is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_broker(url: str) -> tuple[bool, str, int]:

@@ -19,6 +19,7 @@ its request line.
 from __future__ import annotations
 
 import gc
+import hmac
 import ipaddress
 import json
 import logging
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from email.utils import formatdate
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote
 
@@ -37,7 +39,7 @@ from device_agents.config import ServerConfig
 from device_agents.errors import RequestTooLargeError, ServingError
 from device_agents.serving.bodies import ByteBudget, Reservation, inflate
 from device_agents.threads import set_os_name
-from edgekit.bundle.errors import EdgekitError, InferenceInputError
+from edgekit.bundle.errors import ConfigError, EdgekitError, InferenceInputError
 
 log = logging.getLogger("edgekit.agent.http")
 access_log = logging.getLogger("edgekit.agent.access")
@@ -49,6 +51,7 @@ _SERVER = f"edgekit-agent/{__version__}"
 # The status line and Server header of the usual answers, built once.
 _STATUS_LINES = {code: f"HTTP/1.1 {code} {_REASONS[code]}\r\nServer: {_SERVER}\r\n" for code in (200, 400, 404, 413)}
 _MAX_LINE = 65536
+_OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")  # probes: answered without the bearer token
 _BODY_CHUNK_BYTES = 1 << 20  # a body not all in yet is read (and its budget taken) this much at a time
 
 
@@ -107,6 +110,10 @@ class Transport(ThreadingHTTPServer):
         self.limits = limits
         self.count_reject = count_reject
         self.max_request_bytes = self.limits.max_request_bytes
+        # the bearer token clients not on loopback send (None: none asked for)
+        self.auth_token: bytes | None = None
+        if self.limits.auth_token_file is not None:
+            self.auth_token = _read_token(self.limits.auth_token_file)
         self.budget = ByteBudget(self.limits.max_buffered_bytes)  # bodies as received
         self.inflate_budget = ByteBudget(self.limits.max_buffered_bytes)  # what gzip/deflate bodies inflate to
         self.request_queue_size = min(max(128, self.limits.max_connections), socket.SOMAXCONN)
@@ -232,6 +239,12 @@ class RequestHandler(BaseHTTPRequestHandler):
         self._conn = self.server.connection(self.connection)
         self._status = 0
         self._sent = 0
+        limits = self.server.limits
+        self.loopback = (
+            is_loopback(self.client_address[0])
+            if self.server.auth_token is not None or limits.metrics_loopback_only
+            else True  # (not asked: no one checks)
+        )
 
     # -- plumbing -----------------------------------------------------------------------
     def handle_one_request(self) -> None:
@@ -258,6 +271,13 @@ class RequestHandler(BaseHTTPRequestHandler):
             return
         if conn is not None:
             conn.head_since = 0.0
+        if (
+            not self.loopback
+            and self.server.auth_token is not None
+            and self.path not in _OPEN_PATHS
+            and not self._authorized()
+        ):
+            return
         handler = getattr(self, f"do_{self.command}", None)
         if handler is None:
             self.send_error(HTTPStatus.NOT_IMPLEMENTED, f"Unsupported method ({self.command!r})")
@@ -397,6 +417,21 @@ class RequestHandler(BaseHTTPRequestHandler):
         headers[key] = value
         return True
 
+    def _authorized(self) -> bool:
+        """Whether the request carries the bearer token (compared in constant time); else a 401."""
+        headers: dict[str, str] = self.headers  # type: ignore[assignment]  # a _Headers
+        given = (dict.get(headers, "authorization") or "").encode("latin-1")
+        token = self.server.auth_token or b""
+        if given.startswith(b"Bearer ") and hmac.compare_digest(given[7:].strip(), token):
+            return True
+        self.close_connection = True  # any body stays unread
+        self._send_json(
+            401,
+            {"error": "this agent takes requests from off the device with Authorization: Bearer <token>"},
+            (("WWW-Authenticate", "Bearer"),),
+        )
+        return False
+
     def log_message(self, format: str, *args: Any) -> None:  # stdlib signature
         log.debug("%s %s", self.address_string(), format % args)
 
@@ -515,6 +550,16 @@ class RequestHandler(BaseHTTPRequestHandler):
             self._send_error(exc)
         finally:
             reservation.close()
+
+
+def _read_token(path: Path) -> bytes:
+    try:
+        token = path.read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"server.auth_token_file {path}: {exc.strerror}; write the bearer token there") from None
+    if len(token) < 16:
+        raise ConfigError(f"server.auth_token_file {path} holds under 16 bytes: write a longer random token there")
+    return token
 
 
 def is_loopback(host: str) -> bool:

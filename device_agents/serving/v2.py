@@ -109,6 +109,12 @@ class V2Server(Transport):
         )
 
 
+def _stats_route(parts: list[str]) -> bool:
+    return parts in (["metrics"], ["edgekit", "v1", "stats"], ["v2", "models", "stats"]) or (
+        parts[:2] == ["v2", "models"] and parts[-1:] == ["stats"]
+    )
+
+
 class V2Routes(RequestHandler):
     """The v2 routes, on a ``V2Server``."""
 
@@ -124,6 +130,8 @@ class V2Routes(RequestHandler):
             self._send(200 if service.ready else 503)
         elif parts == ["v2"]:
             self._send_json(200, {"name": "edgekit-agent", "version": __version__, "extensions": list(EXTENSIONS)})
+        elif not self.loopback and _stats_route(parts) and self.server.limits.metrics_loopback_only:
+            self._send_json(403, {"error": "/metrics and stats answer loopback only (server.metrics_loopback_only)"})
         elif parts == ["metrics"]:
             self._send(200, service.metrics_text(), METRICS_CONTENT_TYPE)
         elif parts == ["edgekit", "v1", "stats"]:

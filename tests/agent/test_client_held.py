@@ -239,3 +239,59 @@ def test_install_route_errors_quote_nothing_of_another_file_when_it_is_no_bundle
     assert "QZ" not in text  # before: "b'QZ'", the file's first bytes
     status, text = _state_post(agent, "/edgekit/v1/install", {"bundle": str(tmp_path)}, {"Host": agent.address})
     assert status == 400 and "not a regular file" in text  # before: the connection was dropped
+
+
+def _off_loopback_address() -> str:
+    """An address of this machine that is not loopback (a client there is not on loopback)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing address
+        address = str(probe.getsockname()[0])
+    except OSError:
+        address = "127.0.0.1"
+    finally:
+        probe.close()
+    if address.startswith("127."):
+        pytest.skip("no address off loopback on this machine")
+    return address
+
+
+def test_non_loopback_listen_without_auth_token_file_refuses_to_start(
+    tmp_path: Path, keypair: tuple[Path, Path]
+) -> None:
+    config = write_config(tmp_path / "open", keypair[1], listen="0.0.0.0:0")
+    done = agent_cli("run", "--config", str(config), timeout=60)
+    assert done.returncode != 0
+    said = (done.stdout + done.stderr).strip().splitlines()
+    assert any("auth_token_file" in line and "0.0.0.0:0" in line for line in said), said
+
+
+def test_non_loopback_client_needs_the_bearer_token_and_metrics_stay_on_loopback(
+    tmp_path: Path, keypair: tuple[Path, Path]
+) -> None:
+    address = _off_loopback_address()
+    token = "t0ken-" + "x" * 26
+    (tmp_path / "agent").mkdir()
+    (tmp_path / "agent" / "token").write_text(token + "\n")
+    extra = '[server]\nauth_token_file = "token"\nmetrics_loopback_only = true\n'
+    running = start_agent(write_config(tmp_path / "agent", keypair[1], extra, listen=f"{address}:0"))
+    try:
+        port = int(running.address.rsplit(":", 1)[1])
+
+        def get(path: str, auth: str | None) -> int:
+            conn = http.client.HTTPConnection(address, port, timeout=30)
+            try:
+                conn.request("GET", path, headers={"Authorization": auth} if auth else {})
+                resp = conn.getresponse()
+                resp.read()
+                return resp.status
+            finally:
+                conn.close()
+
+        assert get("/v2", None) == 401  # before: 200 to anyone on the network
+        assert get("/v2", "Bearer wrong-token-of-the-same-size!") == 401
+        assert get("/v2", f"Bearer {token}") == 200
+        assert get("/v2/health/ready", None) == 200  # probes need no token
+        assert get("/metrics", f"Bearer {token}") == 403  # before: 200
+    finally:
+        assert running.stop() == 0
