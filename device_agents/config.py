@@ -412,10 +412,15 @@ class ModelConfig:
     cache: ModelCacheConfig | None = None  # None: the manifest's cache policy, if it has one
     route: RouteConfig | None = None
     variants: tuple[str, ...] | None = None  # served model names, best first
+    # a request with more rows (axis 0) is refused (413) before its tensors are decoded;
+    # None: batching's max_batch_size when batching is set, else any
+    max_request_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.threads < 0 or self.workers < 0:
             raise ValueError(f"threads and workers must be >= 0, got {self.threads} and {self.workers}")
+        if self.max_request_rows is not None and self.max_request_rows < 1:
+            raise ValueError(f"max_request_rows must be >= 1, got {self.max_request_rows}")
         if self.variants is not None:
             if len(self.variants) < 2 or len(set(self.variants)) != len(self.variants):
                 raise ValueError(f"variants lists {list(self.variants)}: name two or more different served models")
@@ -655,6 +660,15 @@ class AgentConfig:
     def model(self, name: str) -> ModelConfig:
         """The ``[models.<name>]`` table, or the defaults."""
         return self.models.get(name) or ModelConfig()
+
+    def max_request_rows(self) -> dict[str, int]:
+        """The most rows one request may give, by served name (names without a cap are absent)."""
+        rows = {}
+        for name, cfg in self.models.items():
+            cap = cfg.max_request_rows or (cfg.batching.max_batch_size if cfg.batching is not None else None)
+            if cap is not None:
+                rows[name] = cap
+        return rows
 
     def runtime_options(self, name: str, runtime: str) -> RuntimeOptions:
         """``[runtimes.<runtime>]`` with ``[models.<name>] threads`` applied: what model ``name`` loads with."""

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from device_agents.errors import RequestTooLargeError
 from device_agents.processing.signature import WireTensor
 from edgekit.bundle.errors import InferenceInputError
 from edgekit.bundle.manifest import TensorSpec
@@ -92,6 +93,7 @@ class _Plan:
     inputs: Sequence[Spec]  # the signature it was checked against (compared by identity)
     outputs: Sequence[Spec]
     max_bytes: int
+    max_rows: int | None
     body_length: int  # header + every tensor's bytes
     tensors: tuple[tuple[str, np.dtype[Any], tuple[int, ...], int, int], ...]  # name, wire dtype, shape, offset, count
     request: InferRequest  # its inputs empty
@@ -152,10 +154,12 @@ def decode_request(
     *,
     max_bytes: int = 1 << 62,
     cache: HeaderCache | None = None,
+    max_rows: int | None = None,
 ) -> InferRequest:
     """Parse and check a request body against the served signature; raise ``InferenceInputError``.
 
-    ``max_bytes`` bounds every tensor's declared size before it is allocated. ``cache``: a
+    ``max_bytes`` bounds every tensor's declared size before it is allocated, ``max_rows`` its
+    axis 0 (a 413 past it). ``cache``: a
     binary-only header seen before against the same signature is not parsed again."""
     size = len(body)
     json_end = size if header_length is None else header_length
@@ -171,6 +175,7 @@ def decode_request(
             and plan.inputs is inputs
             and plan.outputs is outputs
             and plan.max_bytes == max_bytes
+            and plan.max_rows == max_rows
             and plan.body_length == size
         ):
             known = {}
@@ -197,7 +202,7 @@ def decode_request(
     layout: list[tuple[str, np.dtype[Any], tuple[int, ...], int, int]] = []  # the binary ones, for the cache
     binary = 0
     for item in doc["inputs"]:
-        name, arr, used = _decode_input(item, specs, body, offset, max_bytes)
+        name, arr, used = _decode_input(item, specs, body, offset, max_bytes, max_rows)
         if name in tensors or name in raw:
             raise InferenceInputError(f"input {name!r} is given twice")
         if isinstance(specs[name], WireTensor):  # an image: the pre-processing stage makes it a tensor
@@ -228,7 +233,7 @@ def decode_request(
     if header is not None and cache is not None and binary == len(tensors) and not raw:
         cache.keep_plan(
             header,
-            _Plan(inputs, outputs, max_bytes, len(body), tuple(layout), replace(request, inputs={})),
+            _Plan(inputs, outputs, max_bytes, max_rows, len(body), tuple(layout), replace(request, inputs={})),
         )
     return request
 
@@ -262,7 +267,12 @@ def _requested_outputs(
 
 
 def _decode_input(
-    item: Any, specs: Mapping[str, Spec], body: bytes | bytearray, offset: int, max_bytes: int
+    item: Any,
+    specs: Mapping[str, Spec],
+    body: bytes | bytearray,
+    offset: int,
+    max_bytes: int,
+    max_rows: int | None = None,
 ) -> tuple[str, np.ndarray, int]:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise InferenceInputError('every input needs a "name"')
@@ -283,6 +293,11 @@ def _decode_input(
         raise InferenceInputError(
             f"input {name!r}: shape must be a list of non-negative integers (at most {_MAX_DIMS}, each <= {_MAX_DIM}), "
             f"got {shape!r}"
+        )
+    if max_rows is not None and shape and shape[0] > max_rows:
+        raise RequestTooLargeError(
+            f"input {name!r}: {shape[0]} rows, over the {max_rows} one request may give this model "
+            "(models.<name>.max_request_rows, else batching.max_batch_size); split the request"
         )
     count = math.prod(shape)
     if count == 0:

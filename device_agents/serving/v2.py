@@ -53,12 +53,14 @@ def v2_codec(
     reservation: Reservation | None = None,
     answer: Callable[[EdgekitError], None] | None = None,
     timing: RequestTiming | None = None,
+    max_rows: int | None = None,
 ) -> tuple[Decode, Encode]:
     """The decode and encode of one v2 infer request to ``name`` (JSON, or the binary tensor data
     extension when ``header_length`` is given), for ``AgentService.infer``: encode returns the
     response body and its JSON header's length (None: all JSON). ``encoding``: the body's content
     encoding (gzip, deflate), inflated within ``reservation`` (required with one); ``answer`` and
-    ``timing``: the front-end's, as ``Request`` describes them."""
+    ``timing``: the front-end's, as ``Request`` describes them; ``max_rows``: the most rows (axis
+    0) an input may have (``ModelConfig.max_request_rows``)."""
 
     def decode(model: ServedModel) -> Request:
         raw = body
@@ -67,7 +69,7 @@ def v2_codec(
                 raise InferenceInputError(f"Content-Encoding {encoding!r} is not supported by this front-end")
             raw = inflate(body, encoding, max_bytes, reservation)  # type: ignore[assignment]  # bytes-like
         wire = decode_request(raw, header_length, model.wire_inputs, model.wire_outputs, max_bytes=max_bytes,
-                              cache=cache)  # fmt: skip
+                              cache=cache, max_rows=max_rows)  # fmt: skip
         asked = None if wire.outputs is None else tuple(output for output, _ in wire.outputs)
         return Request(
             name, wire.inputs, version, wire, wire.timeout_s, answer, timing, parameters=wire.parameters,
@@ -99,6 +101,7 @@ class V2Server(Transport):
     ) -> None:
         self.service = service
         self.header_cache = HeaderCache()  # v2 JSON headers seen before: not parsed again
+        self.max_request_rows = service.config.max_request_rows()  # by served name
         rejects = service.metrics.rejects
         super().__init__(
             host,
@@ -278,6 +281,7 @@ class V2Routes(RequestHandler):
             reservation=reservation,
             answer=lambda exc: self._answer_hung(name, exc),
             timing=timing,
+            max_rows=server.max_request_rows.get(name),
         )
 
         def encode_noting_cache(request: Request) -> tuple[bytes, int | None]:

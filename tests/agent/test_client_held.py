@@ -28,6 +28,8 @@ min_body_rate_kib_s = 1024
 header_timeout_s = 1.0
 max_connections = 4
 allowed_hosts = ["Edge.local"]
+[models.tiny]
+max_request_rows = 4
 """
 _MIB = 1 << 20
 
@@ -295,3 +297,35 @@ def test_non_loopback_client_needs_the_bearer_token_and_metrics_stay_on_loopback
         assert get("/metrics", f"Bearer {token}") == 403  # before: 200
     finally:
         assert running.stop() == 0
+
+
+def test_request_over_max_request_rows_is_413_before_its_tensors_are_decoded(agent: RunningAgent) -> None:
+    host, port = agent.address.split(":")
+    x = sample_inputs(5)
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": list(x.shape),
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": x.nbytes},
+                }
+            ]
+        }
+    ).encode()
+    for body, headers, status in (
+        (_infer_body(x), {}, 413),  # before: 200, however many rows
+        (header + x.tobytes(), {"Inference-Header-Content-Length": str(len(header))}, 413),
+        (_infer_body(x[:4]), {}, 200),
+    ):
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            conn.request("POST", "/v2/models/tiny/infer", body, headers)
+            resp = conn.getresponse()
+            text = resp.read().decode(errors="replace")
+        finally:
+            conn.close()
+        assert resp.status == status, text
+        if status == 413:
+            assert "max_request_rows" in text
