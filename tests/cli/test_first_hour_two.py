@@ -129,7 +129,7 @@ def test_agent_misspelt_command_did_you_mean_the_transposed_one(capsys) -> None:
     assert (code, out) == (2, "")
     assert err.endswith(
         "invalid choice: 'stauts' (choose from 'run', 'install', 'status', 'stats', 'list', 'uninstall', "
-        "'rollback'); did you mean 'status'?\n"
+        "'rollback', 'trace'); did you mean 'status'?\n"
     )
 
 
