@@ -25,7 +25,7 @@ from typing import Any
 
 from device_agents import __version__
 from device_agents.config import ServerConfig
-from device_agents.errors import AnsweredError, RuntimeFailure
+from device_agents.errors import AnsweredError, RequestTooLargeError, RuntimeFailure
 from device_agents.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from device_agents.pipeline import Request, RequestTiming
 from device_agents.runtimes import ServedModel
@@ -38,6 +38,9 @@ from edgekit.bundle.errors import EdgekitError, InferenceInputError, ModelNotFou
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics", "model_repository")
 
 Decode = Callable[[ServedModel], Request]
+# a JSON value parsed: a float object and its list slot; smaller bodies take no reservation
+_JSON_VALUE_BYTES = 32
+_JSON_FREE_BYTES = 1 << 20
 Encode = Callable[[Request], tuple[bytes, int | None]]
 
 
@@ -68,8 +71,24 @@ def v2_codec(
             if reservation is None:
                 raise InferenceInputError(f"Content-Encoding {encoding!r} is not supported by this front-end")
             raw = inflate(body, encoding, max_bytes, reservation)  # type: ignore[assignment]  # bytes-like
-        wire = decode_request(raw, header_length, model.wire_inputs, model.wire_outputs, max_bytes=max_bytes,
-                              cache=cache, max_rows=max_rows)  # fmt: skip
+        held = 0
+        if reservation is not None:  # what the JSON's values take as Python objects, before they are parsed
+            held = raw.count(b",", 0, len(raw) if header_length is None else header_length) * _JSON_VALUE_BYTES
+            if held > _JSON_FREE_BYTES:
+                if held > reservation.inflating.capacity:
+                    raise RequestTooLargeError(
+                        f"a JSON body of {held // _JSON_VALUE_BYTES} values takes {held} bytes as it is parsed, over "
+                        "server.max_buffered_mb; send large tensors as binary data (parameters.binary_data_size)"
+                    )
+                reservation.add_inflated(held)
+            else:
+                held = 0
+        try:
+            wire = decode_request(raw, header_length, model.wire_inputs, model.wire_outputs, max_bytes=max_bytes,
+                                  cache=cache, max_rows=max_rows)  # fmt: skip
+        finally:
+            if held and reservation is not None:
+                reservation.give_back_inflated(held)
         asked = None if wire.outputs is None else tuple(output for output, _ in wire.outputs)
         return Request(
             name, wire.inputs, version, wire, wire.timeout_s, answer, timing, parameters=wire.parameters,

@@ -5,6 +5,7 @@ block is capped before it is kept, and connections reading headers give way to n
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import os
@@ -329,3 +330,22 @@ def test_request_over_max_request_rows_is_413_before_its_tensors_are_decoded(age
         assert resp.status == status, text
         if status == 413:
             assert "max_request_rows" in text
+
+
+def test_json_body_whose_values_outgrow_the_buffer_budget_is_413_before_it_is_parsed(agent: RunningAgent) -> None:
+    values = 4_000_000  # 8 MB of JSON, 128 MB as Python floats: over the 64 MiB budget
+    body = (
+        b'{"inputs":[{"name":"input","shape":[1,%d],"datatype":"FP32","data":[' % values
+        + b"0," * (values - 1)
+        + b"0]}]}"
+    )
+    host, port = agent.address.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", "/v2/models/tiny/infer", gzip.compress(body, 1), {"Content-Encoding": "gzip"})
+        resp = conn.getresponse()
+        text = resp.read().decode()
+    finally:
+        conn.close()
+    assert resp.status == 413, text  # before: 400, once all of it was Python objects
+    assert "binary" in text
