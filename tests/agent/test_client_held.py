@@ -349,3 +349,35 @@ def test_json_body_whose_values_outgrow_the_buffer_budget_is_413_before_it_is_pa
         conn.close()
     assert resp.status == 413, text  # before: 400, once all of it was Python objects
     assert "binary" in text
+
+
+def test_fresh_client_is_answered_under_a_slow_64_mib_sender_and_512_trickling_connections(
+    tmp_path: Path, keypair: tuple[Path, Path], bundles: Bundles
+) -> None:
+    config = write_config(tmp_path / "crowd", keypair[1], "[server]\nheader_timeout_s = 60.0\n")
+    done = agent_cli("install", str(bundles.v1), "--config", str(config))
+    assert done.returncode == 0, done.stdout + done.stderr
+    running = start_agent(config)
+    crowd: list[socket.socket] = []
+    try:
+        slow = _slow_sender(running, 64 * _MIB)
+        crowd.append(slow)
+        for _ in range(511):  # every other slot of the 512 held by a connection in its headers
+            s = _connect(running)
+            s.sendall(b"GET /v2/health/live HTTP/1.1\r\nX-Slow: 1\r\n")
+            crowd.append(s)
+        host, port = running.address.split(":")
+        for _ in range(3):
+            slow.sendall(b" ")
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            try:
+                conn.request("POST", "/v2/models/tiny/infer", _infer_body(sample_inputs(1)))
+                resp = conn.getresponse()
+                raw = resp.read()
+            finally:
+                conn.close()
+            assert resp.status == 200, raw
+    finally:
+        for s in crowd:
+            s.close()
+        assert running.stop() == 0
