@@ -32,9 +32,12 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from cobs import cobs
+from edgekit.bundle.errors import EdgekitError, MissingSDKError
 
-from edgekit.bundle.errors import EdgekitError
+try:
+    from cobs import cobs
+except ImportError as exc:  # an optional extra: PyPI has no cobs wheel for every device architecture
+    raise MissingSDKError("cobs", "agent-console", "the serial console ([console] in agent.toml)") from exc
 
 VERSION = 1
 DELIMITER = b"\x00"
