@@ -52,8 +52,13 @@ lint: setup
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m mypy edgekit device_agents
 
+# the hardware-in-the-loop scenarios on the virtual board (root, Linux: netns, pty, cgroup, tmpfs);
+# its report (Markdown, JSON, plots) lands in HIL_REPORT
+HIL_REPORT ?= .hil-report
+
 test: setup system-deps lint
 	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -p no:cacheprovider hil/ --lg-env hil/boards/virtual.yaml --report $(HIL_REPORT)
 
 # the edit loop: everything but the conversions marked slow
 test-fast: setup system-deps

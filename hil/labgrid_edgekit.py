@@ -63,6 +63,8 @@ class EdgekitAgent(Resource):  # type: ignore[misc]  # labgrid is untyped
     max_rss_mb: float | None = attr.ib(default=None, validator=_opt_num)  # the RSS scenario fails above it
     network_off_cmd: str | None = attr.ib(default=None, validator=_opt_str)  # run on the host: pulls the board's cable
     network_on_cmd: str | None = attr.ib(default=None, validator=_opt_str)
+    # the agent's [server] auth_token_file, as the host reads it: an agent listening beyond loopback wants it
+    token_file: str | None = attr.ib(default=None, validator=_opt_str)
 
 
 @target_factory.reg_resource
@@ -167,6 +169,16 @@ class EdgekitAgentDriver(Driver):  # type: ignore[misc]  # labgrid is untyped
             return self.command.board.http_url
         return url
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """The Authorization header the agent asks of network clients, where it has a token."""
+        path = self.agent.token_file
+        if path is None and isinstance(self.command, VirtualBoardDriver) and self.command.board is not None:
+            path = str(self.command.board.token_file)
+        if path is None:
+            return {}
+        return {"Authorization": f"Bearer {Path(path).read_text().splitlines()[0].strip()}"}
+
     def wait_ready(self, timeout_s: float | None = None) -> dict[str, Any]:
         """Until the console answers and the agent says ready; returns its status."""
         limit = float(self.agent.boot_timeout_s if timeout_s is None else timeout_s)
@@ -194,7 +206,11 @@ class EdgekitAgentDriver(Driver):  # type: ignore[misc]  # labgrid is untyped
         request = urllib.request.Request(
             f"{self.url}/v2/models/{model}/infer",
             data=body,
-            headers={"Inference-Header-Content-Length": str(header_length), "Content-Type": "application/octet-stream"},
+            headers={
+                "Inference-Header-Content-Length": str(header_length),
+                "Content-Type": "application/octet-stream",
+                **self.headers,
+            },
         )
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             length = resp.headers.get("Inference-Header-Content-Length")

@@ -169,9 +169,19 @@ class VirtualBoard:
         self.console_link.unlink(missing_ok=True)
         self.console_link.symlink_to(self.link.host_port)
 
+    @property
+    def token_file(self) -> Path:
+        """The bearer token the board's agent asks of clients off loopback (it listens on every address)."""
+        return self.workdir / "agent-token"
+
     def write_config(self) -> None:
         if self.link is None:
             raise VirtualBoardError("the console is not made yet: call create() first")
+        if not self.token_file.exists():
+            import secrets
+
+            self.token_file.write_text(secrets.token_urlsafe(24) + "\n")
+            self.token_file.chmod(0o600)
         keys = ", ".join(_toml_str(k) for k in self.trusted_keys)
         lines = [
             "config_version = 2",
@@ -180,6 +190,9 @@ class VirtualBoard:
             # `edgekit-agent install` on the board over loopback (the install route is loopback-only)
             f'listen = "0.0.0.0:{self.http_port}"',
             f"trusted_keys = [{keys}]",
+            "",
+            "[server]",
+            f"auth_token_file = {_toml_str(self.token_file)}",
             "",
             "[console]",
             f"device = {_toml_str(self.link.device_port)}",

@@ -269,4 +269,9 @@ class Pipeline:
             self.registry.retire(entry, wait_s=0)  # closed if its call ever returns
 
     def stop(self, timeout_s: float) -> bool:
-        return self.batcher.stop(timeout_s)
+        stopped = self.batcher.stop(timeout_s)
+        for stage in (*self.before, *self.after):
+            close = getattr(stage, "close", None)  # stages holding threads or connections (split's probes)
+            if close is not None:
+                close()
+        return stopped

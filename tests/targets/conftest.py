@@ -4,6 +4,7 @@ network."""
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,15 +66,24 @@ def package_tiny(
 
 @contextmanager
 def no_network() -> Iterator[list[Any]]:
-    """Every connection attempt (and name lookup) raises; the list collects what was attempted."""
+    """Every connection attempt (and name lookup) made by this thread raises; the list collects what
+    was attempted. Other threads (daemon threads an earlier test left, such as a split stage's link
+    probes to 127.0.0.1) go through: the conversion runs in this thread."""
     attempts: list[Any] = []
+    mine = threading.get_ident()
+    real = {"connect": socket.socket.connect, "connect_ex": socket.socket.connect_ex, "getaddrinfo": socket.getaddrinfo}
 
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        attempts.append(args[1:] or args)
-        raise OSError("network access attempted during an offline conversion")
+    def refusing(name: str) -> Any:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != mine:
+                return real[name](*args, **kwargs)
+            attempts.append(args[1:] or args)
+            raise OSError("network access attempted during an offline conversion")
+
+        return refuse
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(socket.socket, "connect", refuse)
-        mp.setattr(socket.socket, "connect_ex", refuse)
-        mp.setattr(socket, "getaddrinfo", refuse)
+        mp.setattr(socket.socket, "connect", refusing("connect"))
+        mp.setattr(socket.socket, "connect_ex", refusing("connect_ex"))
+        mp.setattr(socket, "getaddrinfo", refusing("getaddrinfo"))
         yield attempts
