@@ -248,26 +248,40 @@ def _memory(ctx: BenchContext, name: str) -> list[Measurement]:
 
 
 # -- power ----------------------------------------------------------------------------------------
+class _RaplCounter:
+    """A RAPL package zone under ``work/sysfs`` whose energy counter advances (with wraparound) by
+    the joules ``spend`` is given: the agent's power reader reads it as a real meter."""
+
+    RANGE_UJ = 262143328850
+
+    def __init__(self, work: Path) -> None:
+        zone = work / "sysfs/sys/class/powercap/intel-rapl:0"
+        zone.mkdir(parents=True, exist_ok=True)
+        (zone / "name").write_text("package-0\n")
+        (zone / "max_energy_range_uj").write_text(f"{self.RANGE_UJ}\n")
+        self._counter = zone / "energy_uj"
+        self._used_uj = 0
+        self._lock = threading.Lock()
+        self.spend(0.0)
+
+    def spend(self, joules: float) -> None:
+        with self._lock:
+            self._used_uj += int(joules * 1e6)
+            self._counter.write_text(f"{self._used_uj % self.RANGE_UJ}\n")
+
+    def used_uj(self) -> int:
+        with self._lock:
+            return self._used_uj
+
+
 def _power(ctx: BenchContext, name: str) -> list[Measurement]:
     from bench.agent_roundtrip import FEATURES, tiny_model
     from examples.agent_process import RunningAgent
 
     work = ctx.workdir / "budgets-power"
     work.mkdir(parents=True, exist_ok=True)
-    zone = work / "sysfs/sys/class/powercap/intel-rapl:0"
-    zone.mkdir(parents=True, exist_ok=True)
-    (zone / "name").write_text("package-0\n")
-    (zone / "max_energy_range_uj").write_text("262143328850\n")
-    counter = zone / "energy_uj"
-    used_uj = [0]
-    lock = threading.Lock()
-
-    def spend(joules: float) -> None:
-        with lock:
-            used_uj[0] += int(joules * 1e6)
-            counter.write_text(f"{used_uj[0] % 262143328850}\n")
-
-    spend(0.0)
+    meter = _RaplCounter(work)
+    spend = meter.spend
     x = np.random.default_rng(1).standard_normal((1, FEATURES)).astype(np.float32)
     bundle = _bundle(ctx, tiny_model(work / "m.onnx"), "m", np.repeat(x, 8, axis=0), work / "bundles")
     config = (
@@ -304,12 +318,10 @@ def _power(ctx: BenchContext, name: str) -> list[Measurement]:
             f"first bucket, then {MEASURE_S:.0f} s measured"
         )
         time.sleep(warmup_s)
-        with lock:
-            e0, t0, n0 = used_uj[0], time.monotonic(), len(codes)
+        e0, t0, n0 = meter.used_uj(), time.monotonic(), len(codes)
         changes0 = _value(_metrics(agent.url), "edgekit_degradation_changes_total")
         time.sleep(MEASURE_S)
-        with lock:
-            e1, t1, n1 = used_uj[0], time.monotonic(), len(codes)
+        e1, t1, n1 = meter.used_uj(), time.monotonic(), len(codes)
         changes = _value(_metrics(agent.url), "edgekit_degradation_changes_total") - changes0
         stop.set()
         for t in threads:
@@ -382,20 +394,8 @@ def _variants(ctx: BenchContext, name: str) -> list[Measurement]:
 
     work = ctx.workdir / "budgets-variants"
     work.mkdir(parents=True, exist_ok=True)
-    zone = work / "sysfs/sys/class/powercap/intel-rapl:0"
-    zone.mkdir(parents=True, exist_ok=True)
-    (zone / "name").write_text("package-0\n")
-    (zone / "max_energy_range_uj").write_text("262143328850\n")
-    counter = zone / "energy_uj"
-    used_uj = [0]
-    lock = threading.Lock()
-
-    def spend(joules: float) -> None:
-        with lock:
-            used_uj[0] += int(joules * 1e6)
-            counter.write_text(f"{used_uj[0] % 262143328850}\n")
-
-    spend(0.0)
+    meter = _RaplCounter(work)
+    spend = meter.spend
     x = np.random.default_rng(1).standard_normal((1, VARIANT_N)).astype(np.float32)
     bundles = [
         _bundle(ctx, _variant_model(work / f"{v}.onnx", big=v == "v-big"), v, np.repeat(x, 8, axis=0), work / v)
@@ -433,12 +433,10 @@ def _variants(ctx: BenchContext, name: str) -> list[Measurement]:
             t.start()
         ctx.progress(f"{name}: a variant set under {POWER_BUDGET_W} W; {2 * POWER_WINDOW_S + MEASURE_S:.0f} s of load")
         time.sleep(2 * POWER_WINDOW_S)
-        with lock:
-            e0, t0 = used_uj[0], time.monotonic()
+        e0, t0 = meter.used_uj(), time.monotonic()
         changes0 = _value(_metrics(agent.url), "edgekit_degradation_changes_total")
         time.sleep(MEASURE_S)
-        with lock:
-            e1, t1 = used_uj[0], time.monotonic()
+        e1, t1 = meter.used_uj(), time.monotonic()
         changes = _value(_metrics(agent.url), "edgekit_degradation_changes_total") - changes0
         stop.set()
         for t in threads:
