@@ -446,7 +446,11 @@ def _variants(ctx: BenchContext, name: str) -> list[Measurement]:
     down = sum(1 for a, b in itertools.pairwise(served) if (a, b) == ("v-big", "v-small"))
     up = sum(1 for a, b in itertools.pairwise(served) if (a, b) == ("v-small", "v-big"))
     if not down or not up:
-        raise BenchError(f"the variant did not switch down and back up under the power budget ({down} down, {up} up)")
+        seen = sorted({(code, variant) for _, code, variant in window})
+        raise BenchError(
+            f"the variant did not switch down and back up under the power budget ({down} down, {up} up; "
+            f"answers (status, variant) seen: {seen[:6]})"
+        )
     avg_w = (e1 - e0) / 1e6 / (t1 - t0)
     note = (
         f"fixture RAPL counter: {IDLE_W} W idle + {VARIANT_J['v-big']} J per v-big answer, {VARIANT_J['v-small']} J "
