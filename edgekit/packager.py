@@ -500,7 +500,7 @@ def package(
                             static_shapes,
                             searched,
                         )
-                        if comparison.passed or built.optimised is None:
+                        if comparison.passed or built.optimized is None:
                             break
                         nxt = _fall_back(chosen[t], ctx, built, comparison, engine, target_say)
                         if nxt is None:
@@ -555,7 +555,7 @@ class _Built:
     searched: Any  # SearchResult for an engine target, else None
     ctx: BuildContext
     kept_rows: list[dict[str, Any]]
-    optimised: Any = None  # edgekit.optimize.run.Optimised for an engine target: its fallback chain
+    optimized: Any = None  # edgekit.optimize.run.Optimized: its fallback chain
 
 
 def _fall_back(
@@ -571,7 +571,7 @@ def _fall_back(
         shutil.rmtree(ctx.out_dir)
         ctx.out_dir.mkdir(parents=True)
 
-    nxt = fall_back(target, ctx, built.optimised, failure, engine, before_finish=empty)
+    nxt = fall_back(target, ctx, built.optimized, failure, engine, before_finish=empty)
     if nxt is None:
         return None
     say(
@@ -612,26 +612,22 @@ def _build_target(
     private_key: Any,
     static_shapes: Mapping[str, tuple[int, ...]],
 ) -> _Built:
-    """Build target ``t``: through the optimisation engine when it describes candidates, else directly."""
-    searched = optimised = None
-    kept_rows: list[dict[str, Any]] = []
-    if hasattr(target, "candidates"):  # an engine target: candidates searched side by side
-        from edgekit.optimize.run import optimise
+    """Build target ``t`` through the optimisation engine: its candidates searched side by side."""
+    from edgekit.optimize.run import optimize
 
-        ctx = dataclasses.replace(ctx, source_path=model)
-        optimised = optimise(
-            target, ctx, engine, reference_path=model, shared=shared_builds, holdout_reference=run.reference
+    kept_rows: list[dict[str, Any]] = []
+    ctx = dataclasses.replace(ctx, source_path=model)
+    optimized = optimize(
+        target, ctx, engine, reference_path=model, shared=shared_builds, holdout_reference=run.reference
+    )
+    result, searched = optimized.build, optimized.search
+    if keep_dir is not None:
+        kept_rows = _keep_candidates(
+            keep_dir, t, target, ctx, searched, run, source, name, version, private_key, static_shapes
         )
-        result, searched = optimised.build, optimised.search
-        if keep_dir is not None:
-            kept_rows = _keep_candidates(
-                keep_dir, t, target, ctx, searched, run, source, name, version, private_key, static_shapes
-            )
-    else:
-        result = target.build(ctx)
     if result.static and not target.static_shapes:
         raise EdgekitError(f"target {t} built a static-shape artifact but does not declare static_shapes")
-    return _Built(result, searched, ctx, kept_rows, optimised)
+    return _Built(result, searched, ctx, kept_rows, optimized)
 
 
 # -- compression first (--compress) ----------------------------------------------------------

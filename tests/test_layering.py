@@ -368,3 +368,42 @@ def test_the_update_client_asks_the_lifecycle_and_never_reads_the_store() -> Non
         and ast.unparse(node.value) != "config"  # config.store: the store's directory, for downloads beside it
     )
     assert not reads, f"device_agents/updates/client.py reaches the store at lines {reads}"
+
+
+# -- host: the engine builds, targets describe ------------------------------------------------------
+
+# What builds, measures and chooses: a target hands the engine its candidates and never calls back.
+ENGINE_RUNNER = ("edgekit.optimize.run", "edgekit.optimize.engine", "edgekit.packager", "edgekit.packaging")
+
+
+def _target_offenders(graph: dict[str, set[str]], targets: set[str]) -> list[str]:
+    """Imports of a target module that reach the engine's runner or another target's module."""
+    offenders = []
+    for target in sorted(targets):
+        for imported in sorted(graph.get(target, ())):
+            runner = any(imported == r or imported.startswith(r + ".") for r in ENGINE_RUNNER)
+            if runner or imported in targets:
+                offenders.append(f"{target} imports {imported}")
+    return offenders
+
+
+def test_no_target_imports_the_engine_runner_or_another_target() -> None:
+    from edgekit.targets import TARGETS
+
+    graph = import_graph()
+    targets = {spec.partition(":")[0] for spec in TARGETS.values()}
+    assert targets <= set(graph), sorted(targets - set(graph))
+    offenders = _target_offenders(graph, targets)
+    assert not offenders, "a target describes; only the engine builds: " + "; ".join(offenders)
+
+
+def test_target_rule_catches_a_call_back_into_the_engine_and_a_sibling_target() -> None:
+    graph = {
+        "edgekit.targets.cpu": {"edgekit.optimize.run", "edgekit.targets.intel", "edgekit.optimize.candidates"},
+        "edgekit.targets.intel": {"edgekit.optimize.openvino_candidates", "edgekit.targets.base"},
+    }
+    offenders = _target_offenders(graph, {"edgekit.targets.cpu", "edgekit.targets.intel"})
+    assert offenders == [
+        "edgekit.targets.cpu imports edgekit.optimize.run",
+        "edgekit.targets.cpu imports edgekit.targets.intel",
+    ]

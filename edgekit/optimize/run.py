@@ -1,8 +1,8 @@
-"""An engine target's build: its candidate plan through the search, then its ``finish``.
+"""A target's build: its candidate plan through the search, then its ``finish``.
 
-``optimise`` is what the packager calls per engine target (with the run's FP32 reference, gate
-and settings) and what a target's own ``build`` calls outside the packager (defaults: the
-default gate, selection on the calibration data).
+Targets describe (checks, candidates, finishing); only the engine builds. ``optimize`` is what
+the packager calls per target (with the run's FP32 reference, gate and settings); ``build`` is
+the same outside the packager (defaults: the default gate, selection on the calibration data).
 """
 
 from __future__ import annotations
@@ -59,19 +59,19 @@ class EngineSettings:
 
 
 @dataclass(frozen=True)
-class Optimised:
+class Optimized:
     build: BuildResult
     search: SearchResult
 
 
-def optimise(
+def optimize(
     target: Any,
     ctx: BuildContext,
     settings: EngineSettings | None = None,
     reference_path: Path | None = None,
     shared: dict[Any, Any] | None = None,
     holdout_reference: Mapping[str, np.ndarray] | None = None,
-) -> Optimised:
+) -> Optimized:
     """Search ``target``'s candidates for ``ctx.precision`` and finish the chosen one into
     ``ctx.out_dir``. ``reference_path``: the FP32 model accuracy is compared with and latency
     referred to (the source model; default ``ctx.source_path`` or ``ctx.model_path``). ``shared``:
@@ -129,22 +129,28 @@ def optimise(
     return _finished(target, ctx, settings, result)
 
 
-def _finished(target: Any, ctx: BuildContext, settings: EngineSettings, result: SearchResult) -> Optimised:
+def build(target: Any, ctx: BuildContext, settings: EngineSettings | None = None) -> BuildResult:
+    """``target``'s chosen candidate for ``ctx.precision``, finished into ``ctx.out_dir`` (the
+    search with ``settings``, default ones: the default gate, selection on the calibration data)."""
+    return optimize(target, ctx, settings).build
+
+
+def _finished(target: Any, ctx: BuildContext, settings: EngineSettings, result: SearchResult) -> Optimized:
     built = target.finish(ctx, result.built, result.built_dir)
     notes = (*built.notes, *summary_notes(result))
     # the target's own steps describe how the chosen artifact was made; the last step is the choice
     provenance = (*built.provenance, choice_step(result, settings.tolerance))
-    return Optimised(build=dataclasses.replace(built, notes=notes, provenance=provenance), search=result)
+    return Optimized(build=dataclasses.replace(built, notes=notes, provenance=provenance), search=result)
 
 
 def fall_back(
     target: Any,
     ctx: BuildContext,
-    previous: Optimised,
+    previous: Optimized,
     failure: str,
     settings: EngineSettings | None = None,
     before_finish: Callable[[], None] | None = None,
-) -> Optimised | None:
+) -> Optimized | None:
     """The next candidate of the fallback chain (``SearchResult.chain``, then ``pending``), finished
     into ``ctx.out_dir`` (``before_finish`` is called first, to empty it), after ``previous``'s
     chosen one failed the final gate with ``failure``; None when the chain is spent. The failed

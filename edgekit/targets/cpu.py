@@ -177,12 +177,6 @@ class CpuTarget:
             target_options=to_data(opts),
         )
 
-    def build(self, ctx: BuildContext) -> BuildResult:
-        """Outside the packager: the engine's search on the calibration data alone."""
-        from edgekit.optimize.run import optimise
-
-        return optimise(self, ctx).build
-
 
 def candidate_configs(opts: CpuOptions) -> list[StaticQuantConfig]:
     """The static INT8 configurations of the first wave, in order, honouring the fixed options."""

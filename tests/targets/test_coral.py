@@ -231,7 +231,7 @@ def test_coral_edgetpu_true_without_the_compiler_is_refused_before_converting(tm
         out_dir=tmp_path, work_dir=tmp_path, options=CoralOptions(edgetpu=True), progress=lambda _m: None,
     )  # fmt: skip
     with pytest.raises(ConfigError, match=r"targets\.coral\.edgetpu=true but edgetpu_compiler is not on PATH"):
-        CoralTarget().build(ctx)
+        CoralTarget().candidates(ctx)
 
 
 def test_scope_names_are_valid_for_tensorflow_and_unique() -> None:
