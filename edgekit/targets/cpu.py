@@ -40,7 +40,7 @@ from edgekit.compress.ort_quant import (
     StaticQuantConfig,
     fuse_transformer,
     matmul_weight_share,
-    optimise_offline,
+    optimize_offline,
     quantize_static_int8,
     quantize_weights_int4,
     quantize_weights_int8,
@@ -273,7 +273,7 @@ def _copy_source(src: Path, dst: Path, space: BuildSpace) -> Precision:
 
 
 def _offline(src: Path, dst: Path, space: BuildSpace) -> Precision:
-    optimise_offline(src, dst)
+    optimize_offline(src, dst)
     return Precision("fp32", "fp32", "onnx fp32, onnxruntime offline optimisation (extended)")
 
 
