@@ -373,7 +373,7 @@ def test_the_update_client_asks_the_lifecycle_and_never_reads_the_store() -> Non
 # -- host: the engine builds, targets describe ------------------------------------------------------
 
 # What builds, measures and chooses: a target hands the engine its candidates and never calls back.
-ENGINE_RUNNER = ("edgekit.optimize.run", "edgekit.optimize.engine", "edgekit.packager", "edgekit.packaging")
+ENGINE_RUNNER = ("edgekit.optimize.run", "edgekit.optimize.engine", "edgekit.packaging")
 
 
 def _target_offenders(graph: dict[str, set[str]], targets: set[str]) -> list[str]:

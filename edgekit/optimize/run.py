@@ -18,10 +18,11 @@ import numpy as np
 from edgekit.bundle.manifest import Tolerance
 from edgekit.errors import ConfigError
 from edgekit.optimize.candidates import OBJECTIVES, RunFn
-from edgekit.optimize.data import DEFAULT_CALIB_SAMPLES, search_data
+from edgekit.optimize.data import search_data
 from edgekit.optimize.engine import Outcome, SearchResult, record_of, search
 from edgekit.optimize.profile import DeviceProfile
 from edgekit.optimize.record import choice_step
+from edgekit.package_defaults import DEFAULT_CALIB_SAMPLES, DEFAULT_OBJECTIVE
 from edgekit.targets.base import BuildContext, BuildResult, static_signature
 from edgekit.validate.calib import even_batch, fixed_batch, sample_count
 from edgekit.validate.metrics import kind_of, output_kind, run_all
@@ -32,7 +33,7 @@ from edgekit.validate.ort_runner import ort_open
 class EngineSettings:
     """How the engine searches (the same for every target of one ``package`` call)."""
 
-    objective: str = "latency"  # or "size"
+    objective: str = DEFAULT_OBJECTIVE  # or "size"
     mixed_precision: bool = False  # for explicit --precision int8; auto always may keep layers in float
     threads: int = 0  # the device runtime's thread count; 0 = the runtime's default
     calib_samples: int = DEFAULT_CALIB_SAMPLES  # calibration subset size, every target

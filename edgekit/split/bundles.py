@@ -2,7 +2,7 @@
 cut, the plan in the manifest's ``split``) and one tail bundle per cut for the tail server
 (``<name>-tail-<cut>``), all signed.
 
-The device bundle starts as the ordinary bundle of the full model (``edgekit.packager``, gated as
+The device bundle starts as the ordinary bundle of the full model (``edgekit.packaging``, gated as
 always); its heads are added under ``heads/`` (role ``split_head``) and the manifest re-signed
 with the same key. Each tail is packaged FP32 with the heads' outputs on the calibration samples
 as its calibration data, so the tail's golden vectors are real cut tensors. When no cut is chosen
@@ -56,7 +56,7 @@ def write_split_bundles(
 ) -> SplitBundles:
     """``heads`` / ``tails``: cut id -> the planner's head / tail ONNX; ``cuts``: the cuts to ship
     (None: those the plan chose at some bandwidth)."""
-    from edgekit.packager import package
+    from edgekit import package
 
     chosen = list(cuts) if cuts is not None else useful_cuts(plan)
     unknown = [c for c in chosen if c not in heads]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from edgekit import package
 from edgekit.errors import ConfigError
-from edgekit.packager import package
 from edgekit.targets import get_target
 from edgekit.targets.precisions import choose_precisions, parse_precision_arg, resolve_precisions
 from tests.factories import confident_inputs, tiny_classifier
@@ -125,8 +125,8 @@ def test_package_mixed_precisions_builds_each_target_at_its_own(keypair, tmp_pat
     lines: list[str] = []
     result = package(
         model,
-        "cpu,jetson",
-        {"*": "int8", "jetson": "fp16"},
+        targets="cpu,jetson",
+        precision={"*": "int8", "jetson": "fp16"},
         calib={"input": confident_inputs(model, 40)},
         key=keypair[0],
         name="m",

@@ -28,15 +28,15 @@ def _images(n: int, size: int = 64) -> dict[str, np.ndarray]:
 def test_package_detector_records_letterbox_boxes_and_labels(
     detector: Path, keypair: tuple[Path, Path], tmp_path: Path
 ) -> None:
+    from edgekit import package
     from edgekit.bundle import TrustStore, key_id, load_public_key, read_verified_manifest
-    from edgekit.packager import package
 
     labels = tmp_path / "classes.txt"
     labels.write_text("red\ngreen\nblue\n")
     result = package(
         detector,
-        ["cpu"],
-        "fp32",
+        targets=["cpu"],
+        precision="fp32",
         eval=_images(4),
         key=keypair[0],
         name="det",
@@ -59,14 +59,14 @@ def test_package_detector_records_letterbox_boxes_and_labels(
 
 
 def test_package_classifier_topk_softmax_decided_on_its_outputs(keypair: tuple[Path, Path], tmp_path: Path) -> None:
-    from edgekit.packager import package
+    from edgekit import package
 
     model = tiny_classifier(tmp_path / "cls.onnx", classes=4)  # ends in Softmax: already probabilities
     lines: list[str] = []
     result = package(
         model,
-        ["cpu"],
-        "fp32",
+        targets=["cpu"],
+        precision="fp32",
         eval={"input": np.random.default_rng(1).standard_normal((5, 3, 16, 16)).astype(np.float32)},
         key=keypair[0],
         name="cls",
@@ -104,9 +104,17 @@ def test_postprocess_checked_against_the_model_outputs(post: str, labels: str | 
 def test_labels_file_without_postprocess_is_refused_before_any_work(
     detector: Path, keypair: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    from edgekit.packager import package
+    from edgekit import package
 
     labels = tmp_path / "classes.txt"
     labels.write_text("red\ngreen\nblue\n")
     with pytest.raises(ConfigError, match="--labels-file names the classes of --postprocess"):
-        package(detector, ["cpu"], "fp32", eval=_images(2), key=keypair[0], out_dir=tmp_path, labels_file=labels)
+        package(
+            detector,
+            targets=["cpu"],
+            precision="fp32",
+            eval=_images(2),
+            key=keypair[0],
+            out_dir=tmp_path,
+            labels_file=labels,
+        )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from edgekit.packager import package
+from edgekit import package
 from edgekit.targets.sdk_output import sdk_output_to
 from tests.factories import confident_inputs, tiny_classifier
 
@@ -81,7 +81,16 @@ def test_package_intel_leaves_no_sdk_lines_on_stdout(
     model = tiny_classifier(tmp_path / "m.onnx")
     calib = {"input": confident_inputs(model, 40)}
     capfd.readouterr()
-    result = package(model, "intel", "int8", calib=calib, key=keypair[0], name="m", out_dir=tmp_path, progress=print)
+    result = package(
+        model,
+        targets="intel",
+        precision="int8",
+        calib=calib,
+        key=keypair[0],
+        name="m",
+        out_dir=tmp_path,
+        progress=print,
+    )
     out, err = capfd.readouterr()
     assert "intel" in result.bundles
     lines = out.splitlines()

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
+from edgekit import package
 from edgekit.bundle import TrustStore, extract, read_verified_manifest
 from edgekit.bundle.manifest import Manifest
-from edgekit.packager import PackageResult, package
+from edgekit.packaging.result import PackageResult
 from tests.factories import confident_inputs, tiny_classifier
 
 
@@ -49,8 +50,8 @@ def package_tiny(
         model = tiny_classifier(root / "tiny.onnx")
         result = package(
             model,
-            [target],
-            precision,
+            targets=[target],
+            precision=precision,
             calib={"input": confident_inputs(model, samples)},
             key=keypair[0],
             name="tiny",

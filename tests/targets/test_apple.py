@@ -577,15 +577,21 @@ def test_apple_refuses_w8a8_below_ios17(prepared, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_apple_w8a8_passes_its_gate_on_the_digits_example(keypair, tmp_path: Path, open_bundle) -> None:
-    from edgekit.packager import package
+    from edgekit import package
 
     digits = Path(__file__).resolve().parents[2] / "examples" / "digits"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = package(
-            digits / "model.onnx", ["apple"], "int8", calib=digits / "calib.npz", eval=digits / "eval.npz",
-            labels=digits / "eval_labels.npy", key=keypair[0], out_dir=tmp_path,
-        )  # fmt: skip
+            digits / "model.onnx",
+            targets=["apple"],
+            precision="int8",
+            calib=digits / "calib.npz",
+            eval=digits / "eval.npz",
+            labels=digits / "eval_labels.npy",
+            key=keypair[0],
+            out_dir=tmp_path,
+        )
     _, manifest = open_bundle(result.bundles["apple"])
     v = manifest.validation
     assert manifest.precision.label == "w8a8" and v.passed and v.samples == 450
@@ -604,16 +610,20 @@ def test_apple_w8a8_converts_a_dynamic_hw_yolo_style_detector_and_passes_its_gat
 ) -> None:
     # Frozen first (static shapes, onnxslim), then quantized with onnx2torch's own op modules (Div,
     # Reshape, Split...) left opaque to FX tracing, which their value checks would break.
-    from edgekit.packager import package
+    from edgekit import package
     from tests.factories import tiny_yolo
 
     model = tiny_yolo(tmp_path / "yolo.onnx")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = package(
-            model, ["apple"], "int8", calib={"images": sample_inputs(24, size=64, seed=8)}, key=keypair[0],
+            model,
+            targets=["apple"],
+            precision="int8",
+            calib={"images": sample_inputs(24, size=64, seed=8)},
+            key=keypair[0],
             out_dir=tmp_path,
-        )  # fmt: skip
+        )
     _, manifest = open_bundle(result.bundles["apple"])
     v = manifest.validation
     assert manifest.precision.label == "w8a8" and v.kind == "dense" and v.passed and v.cosine > 0.99

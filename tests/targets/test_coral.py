@@ -30,7 +30,7 @@ from edgekit.bundle.manifest import Compatibility, Manifest
 from edgekit.compress.freeze import scope_name
 from edgekit.compress.onnx2tflite import signature_details
 from edgekit.errors import ConfigError, IncompatibleError
-from edgekit.packager import PackageResult
+from edgekit.packaging.result import PackageResult
 from edgekit.targets.base import BuildContext
 from edgekit.targets.coral import SIXTEEN_BY_EIGHT, CoralOptions, CoralTarget, edgetpu_placement
 from edgekit.targets.op_support import TargetOpError

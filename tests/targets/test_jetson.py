@@ -407,14 +407,14 @@ def test_package_jetson_int8_writes_a_verified_bundle_validated_on_the_intermedi
 
 
 def test_jetson_auto_rescues_int8_that_misses_the_dense_gate_by_leaving_layers_without_qdq(keypair, tmp_path) -> None:
-    from edgekit.packager import package
+    from edgekit import package
     from tests.optimize.models import outlier_mlp
 
     model = outlier_mlp(tmp_path / "outlier.onnx")  # plain INT8 loses the outlier channel's neighbours
     x = np.random.default_rng(1).standard_normal((80, 16)).astype(np.float32)
     # MinMax: the outlier sets layer_a's output range (entropy clips it instead, a different failure)
     result = package(
-        model, ["jetson"], "auto", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
+        model, targets=["jetson"], precision="auto", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
         options={"jetson": {"int8_calibration": "minmax"}},
     )  # fmt: skip
     m = result.manifests["jetson"]
