@@ -23,7 +23,9 @@ as they arrive (``request.inputs`` and ``request.raw``, before pre-processing), 
 switch changes every key; the first request to a newly active version sweeps the entries of the
 others. An answer is stored only under the key of the version that produced it: in memory at
 once (its key copied into the buffer of an entry evicted unwritten, where one fits), and on disk at its first
-hit, so that what survives a restart is what repeated.
+hit, so that what survives a restart is what repeated. In the exact mode, once the memory tier
+is full, an answer is stored only at its key's second sighting (``admit = "second"``, the default:
+``device_agents.cache.admission``), so traffic that never repeats costs a hash and a probe.
 
 One ``ResultCache`` per store directory serves every endpoint (``shared_cache``); if it cannot
 be opened the agent still serves (memory tier only, one log line).
@@ -76,6 +78,7 @@ class CachePolicy:
     recheck_fraction: float = 0.0
     false_hit_budget: float = 0.01
     embed_with: str | None = None  # semantic mode: the served model whose output vector is the key
+    admit: str = "first"  # "second": a full memory tier takes an answer at its key's second sighting
 
 
 def policy(name: str, agent: AgentConfig, manifest: Manifest) -> CachePolicy | None:
@@ -141,7 +144,8 @@ def policy(name: str, agent: AgentConfig, manifest: Manifest) -> CachePolicy | N
             budget = calibrated.false_hit_budget if calibrated is not None and calibrated.false_hit_budget else 0.01
         recheck = configured.recheck_fraction if configured is not None else 0.0
         return CachePolicy(mode, ttl_s, max_bytes, max_distance, recheck, budget)
-    return CachePolicy(mode, ttl_s, max_bytes)
+    admit = configured.admit if configured is not None and configured.admit is not None else "second"
+    return CachePolicy(mode, ttl_s, max_bytes, admit=admit)
 
 
 def shared_cache(agent: AgentConfig, series: CacheSeries) -> ResultCache:
@@ -359,6 +363,7 @@ class CacheStore:
                 ttl_s=self.policy.ttl_s,
                 cost_s=time.perf_counter() - t0,
                 disk_on_hit=True,  # durable once it repeats: an answer never asked again costs no disk write
+                admit=self.policy.admit,
             )
         except UncacheableError:
             return

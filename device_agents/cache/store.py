@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from device_agents.cache.admission import Doorkeeper
 from device_agents.cache.key import CacheKey
 from device_agents.cache.tensors import CacheFormatError, decode_tensors, encode_tensors
 from device_agents.faults import FaultCounter
@@ -146,6 +147,7 @@ class ResultCache:
         self._hot_bytes = 0
         self._hot_lock = threading.Lock()
         self._spare: dict[int, list[bytearray]] = {}  # key buffers of evicted entries, by size
+        self._doorkeeper = Doorkeeper()  # keys seen once, for put(admit="second")
         # file tier: one connection for reads (under _read_lock), one for the writer thread
         self._read_lock = threading.Lock()
         self._reader: sqlite3.Connection | None = None
@@ -224,14 +226,25 @@ class ResultCache:
         cost_s: float = 0.0,
         wait: bool = False,
         disk_on_hit: bool = False,
+        admit: str = "first",
     ) -> bool:
-        """Store ``outputs`` under ``key``; in memory now, in the file by the writer. ``wait``:
+        """Store ``outputs`` under ``key``; in memory now, in the file by the writer. ``admit =
+        "second"``: once the memory tier is full, only a key seen before is stored (the first
+        sighting is remembered by its hash: ``device_agents.cache.admission``), so a stream of
+        inputs that never repeat costs a probe, not a copy of each input; False when not stored. ``wait``:
         return once the file's transaction committed (True) or failed (False); without it, True
         when queued. ``disk_on_hit``: write it to the file only once it is hit (from memory), so
         an answer that never repeats costs no disk write (an all-miss stream of large inputs
         would write every input, since the whole key is stored) and one that repeats is made
         durable at its first hit; an entry too big for the memory tier goes to the file now.
         ``UncacheableError`` for outputs that are not plain numbers."""
+        if (
+            admit == "second"
+            and self._hot_bytes + key.nbytes > self.memory_max_bytes
+            and not self._doorkeeper.seen_before(key.digest)
+        ):
+            self.series.deferred()
+            return False
         value = encode_tensors(outputs)
         now = self.clock()
         decoded = decode_tensors(value)  # read-only views: what a hit hands out, whatever the caller does next

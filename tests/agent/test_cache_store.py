@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from device_agents.cache.admission import Doorkeeper
 from device_agents.cache.key import CacheKey, KeyMaker
 from device_agents.cache.store import DB_NAME, ResultCache
 from device_agents.cache.tensors import CacheFormatError, UncacheableError, decode_tensors, encode_tensors
@@ -313,3 +314,35 @@ def test_cache_memory_tier_stays_exact_when_it_reuses_evicted_key_buffers(tmp_pa
     # two fit: each later put evicted the oldest, whose buffer took the next key; every key still compares right
     assert [cache.get(k, "det") is not None for k in keys] == [False, False, True, True]
     cache.close()
+
+
+def test_cache_admit_second_stores_a_full_tier_s_answer_only_at_its_key_s_second_sighting(tmp_path: Path) -> None:
+    size = _maker().key({"x": _x(0, (64, 64))}).nbytes + len(encode_tensors({"y": _x(0, (2,))}))
+    metrics = AgentMetrics()
+    cache = _cache(tmp_path, memory_max_bytes=3 * size, series=metrics.cache)
+
+    def put(key: CacheKey, admit: str) -> bool:
+        return cache.put(key, {"y": _x(0, (2,))}, model="det", version=1, ttl_s=60, disk_on_hit=True, admit=admit)
+
+    kept = [_maker().key({"x": _x(40 + i, (64, 64))}) for i in range(3)]
+    assert all(put(k, "second") for k in kept)  # the tier has room: taken at the first sighting
+    for i in range(20):  # a stream that never repeats, into a full tier: remembered by hash only
+        assert not put(_maker().key({"x": _x(100 + i, (64, 64))}), "second")
+    assert all(cache.get(k, "det") is not None for k in kept)  # nothing of the stream evicted them
+    assert b"edgekit_cache_deferred_total 20.0" in metrics.exposition()
+    again = _maker().key({"x": _x(119, (64, 64))})  # the stream's last input, seen a second time
+    assert put(again, "second") and cache.get(again, "det") is not None
+    assert put(_maker().key({"x": _x(200, (64, 64))}), "first")  # "first": every answer, whatever it evicts
+    cache.close()
+
+
+def test_cache_doorkeeper_says_seen_only_of_a_digest_it_was_shown() -> None:
+    keeper = Doorkeeper(slots=4)
+    digests = [_maker().key({"x": _x(300 + i)}).digest for i in range(64)]
+    assert [keeper.seen_before(d) for d in digests[:1]] == [False]
+    assert keeper.seen_before(digests[0])
+    # 64 digests through 4 slots: a digest is "seen" only after it was shown, never because of another's
+    fresh = Doorkeeper(slots=4)
+    assert not any(fresh.seen_before(d) for d in digests)
+    with pytest.raises(ValueError, match="power of two"):
+        Doorkeeper(slots=3)
