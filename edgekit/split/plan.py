@@ -191,6 +191,29 @@ def useful_cuts(plan: Plan) -> list[str]:
     return [o.id for o in plan.cuts if o.id in chosen]
 
 
+def why_no_cut(plan: Plan) -> str:
+    """Why no cut was chosen: per planned bandwidth, what won and what the best cut would cost."""
+    parts = []
+    for c in plan.choices:
+        if c.best_cut is None or c.best_cut_ms is None:
+            parts.append(f"at {c.bandwidth_mbps:g} Mbit/s {c.best} ({c.best_ms:.2f} ms); the model has no cut")
+            continue
+        cut = plan.option(c.best_cut)
+        link = transfer_ms(cut.up_bytes + cut.down_bytes, c.bandwidth_mbps)
+        parts.append(
+            f"at {c.bandwidth_mbps:g} Mbit/s {c.best} {c.best_ms:.2f} ms beats the best cut {c.best_cut} "
+            f"{c.best_cut_ms:.2f} ms (head {cut.device_ms:.2f} + link {link:.2f} for {cut.up_bytes} B + rtt "
+            f"{c.rtt_ms:g} + tail {cut.server_ms:.2f})"
+        )
+    local = sum(1 for c in plan.choices if c.best == LOCAL)
+    head = "no cut beats both local and remote at any planned bandwidth"
+    if not plan.cuts:
+        head = "the model has no cut where few enough tensors cross"
+    elif local == len(plan.choices):
+        head += " (the device runs the whole model sooner than any head plus the link)"
+    return f"{head}: " + "; ".join(parts)
+
+
 def to_manifest(plan: Plan, cut_ids: Sequence[str], head_files: dict[str, str], tail_model: str) -> SplitPlan | None:
     """The manifest's ``split`` for ``cut_ids`` (None when empty); tails are served as
     ``<tail_model>-<cut id>``; the default cut is the one chosen most often among them."""

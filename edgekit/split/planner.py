@@ -17,7 +17,7 @@ import numpy as np
 from edgekit.errors import CalibrationDataError, ConfigError
 from edgekit.split import compression, graph
 from edgekit.split.measure import Feed, Measurements, measure
-from edgekit.split.plan import Plan, make_plan, table, useful_cuts
+from edgekit.split.plan import Plan, make_plan, table, useful_cuts, why_no_cut
 from edgekit.split.profile import Profile, SegmentTimes, this_machine
 from edgekit.split.profile import read as read_profile
 from edgekit.split.profile import write as write_profile
@@ -94,6 +94,8 @@ def plan_model(
     kept = "" if all_cuts else f" ({len(cuts)} send fewer bytes than the input and every earlier cut)"
     text = f"# {model_path.name}: {found} cut(s) where <= {max_tensors} tensor(s) cross{kept}; samples: {source}\n"
     text += table(plan, measured)
+    if not useful_cuts(plan):
+        text += "\n# " + why_no_cut(plan)
     (out_dir / "plan.txt").write_text(text + "\n")
     (out_dir / "plan.json").write_text(json.dumps(plan_json(model_path, plan, measured, source), indent=2) + "\n")
     if save_profile is not None:
@@ -160,6 +162,7 @@ def plan_json(model_path: Path, plan: Plan, measured: Measurements, source: str)
         "options": [asdict(o) for o in plan.options],
         "choices": [asdict(c) for c in plan.choices],
         "useful_cuts": useful_cuts(plan),
+        "no_cut_because": None if useful_cuts(plan) else why_no_cut(plan),
         "cuts": [
             {
                 "id": m.cut.id,
