@@ -125,6 +125,10 @@ class UpdatesConfig:
     defer_on_battery: bool = True
     keepalive_s: int = 30
     reconnect_max_s: float = 60.0
+    # The largest MQTT packet taken from the broker: asked of it at CONNECT (MQTT 5 Maximum Packet
+    # Size: a compliant broker drops a bigger message for this device), and one that arrives anyway
+    # ends the connection before its payload is read. Desired states and keys documents are a few KB.
+    max_packet_kb: int = 1024
     health_window_s: float = DEFAULT_HEALTH_WINDOW_S  # a switched-to version must run this long to count as healthy
     crash_loop_boots: int = DEFAULT_CRASH_LOOP_BOOTS  # starts within the health window before a rollback
     # Fleet trust (device_agents.updates.trust): keys of the notice role (sign desired states) and of
@@ -159,6 +163,7 @@ class UpdatesConfig:
             ("max_bundle_mb", self.max_bundle_mb),
             ("keepalive_s", self.keepalive_s),
             ("reconnect_max_s", self.reconnect_max_s),
+            ("max_packet_kb", self.max_packet_kb),
             ("health_window_s", self.health_window_s),
             ("crash_loop_boots", self.crash_loop_boots),
             ("download_deadline_s", self.download_deadline_s),
