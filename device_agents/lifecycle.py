@@ -26,7 +26,8 @@ asks for the verdict (``health_verdict``) and reports it.
 
 ``start`` recovers after a crash: an install that was interrupted before ``promote`` is dropped
 (the previous version keeps serving); a version that keeps the agent from running through its
-health window for ``crash_loop_boots`` starts is rolled back.
+health window for ``crash_loop_boots`` starts is rolled back; a state file and backup that are
+both unreadable are rebuilt from the slots on disk that verify, instead of stopping every start.
 """
 
 from __future__ import annotations
@@ -46,13 +47,13 @@ from device_agents.budgets.state import Budgets
 from device_agents.config import DEFAULT_CRASH_LOOP_BOOTS, DEFAULT_HEALTH_WINDOW_S, AgentConfig
 from device_agents.faults import fault_point
 from device_agents.health import HealthWindows, Verdict
-from device_agents.integrity import PeriodicCheck, check_slot, retry_delays
+from device_agents.integrity import PeriodicCheck, check_slot, rebuild_state, retry_delays
 from device_agents.metrics import AgentMetrics
 from device_agents.platforms.compatibility import check_compatible
 from device_agents.registry import Registry
 from device_agents.runtimes import ServedModel, load_model
 from device_agents.selftest import REPORT_NAME, SelfTestReport, latency_verdict, run_selftest
-from device_agents.store import ModelState, Slot, Store, atomic_write
+from device_agents.store import ModelState, Slot, StateUnreadableError, Store, atomic_write
 from device_agents.updates.trust import bundle_trust
 from device_agents.validation_mark import check_validation_mark
 from edgekit.bundle import TrustStore
@@ -112,7 +113,8 @@ class Lifecycle:
         """Recover the store after a crash and load every model's active version."""
         self.budgets.start()
         with self.store.lock():
-            self.store.cleanup()
+            if not self._rebuild_unreadable_state():
+                self.store.cleanup()  # (after a rebuild, nothing is removed: a slot left out may be wanted)
             for name, ms in sorted(self.store.load_state().models.items()):
                 ms = self._recover(name, ms)
                 if ms.active is not None:
@@ -120,6 +122,28 @@ class Lifecycle:
         self.ready = True
         if self.config.verify_interval_s > 0:
             self._rest_checks = PeriodicCheck(self.config.verify_interval_s, self.check_at_rest).start()
+
+    def _rebuild_unreadable_state(self) -> bool:
+        """When ``state.json`` and its backup are both unreadable, set them aside and write a state
+        rebuilt from the verified slots on disk (``integrity.rebuild_state``), each step logged.
+        Returns whether it did."""
+        try:
+            self.store.load_state()
+            return False
+        except StateUnreadableError as exc:
+            log.error("%s", exc)
+        state, notes = rebuild_state(self.store, self.trust)
+        moved = self.store.set_aside_state()
+        self.store.save_state(state)
+        for note in notes:
+            log.warning("state rebuilt: %s", note)
+        log.error(
+            "state rebuilt from the verified slots on disk: %d model(s) (%s); the unreadable files are kept as %s",
+            len(state.models),
+            ", ".join(f"{n} v{ms.active.version}" for n, ms in state.models.items() if ms.active) or "none",
+            ", ".join(str(p) for p in moved),
+        )
+        return True
 
     def stop(self, *, clean: bool = True) -> None:
         """Close every runtime (after its running requests finish).
