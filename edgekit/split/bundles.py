@@ -87,8 +87,11 @@ def write_split_bundles(
 
 
 def check_cuts(plan: Plan, heads: Mapping[str, Path], cuts: Sequence[str] | None) -> list[str]:
-    """The cuts to ship: ``cuts`` (each one a cut of the plan) or, for None, those chosen."""
+    """The cuts to ship: ``cuts`` (each one a cut of the plan; ``["all"]``: every cut measured, for
+    a bundle to profile on the device) or, for None, those chosen."""
     chosen = list(cuts) if cuts is not None else useful_cuts(plan)
+    if chosen == ["all"]:
+        chosen = list(heads)
     unknown = [c for c in chosen if c not in heads]
     if unknown:
         raise ConfigError(f"--cuts {','.join(unknown)}: not cuts of this plan (it has {', '.join(heads)})")

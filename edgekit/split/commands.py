@@ -43,7 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     pkg.add_argument("--key", "--signing-key", dest="key", type=Path, required=True, help="Ed25519 private key")
     pkg.add_argument("--name", help="model name (default: MODEL's stem)")
     pkg.add_argument("--version", type=int, default=1)
-    pkg.add_argument("--cuts", default="auto", metavar="auto|ID,...", help="cuts to ship (auto: those chosen)")
+    pkg.add_argument(
+        "--cuts", default="auto", metavar="auto|all|ID,...", help="cuts to ship (auto: those chosen; all: every one)"
+    )
     pkg.add_argument("--bundle-dir", type=Path, default=Path("."), help="where the bundles go (default: .)")
     pkg.set_defaults(func=_package)
 
@@ -211,7 +213,12 @@ def add_package_arguments(p: argparse.ArgumentParser) -> None:
         "gate. When no cut helps at any planned bandwidth the bundle stays ordinary and the plan says why.",
     )
     g.add_argument("--split", action="store_true", help="plan the split and write the device and tail bundles")
-    g.add_argument("--cuts", default="auto", metavar="auto|ID,...", help="cuts to ship (auto: those the plan chose)")
+    g.add_argument(
+        "--cuts",
+        default="auto",
+        metavar="auto|all|ID,...",
+        help="cuts to ship (auto: those the plan chose; all: every cut measured, for `edgekit-agent profile`)",
+    )
     g.add_argument("--bandwidth-mbps", default="1,10,100,1000", help="--split: Mbit/s to plan for, comma-separated")
     g.add_argument("--rtt-ms", type=float, default=20.0, help="--split: round-trip time to the tail server")
     g.add_argument(

@@ -112,8 +112,19 @@ def build_options(
     if compress != "none":
         notes.append(f"cut tensors sent as {compress} + {compression.CODEC}")
 
+    # a cut the device profile lacks (the bundle profiled shipped other heads): this host's time
+    # scaled by the device's full model against this host's
+    scale = device.full_ms / measured.full_ms if device is not None and measured.full_ms > 0 else 1.0
+    missing = [m.cut.id for m in measured.cuts if device is not None and device.head_ms(m.cut) is None]
+    if missing:
+        notes.append(
+            f"device times of {', '.join(missing)} (not in the device profile): this host's x {scale:.3g} "
+            "(the device's full model against this host's); profile a bundle with those heads "
+            "(`edgekit package --split --cuts all`) to measure them"
+        )
+
     def device_ms(host_ms: float, profiled: float | None) -> float:
-        return profiled if profiled is not None else host_ms
+        return profiled if profiled is not None else host_ms * scale
 
     def server_ms(host_ms: float, profiled: float | None) -> float:
         return profiled if profiled is not None else host_ms / server_speedup
