@@ -10,7 +10,9 @@ With ``mode = "approximate"``, an exact miss is looked up again by its inputs' s
 the distance threshold answers it (response parameters ``cache = "hit"`` and ``distance``), and
 ``recheck_fraction`` of those hits are re-run through the model in a background thread (models
 without pre- or post-processing: the answer compared is the model's own), which holds the
-false-hit budget by halving the threshold. Without a configured ``max_distance`` the threshold is
+false-hit budget by halving the threshold. An answer's signature is stored with it, so an
+approximate hit that was written to disk (at its first hit) answers again after a restart.
+Without a configured ``max_distance`` the threshold is
 the one the packager calibrated into the manifest (``edgekit package --cache approximate``).
 With ``mode = "semantic"`` the vector looked up is the unit-length output of ``embed_with``,
 another served model run on the same inputs (``StageContext.registry`` leases it), instead of
@@ -327,8 +329,13 @@ class CacheLookup:
                 if ident != self._active:
                     self._active = ident
                     self.cache.sweep(self.endpoint, manifest.version)  # the replaced version's entries
-                    if self.link.index is not None:
-                        self.link.index.clear()  # their signatures
+                    index = self.link.index
+                    if index is not None:
+                        index.clear()  # their signatures; this version's stored ones (a restart) come back
+                        for context, sig, digest in self.cache.signatures(
+                            self.endpoint, manifest.version, index.capacity
+                        ):
+                            index.add(context, sig, digest)
         return maker
 
 
@@ -364,6 +371,7 @@ class CacheStore:
                 cost_s=time.perf_counter() - t0,
                 disk_on_hit=True,  # durable once it repeats: an answer never asked again costs no disk write
                 admit=self.policy.admit,
+                signature=None if sig is None else (key.header, sig),  # kept with it: found again after a restart
             )
         except UncacheableError:
             return

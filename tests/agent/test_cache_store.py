@@ -101,7 +101,35 @@ def test_tensors_round_trip_without_pickle_and_reject_bad_blobs() -> None:
         with pytest.raises(CacheFormatError):
             decode_tensors(bad)
     with pytest.raises(UncacheableError):
-        encode_tensors({"text": np.array(["a"], dtype=object)})
+        encode_tensors({"text": np.array([1.5], dtype=object)})
+
+
+def test_tensors_bytes_outputs_round_trip_as_read_only_bytes_items() -> None:
+    labels = np.array([[b"cat", "d\u00f6g"], [b"", "x" * 300]], dtype=object)  # bytes and str items, one empty
+    outputs = {"label": labels, "fixed": np.array([b"ab", b"c"]), "text": np.array(["hi"]), "score": _x(4, (2,))}
+    back = decode_tensors(encode_tensors(outputs))
+    assert back["label"].dtype == object and back["label"].shape == (2, 2) and not back["label"].flags.writeable
+    assert back["label"].tolist() == [[b"cat", "d\u00f6g".encode()], [b"", b"x" * 300]]
+    assert back["fixed"].tolist() == [b"ab", b"c"] and back["text"].tolist() == [b"hi"]
+    np.testing.assert_array_equal(back["score"], outputs["score"])
+    blob = encode_tensors({"label": labels})
+    for bad in (blob[:-1], blob + b"\0", blob.replace(b"x" * 300, b"x" * 299 + b"\xff\xff", 1)[:-2]):
+        with pytest.raises(CacheFormatError):
+            decode_tensors(bad)
+
+
+def test_cache_bytes_outputs_hit_from_memory_and_from_disk(tmp_path: Path) -> None:
+    cache = _cache(tmp_path)
+    key = _maker().key({"x": _x(50)})
+    outputs = {"label": np.array(["person", "bicycle"], dtype=object), "boxes": _x(51, (2, 4))}
+    assert cache.put(key, outputs, model="det", version=1, ttl_s=60, wait=True)
+    hit = cache.get(_maker().key({"x": _x(50)}), "det")
+    assert hit is not None and hit.outputs["label"].tolist() == [b"person", b"bicycle"]
+    cache.close()
+    reopened = _cache(tmp_path)
+    hit = reopened.get(_maker().key({"x": _x(50)}), "det")
+    assert hit is not None and hit.tier == "disk" and hit.outputs["label"].tolist() == [b"person", b"bicycle"]
+    reopened.close()
 
 
 def test_cache_hit_from_memory_then_from_disk_after_reopen(tmp_path: Path) -> None:
@@ -346,3 +374,28 @@ def test_cache_doorkeeper_says_seen_only_of_a_digest_it_was_shown() -> None:
     assert not any(fresh.seen_before(d) for d in digests)
     with pytest.raises(ValueError, match="power of two"):
         Doorkeeper(slots=3)
+
+
+def test_cache_file_of_the_previous_format_is_migrated_with_its_entries(tmp_path: Path) -> None:
+    cache = _cache(tmp_path)
+    key = _maker().key({"x": _x(60)})
+    assert cache.put(key, {"y": _x(61, (2,))}, model="det", version=1, ttl_s=60, wait=True)
+    cache.close()
+    with sqlite3.connect(tmp_path / DB_NAME) as db:  # as format 1 wrote it: no signature columns
+        db.execute("ALTER TABLE entries DROP COLUMN context")
+        db.execute("ALTER TABLE entries DROP COLUMN signature")
+        db.execute("PRAGMA user_version=1")
+    reopened = _cache(tmp_path)
+    hit = reopened.get(_maker().key({"x": _x(60)}), "det")
+    assert hit is not None and hit.tier == "disk" and not list(tmp_path.glob(f"{DB_NAME}.corrupt-*"))
+    sig = np.ones(4, np.float32) / 2
+    other = _maker().key({"x": _x(62)})
+    assert reopened.put(other, {"y": _x(63, (2,))}, model="det", version=1, ttl_s=60, wait=True, signature=(b"c", sig))
+    reopened.close()
+    with sqlite3.connect(tmp_path / DB_NAME) as db:
+        assert db.execute("PRAGMA user_version").fetchone() == (2,)
+    again = _cache(tmp_path)
+    [(context, stored, digest)] = again.signatures("det", 1, 10)
+    assert context == b"c" and digest == other.digest
+    np.testing.assert_array_equal(stored, sig)
+    again.close()
