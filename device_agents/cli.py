@@ -185,7 +185,23 @@ def cmd_run(args: argparse.Namespace) -> int:
                 (config.store / DAEMON_INFO).unlink()
             _record_stop(config.store / DAEMON_STOPPED)
     log.info("stopped")
+    exit_past_stuck_calls()
     return 0
+
+
+def exit_past_stuck_calls() -> None:
+    """Exit now (code 0, logs flushed) when runtime calls are still running that their runtime
+    could not stop (a hung call abandoned on a runtime without ``terminate``): finalizing the
+    interpreter under a runtime's C++ threads ends the process in SIGABRT."""
+    from device_agents.runtimes.base import calls_in_runtime
+
+    stuck = calls_in_runtime()
+    if stuck:
+        log.warning("%d runtime calls never returned; exiting without waiting for them", stuck)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def on_ready(url: str, models: dict[str, int]) -> systemd.SystemdNotifier:
