@@ -95,6 +95,24 @@ def _plan_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--save-profile", type=Path, metavar="P.json", help="write this host's times as a profile")
     plan.add_argument("--no-plot", action="store_true", help="skip latency.png")
     plan.add_argument(
+        "--objective",
+        choices=("latency", "energy"),
+        default="latency",
+        help="what the best option minimises: end-to-end latency, or the device's energy per request",
+    )
+    plan.add_argument(
+        "--device-power-w",
+        type=float,
+        metavar="W",
+        help="--objective energy: watts the device draws computing (default: the device profile's)",
+    )
+    plan.add_argument(
+        "--radio-power-w", type=float, metavar="W", help="--objective energy: watts while sending (assumed 1)"
+    )
+    plan.add_argument(
+        "--idle-power-w", type=float, metavar="W", help="--objective energy: watts waiting for the server (assumed 0.2)"
+    )
+    plan.add_argument(
         "--all-cuts",
         action="store_true",
         help="measure every cut, also those sending no fewer bytes than an earlier cut (for a server slower "
@@ -134,6 +152,10 @@ def _run_plan(args: Any) -> Any:
         save_profile=args.save_profile,
         plot=not args.no_plot,
         all_cuts=args.all_cuts,
+        objective=args.objective,
+        device_power_w=args.device_power_w,
+        radio_power_w=args.radio_power_w,
+        idle_power_w=args.idle_power_w,
     )
 
 

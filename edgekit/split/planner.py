@@ -53,6 +53,10 @@ def plan_model(
     save_profile: Path | None = None,
     plot: bool = True,
     all_cuts: bool = False,
+    objective: str = "latency",
+    device_power_w: float | None = None,
+    radio_power_w: float | None = None,
+    idle_power_w: float | None = None,
 ) -> PlanRun:
     if target not in TARGETS:
         raise ConfigError(
@@ -90,6 +94,10 @@ def plan_model(
         server=server,
         server_speedup=server_speedup,
         compress=compress,
+        objective=objective,
+        device_power_w=device_power_w,
+        radio_power_w=radio_power_w,
+        idle_power_w=idle_power_w,
     )
     kept = "" if all_cuts else f" ({len(cuts)} send fewer bytes than the input and every earlier cut)"
     text = f"# {model_path.name}: {found} cut(s) where <= {max_tensors} tensor(s) cross{kept}; samples: {source}\n"
@@ -157,6 +165,8 @@ def plan_json(model_path: Path, plan: Plan, measured: Measurements, source: str)
         "model": model_path.name,
         "samples": source,
         "compress": plan.compress,
+        "objective": plan.objective,
+        "power_w": asdict(plan.power) if plan.power is not None else None,
         "compression_codec": compression.CODEC,
         "assumptions": list(plan.assumptions),
         "options": [asdict(o) for o in plan.options],
