@@ -393,6 +393,19 @@ class Store:
             atomic_write(d / SIGNATURE_NAME, sig)
         return verified
 
+    def verify_slot_signature(self, slot: Slot, trust: TrustStore) -> str:
+        """The signer's key id if ``trust`` still accepts ``slot``'s signed manifest (signature, key
+        not revoked, the key's names), its files left unhashed: the cheap half of ``verify_slot``,
+        for a change of trust. Raises ``SignatureError``; ``OSError``, ``BundleError`` or
+        ``ManifestError`` when it cannot be read."""
+        d = self.model_dir(slot)
+        raw = (d / MANIFEST_NAME).read_bytes()
+        sig_path = d / SIGNATURE_NAME
+        sig = sig_path.read_bytes() if sig_path.exists() else read_head(self.root / "bundles" / f"{slot.sha256}.ekb")[1]
+        kid = trust.verify(raw, sig)
+        trust.check_name(kid, Manifest.from_json(raw).name)
+        return kid
+
     # -- housekeeping -------------------------------------------------------------------
     def cleanup(self, keep_extra: int = 1) -> list[str]:
         """Remove debris and old bundles; keep active, previous, candidate and the newest.

@@ -272,7 +272,8 @@ class UpdateClient:
             return
         if doc is None:
             return
-        self.lifecycle.trust = self.trust.bundle_trust()
+        # models signed by a key revoked now stop serving before this returns (then roll back)
+        self.lifecycle.apply_trust(self.trust.bundle_trust())
         log.warning(
             "updates: keys document v%d accepted: %d notice key(s), %d bundle key(s) added; revoked: %s",
             doc.version,
