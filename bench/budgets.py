@@ -16,14 +16,18 @@ keeps within its memory and power budgets under load.
   503); the average power over a 30 s window after the first bucket is spent is compared with
   the budget; level changes are the agent's ``edgekit_degradation_changes_total``.
 - Variants: the same power budget over a variant set (a MatMul and a scaling of one interface)
-  with ``degrade = ["variant", "shed"]``: each answer feeds the counter its variant's energy; the
-  average power, and how often the answers switched down to the small variant and back up.
+  with ``degrade = ["variant", "shed"]``: each answer feeds the counter its variant's energy. A
+  paced load (an offered rate) at which the big variant is over the budget and the small one
+  under it, then a light load at which the big one fits: the average power under the heavy load,
+  the switches down and back up (answers, and ``edgekit_degradation_level`` and each variant's
+  infer count as ``/metrics`` shows them), and how long after the load drops the big one answers.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import statistics
 import threading
@@ -127,8 +131,18 @@ def _weighty(path: Path, seed: int) -> tuple[Path, np.ndarray]:
 def _bundle(ctx: BenchContext, onnx_path: Path, model_name: str, x: np.ndarray, out: Path) -> Path:
     import edgekit
 
+    # the gate is judged on held-out data (50 samples): rows of x with noise added
+    rows = np.resize(x, (50, *x.shape[1:]))
+    held_out = rows + np.random.default_rng(7).standard_normal(rows.shape).astype(np.float32) * 0.1
     result = edgekit.package(
-        onnx_path, targets=["cpu"], precision="fp32", calib={"x": x}, key=ctx.key, name=model_name, out_dir=out
+        onnx_path,
+        targets=["cpu"],
+        precision="fp32",
+        calib={"x": x},
+        eval={"x": held_out},
+        key=ctx.key,
+        name=model_name,
+        out_dir=out,
     )
     return Path(result.bundles["cpu"])
 
@@ -267,7 +281,10 @@ class _RaplCounter:
     def spend(self, joules: float) -> None:
         with self._lock:
             self._used_uj += int(joules * 1e6)
-            self._counter.write_text(f"{self._used_uj % self.RANGE_UJ}\n")
+            # written whole and renamed over: a sysfs read never sees a half-written (or empty) file
+            part = self._counter.with_name("energy_uj.part")
+            part.write_text(f"{self._used_uj % self.RANGE_UJ}\n")
+            os.replace(part, self._counter)
 
     def used_uj(self) -> int:
         with self._lock:
@@ -350,7 +367,16 @@ def _power(ctx: BenchContext, name: str) -> list[Measurement]:
 
 # -- variants under a power budget -------------------------------------------------------------
 VARIANT_N = 1024
-VARIANT_J = {"v-big": 0.03, "v-small": 0.003}  # the fixture board's energy per answer of each variant
+# The fixture board's energy per answer of each variant. The load is paced (an offered rate, not
+# clients sending as fast as answers come): with closed-loop clients the small variant's answers
+# come as fast as the machine serves them, and on a quiet machine (> 500 a second at 3 mJ each)
+# the small variant alone was over the budget, so the agent rightly shed instead of going back up.
+VARIANT_J = {"v-big": 0.08, "v-small": 0.005}
+HEAVY_RPS = 60.0  # v-big 0.5 + 4.8 W, v-small 0.5 + 0.3 W: over and under the 2 W budget
+LIGHT_RPS = 8.0  # v-big 0.5 + 0.64 W: under it, so the big variant serves again and stays
+HEAVY_S = 2 * POWER_WINDOW_S + 20.0
+LIGHT_S = 15.0
+VARIANT_CLIENTS = 4
 
 
 def _variant_model(path: Path, *, big: bool) -> Path:
@@ -389,6 +415,31 @@ def _infer_variant(url: str, x: np.ndarray) -> tuple[int, str]:
         return int(exc.code), ""
 
 
+class _Pacer:
+    """Hands out request slots at ``rate`` a second (shared by the clients): an offered load that
+    does not grow when answers get cheaper. A slot missed while every client was busy is dropped."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self._next = time.monotonic()
+        self._lock = threading.Lock()
+
+    def wait(self, stop: threading.Event) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            self._next = max(self._next + 1.0 / self.rate, now - 1.0 / self.rate)
+            due = self._next
+        return not stop.wait(max(0.0, due - time.monotonic()))
+
+
+def _variant_counts(url: str) -> dict[str, float]:
+    text = _metrics(url)
+    return {
+        v: _value(text, f'edgekit_stage_seconds_count{{model="{v}",stage="infer"}}') if v in text else 0.0
+        for v in VARIANT_J
+    }
+
+
 def _variants(ctx: BenchContext, name: str) -> list[Measurement]:
     from examples.agent_process import RunningAgent
 
@@ -407,10 +458,12 @@ def _variants(ctx: BenchContext, name: str) -> list[Measurement]:
         f'degrade = ["variant", "shed"]\nsysfs_root = "{work / "sysfs"}"\n'
     )
     answers: list[tuple[float, int, str]] = []
+    levels: list[tuple[float, float]] = []  # (time, edgekit_degradation_level) as /metrics said
     with RunningAgent(work / "agent", [ctx.pub], threads=1, extra_config=config) as agent:
         for bundle in bundles:
             agent.install(bundle)
         stop = threading.Event()
+        pacer = _Pacer(HEAVY_RPS)
 
         def idle() -> None:
             last = time.monotonic()
@@ -420,47 +473,72 @@ def _variants(ctx: BenchContext, name: str) -> list[Measurement]:
                 last = now
 
         def client() -> None:
-            while not stop.is_set():
+            while pacer.wait(stop):
                 code, variant = _infer_variant(agent.url, x)
                 answers.append((time.monotonic(), code, variant))
                 if code == 200:
                     spend(VARIANT_J.get(variant, 0.0))
-                else:
-                    time.sleep(0.05)
 
-        threads = [threading.Thread(target=idle)] + [threading.Thread(target=client) for _ in range(2)]
+        def watch() -> None:
+            while not stop.wait(0.25):
+                levels.append((time.monotonic(), _value(_metrics(agent.url), "edgekit_degradation_level")))
+
+        threads = [threading.Thread(target=idle), threading.Thread(target=watch)]
+        threads += [threading.Thread(target=client) for _ in range(VARIANT_CLIENTS)]
+        ctx.progress(
+            f"{name}: a variant set under {POWER_BUDGET_W} W; {HEAVY_RPS:.0f} requests/s for {HEAVY_S:.0f} s, "
+            f"then {LIGHT_RPS:.0f}/s for {LIGHT_S:.0f} s"
+        )
         for t in threads:
             t.start()
-        ctx.progress(f"{name}: a variant set under {POWER_BUDGET_W} W; {2 * POWER_WINDOW_S + MEASURE_S:.0f} s of load")
-        time.sleep(2 * POWER_WINDOW_S)
+        time.sleep(2 * POWER_WINDOW_S)  # the first bucket spent
         e0, t0 = meter.used_uj(), time.monotonic()
         changes0 = _value(_metrics(agent.url), "edgekit_degradation_changes_total")
-        time.sleep(MEASURE_S)
+        time.sleep(HEAVY_S - 2 * POWER_WINDOW_S)
         e1, t1 = meter.used_uj(), time.monotonic()
+        heavy_counts = _variant_counts(agent.url)
+        pacer.rate = LIGHT_RPS  # the load drops
+        time.sleep(LIGHT_S)
+        t2 = time.monotonic()
         changes = _value(_metrics(agent.url), "edgekit_degradation_changes_total") - changes0
+        end_counts = _variant_counts(agent.url)
         stop.set()
         for t in threads:
             t.join(timeout=60)
-    window = sorted(a for a in answers if t0 <= a[0] <= t1)
-    served = [v for _, code, v in window if code == 200]
+    ordered = sorted(answers)
+    served = [v for _, code, v in ordered if code == 200]
     down = sum(1 for a, b in itertools.pairwise(served) if (a, b) == ("v-big", "v-small"))
     up = sum(1 for a, b in itertools.pairwise(served) if (a, b) == ("v-small", "v-big"))
-    if not down or not up:
-        seen = sorted({(code, variant) for _, code, variant in window})
+    light = [(t, code, v) for t, code, v in ordered if t1 < t <= t2]
+    light_tail = [v for t, code, v in light if t > t1 + (t2 - t1) / 2]  # its second half: recovered by then
+    if not down or not up or not light_tail or any(v != "v-big" for v in light_tail):
+        seen = sorted({(code, variant) for _, code, variant in ordered})
         raise BenchError(
-            f"the variant did not switch down and back up under the power budget ({down} down, {up} up; "
-            f"answers (status, variant) seen: {seen[:6]})"
+            f"the variant did not switch down under load and back up when it dropped ({down} down, {up} up; "
+            f"answers (status, variant) seen: {seen[:6]}; in the light load's second half: {sorted(set(light_tail))})"
         )
+    # the last small-variant answer after the drop: from then on the big one answered every request
+    back_up_s = max((t - t1 for t, code, v in light if v == "v-small"), default=0.0)
+    heavy = [(t, code, v) for t, code, v in ordered if t0 <= t <= t1]
+    heavy_rps = len(heavy) / (t1 - t0)
+    small_w = IDLE_W + heavy_rps * VARIANT_J["v-small"]
     avg_w = (e1 - e0) / 1e6 / (t1 - t0)
+    refused = sum(1 for _, c, _ in heavy if c != 200)
+    level_path = [int(lv) for _, lv in levels]
+    level_path = [lv for i, lv in enumerate(level_path) if i == 0 or lv != level_path[i - 1]]
     note = (
         f"fixture RAPL counter: {IDLE_W} W idle + {VARIANT_J['v-big']} J per v-big answer, {VARIANT_J['v-small']} J "
-        f"per v-small; {served.count('v-big')} v-big and {served.count('v-small')} v-small answers, "
-        f"{len(window) - len(served)} refused; switched down {down} and up {up} times; {changes:.0f} level changes"
+        f"per v-small; {heavy_rps:.0f} requests/s offered and answered under heavy load (v-small alone "
+        f"{small_w:.2f} W), then {LIGHT_RPS:.0f}/s; switched down {down} and up {up} times, {changes:.0f} level "
+        f"changes; metrics: infer calls v-big {heavy_counts['v-big']:.0f} -> {end_counts['v-big']:.0f}, v-small "
+        f"{heavy_counts['v-small']:.0f} -> {end_counts['v-small']:.0f} over the light load; level path "
+        f"{'-'.join(map(str, level_path[:24]))}{'...' if len(level_path) > 24 else ''}; the last v-small "
+        f"answer {back_up_s:.1f} s after the load dropped; {refused} refused under heavy load"
     )
     return [
         Measurement(
             name,
-            f"variant set under a power budget, {MEASURE_S:.0f} s",
+            f"variant set, {HEAVY_RPS:.0f} requests/s for {HEAVY_S - 2 * POWER_WINDOW_S:.0f} s",
             "average power",
             "W",
             "budget",
@@ -468,5 +546,16 @@ def _variants(ctx: BenchContext, name: str) -> list[Measurement]:
             POWER_BUDGET_W,
             avg_w,
             note,
+        ),
+        Measurement(
+            name,
+            f"variant set, {HEAVY_RPS:.0f} then {LIGHT_RPS:.0f} requests/s",
+            "answers by the big variant",
+            "%",
+            "heavy load",
+            "light load",
+            100 * sum(1 for _, c, v in heavy if v == "v-big") / max(1, len(heavy)),
+            100 * sum(1 for _, c, v in light if v == "v-big") / max(1, len(light)),
+            f"the rest by v-small (or refused); every answer after {back_up_s:.1f} s into the light load was v-big",
         ),
     ]

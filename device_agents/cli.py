@@ -185,7 +185,23 @@ def cmd_run(args: argparse.Namespace) -> int:
                 (config.store / DAEMON_INFO).unlink()
             _record_stop(config.store / DAEMON_STOPPED)
     log.info("stopped")
+    exit_past_stuck_calls()
     return 0
+
+
+def exit_past_stuck_calls() -> None:
+    """Exit now (code 0, logs flushed) when runtime calls are still running that their runtime
+    could not stop (a hung call abandoned on a runtime without ``terminate``): finalizing the
+    interpreter under a runtime's C++ threads ends the process in SIGABRT."""
+    from device_agents.runtimes.base import calls_in_runtime
+
+    stuck = calls_in_runtime()
+    if stuck:
+        log.warning("%d runtime calls never returned; exiting without waiting for them", stuck)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def on_ready(url: str, models: dict[str, int]) -> systemd.SystemdNotifier:
@@ -482,7 +498,26 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Time a split bundle's full model and heads here, for `edgekit split plan --device-profile`."""
+    from device_agents.split.profile import profile_bundle, write_profile
+    from device_agents.updates.trust import bundle_trust
+
+    config = load_config(args.config)
+    bundle = Path(args.bundle)
+    if not bundle.is_file():
+        raise StoreError(f"{args.bundle} does not exist or is not a file")
+    doc = profile_bundle(
+        bundle, bundle_trust(config), config.runtime_options, budget_s=args.budget_s, device_power_w=args.device_power_w
+    )
+    write_profile(args.output, doc)
+    cuts = ", ".join(f"{k} {v['head_ms']:.3f}" for k, v in doc["cuts"].items())
+    print(f"full model {doc['full_ms']:.3f} ms; heads (ms): {cuts}; wrote {args.output}")
+    return 0
+
+
 COMMANDS = {
+    "profile": cmd_profile,
     "run": cmd_run,
     "install": cmd_install,
     "status": cmd_status,
@@ -534,7 +569,16 @@ def build_parser() -> Parser:
     trace = sub.add_parser("trace", help="write a Chrome trace of the requests the running daemon serves")
     trace.add_argument("--seconds", type=float, default=5.0, help="how long to record (default 5, at most 60)")
     trace.add_argument("-o", "--output", type=Path, default=Path("trace.json"), help="where (default trace.json)")
-    for p in (run, install, status, stats, listing, uninstall, rollback, trace):
+    profile = sub.add_parser(
+        "profile", help="time a split bundle's full model and heads here (for `edgekit split plan --device-profile`)"
+    )
+    profile.add_argument("bundle", type=Path, help="the split .ekb (from `edgekit package --split`)")
+    profile.add_argument("-o", "--output", type=Path, default=Path("profile.json"), help="where (default profile.json)")
+    profile.add_argument("--budget-s", type=float, default=10.0, help="seconds spent timing (default 10)")
+    profile.add_argument(
+        "--device-power-w", type=float, help="watts to record where the device has no energy meter (stated)"
+    )
+    for p in (run, install, status, stats, listing, uninstall, rollback, trace, profile):
         p.add_argument(
             "--config",
             type=Path,

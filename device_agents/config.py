@@ -125,6 +125,10 @@ class UpdatesConfig:
     defer_on_battery: bool = True
     keepalive_s: int = 30
     reconnect_max_s: float = 60.0
+    # The largest MQTT packet taken from the broker: asked of it at CONNECT (MQTT 5 Maximum Packet
+    # Size: a compliant broker drops a bigger message for this device), and one that arrives anyway
+    # ends the connection before its payload is read. Desired states and keys documents are a few KB.
+    max_packet_kb: int = 1024
     health_window_s: float = DEFAULT_HEALTH_WINDOW_S  # a switched-to version must run this long to count as healthy
     crash_loop_boots: int = DEFAULT_CRASH_LOOP_BOOTS  # starts within the health window before a rollback
     # Fleet trust (device_agents.updates.trust): keys of the notice role (sign desired states) and of
@@ -159,6 +163,7 @@ class UpdatesConfig:
             ("max_bundle_mb", self.max_bundle_mb),
             ("keepalive_s", self.keepalive_s),
             ("reconnect_max_s", self.reconnect_max_s),
+            ("max_packet_kb", self.max_packet_kb),
             ("health_window_s", self.health_window_s),
             ("crash_loop_boots", self.crash_loop_boots),
             ("download_deadline_s", self.download_deadline_s),
@@ -294,6 +299,7 @@ class BatchingConfig:
 
 
 CACHE_MODES = ("exact", "approximate", "semantic")
+CACHE_ADMIT = ("first", "second")  # device_agents.cache.admission
 
 
 @dataclass(frozen=True)
@@ -312,7 +318,11 @@ class ModelCacheConfig:
     ``semantic``: the key is the output vector of ``embed_with``, another model served by this
     agent (given the request's inputs), and a request whose vector is within ``max_distance``
     (cosine distance) of a cached one's is answered from it, with the same recheck. ``max_mb``:
-    this model's share of the disk tier (None: only ``[cache] max_mb`` bounds it). Refused for a
+    this model's share of the disk tier (None: only ``[cache] max_mb`` bounds it). ``admit``: which
+    missed answers the memory tier takes once it is full: ``"second"`` (the exact mode's default)
+    stores an answer at its key's second sighting (the first is remembered by a 64-bit hash), so
+    inputs that never repeat cost no copy; ``"first"`` stores every answer (the approximate and
+    semantic modes' only choice: their hits are never byte-identical repeats). Refused for a
     stateful model."""
 
     mode: str = "exact"
@@ -323,10 +333,18 @@ class ModelCacheConfig:
     recheck_fraction: float = 0.0
     max_distance: float | None = None  # approximate: the distance threshold (None: the manifest's calibrated one)
     false_hit_budget: float = 0.01  # approximate: the false-hit rate the run-time recheck holds
+    admit: str | None = None  # "first" | "second"; None: "second" for exact, else "first"
 
     def __post_init__(self) -> None:
         if self.mode not in CACHE_MODES:
             raise ValueError(f"mode {self.mode!r} must be one of {', '.join(CACHE_MODES)}")
+        if self.admit is not None and self.admit not in CACHE_ADMIT:
+            raise ValueError(f"admit {self.admit!r} must be one of {', '.join(CACHE_ADMIT)}")
+        if self.admit == "second" and self.mode != "exact":
+            raise ValueError(
+                f'admit = "second" goes with mode = "exact": {self.mode} hits are near, never byte-identical, '
+                'repeats; remove admit or set it to "first"'
+            )
         if (self.mode == "semantic") != (self.embed_with is not None):
             raise ValueError(
                 'mode = "semantic" goes with embed_with (the served name of the model whose output keys the '

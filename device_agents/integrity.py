@@ -17,11 +17,13 @@ import random
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
-from device_agents.store import Slot, Store
+from device_agents.store import ModelState, Slot, State, Store
 from device_agents.threads import NamedThread
 from edgekit.bundle import TrustStore
 from edgekit.bundle.errors import BundleError, ManifestError, StoreError
+from edgekit.bundle.manifest import utc_now
 
 log = logging.getLogger("edgekit.agent")
 
@@ -46,6 +48,47 @@ def check_slot(store: Store, slot: Slot, trust: TrustStore) -> AtRest:
     except (OSError, StoreError) as exc:
         return AtRest(False, True, str(exc))
     return AtRest(True)
+
+
+def rebuild_state(store: Store, trust: TrustStore) -> tuple[State, list[str]]:
+    """A state for ``store`` from the slots on its disk, when ``state.json`` and its backup are
+    both unreadable: every slot is verified at rest (signature by a key ``trust`` still accepts,
+    every file's length and hash); per model the newest verified version is active and the next
+    newest previous. Returns the state and one line per slot on what was done with it.
+
+    What the lost file knew and the disk does not is noted in each model's ``error``: the
+    anti-rollback counter restarts at the active version, and its health is taken as confirmed
+    (it is the newest version that was verified, so the crash-loop guard has nothing to go back to
+    that is known better)."""
+    found: dict[str, list[Slot]] = {}
+    notes = []
+    for slot in store.slot_dirs():
+        name = Path(slot.path).parent.name
+        check = check_slot(store, slot, trust)
+        if not check.ok:
+            notes.append(f"{slot.path}: left out, it does not verify ({check.why})")
+            continue
+        m = store.manifest_of(slot)
+        if (m.name, m.version) != (name, slot.version):
+            notes.append(f"{slot.path}: left out, it holds {m.name} v{m.version}")
+            continue
+        found.setdefault(name, []).append(slot)
+    models = {}
+    for name, slots in sorted(found.items()):
+        newest = sorted(slots, key=lambda s: s.version, reverse=True)
+        active = newest[0]
+        previous = next((s for s in newest[1:] if s.version < active.version), None)
+        why = (
+            f"state rebuilt from the verified slots on disk: v{active.version} active"
+            + (f", v{previous.version} previous" if previous else "")
+            + "; the anti-rollback counter restarts at the active version"
+        )
+        models[name] = ModelState(
+            max_version=active.version, active=active, previous=previous, status="rebuilt", error=why,
+            updated=utc_now(), active_healthy=True,
+        )  # fmt: skip
+        notes.append(f"{name}: {why}")
+    return State(models=models), notes
 
 
 def _caused_by_os_error(exc: BaseException) -> bool:

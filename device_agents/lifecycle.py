@@ -26,7 +26,8 @@ asks for the verdict (``health_verdict``) and reports it.
 
 ``start`` recovers after a crash: an install that was interrupted before ``promote`` is dropped
 (the previous version keeps serving); a version that keeps the agent from running through its
-health window for ``crash_loop_boots`` starts is rolled back.
+health window for ``crash_loop_boots`` starts is rolled back; a state file and backup that are
+both unreadable are rebuilt from the slots on disk that verify, instead of stopping every start.
 """
 
 from __future__ import annotations
@@ -41,22 +42,31 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
+from device_agents.budgets.knobs import options_for_load
 from device_agents.budgets.memory import MemoryBudgetError
 from device_agents.budgets.state import Budgets
 from device_agents.config import DEFAULT_CRASH_LOOP_BOOTS, DEFAULT_HEALTH_WINDOW_S, AgentConfig
 from device_agents.faults import fault_point
 from device_agents.health import HealthWindows, Verdict
-from device_agents.integrity import PeriodicCheck, check_slot, retry_delays
+from device_agents.integrity import PeriodicCheck, check_slot, rebuild_state, retry_delays
 from device_agents.metrics import AgentMetrics
 from device_agents.platforms.compatibility import check_compatible
-from device_agents.registry import Registry
+from device_agents.registry import Loaded, Registry
 from device_agents.runtimes import ServedModel, load_model
 from device_agents.selftest import REPORT_NAME, SelfTestReport, latency_verdict, run_selftest
-from device_agents.store import ModelState, Slot, Store, atomic_write
+from device_agents.store import ModelState, Slot, StateUnreadableError, Store, atomic_write
+from device_agents.threads import NamedThread
 from device_agents.updates.trust import bundle_trust
 from device_agents.validation_mark import check_validation_mark
 from edgekit.bundle import TrustStore
-from edgekit.bundle.errors import ModelNotFoundError, SelfTestError, StoreError
+from edgekit.bundle.errors import (
+    BundleError,
+    ManifestError,
+    ModelNotFoundError,
+    SelfTestError,
+    SignatureError,
+    StoreError,
+)
 from edgekit.bundle.manifest import Manifest
 
 log = logging.getLogger("edgekit.agent")
@@ -112,7 +122,8 @@ class Lifecycle:
         """Recover the store after a crash and load every model's active version."""
         self.budgets.start()
         with self.store.lock():
-            self.store.cleanup()
+            if not self._rebuild_unreadable_state():
+                self.store.cleanup()  # (after a rebuild, nothing is removed: a slot left out may be wanted)
             for name, ms in sorted(self.store.load_state().models.items()):
                 ms = self._recover(name, ms)
                 if ms.active is not None:
@@ -120,6 +131,28 @@ class Lifecycle:
         self.ready = True
         if self.config.verify_interval_s > 0:
             self._rest_checks = PeriodicCheck(self.config.verify_interval_s, self.check_at_rest).start()
+
+    def _rebuild_unreadable_state(self) -> bool:
+        """When ``state.json`` and its backup are both unreadable, set them aside and write a state
+        rebuilt from the verified slots on disk (``integrity.rebuild_state``), each step logged.
+        Returns whether it did."""
+        try:
+            self.store.load_state()
+            return False
+        except StateUnreadableError as exc:
+            log.error("%s", exc)
+        state, notes = rebuild_state(self.store, self.trust)
+        moved = self.store.set_aside_state()
+        self.store.save_state(state)
+        for note in notes:
+            log.warning("state rebuilt: %s", note)
+        log.error(
+            "state rebuilt from the verified slots on disk: %d model(s) (%s); the unreadable files are kept as %s",
+            len(state.models),
+            ", ".join(f"{n} v{ms.active.version}" for n, ms in state.models.items() if ms.active) or "none",
+            ", ".join(str(p) for p in moved),
+        )
+        return True
 
     def stop(self, *, clean: bool = True) -> None:
         """Close every runtime (after its running requests finish).
@@ -300,6 +333,56 @@ class Lifecycle:
         why = f"{why}; no longer served: install a good version"
         log.error("%s: %s", name, why)
         self._record(name, lambda s: replace(s, status="failed", error=why), lock=True)
+
+    def apply_trust(self, trust: TrustStore) -> list[str]:
+        """Take ``trust`` (a keys document was accepted: keys added, narrowed or revoked) and stop
+        serving, at once, every installed model whose served slot it no longer accepts (the
+        signature is checked, not the files: that is quick). Its requests are refused meanwhile,
+        saying why; then, off the caller's thread, each such model is rolled back to its previous
+        slot where that one verifies with ``trust``, else recorded as failed. Returns one line per
+        model stopped."""
+        self.trust = trust
+        stopped: list[tuple[str, Slot, str, Loaded | None, bool]] = []
+        for name, ms in sorted(self.store.load_state().models.items()):
+            entry = self.registry.peek(name)
+            slot = _served_slot(ms, entry.version if entry is not None else None)
+            if slot is None:
+                continue
+            try:
+                self.store.verify_slot_signature(slot, trust)
+                continue
+            except SignatureError as exc:
+                why = f"v{slot.version} is signed by a key no longer trusted ({exc})"
+            except (OSError, BundleError, ManifestError):
+                continue  # unreadable now: verification at rest judges it
+            unloaded = entry is None and self.registry.held_unloaded(name)  # by the operator: stays so
+            self.registry.pin(name, None, f"{why}; install a version signed by a trusted key")
+            dropped = self.registry.drop_version(name, slot.version) if entry is not None else None
+            self.metrics.verify_failures.labels(name).inc()
+            log.error("%s: %s: no longer served", name, why)
+            stopped.append((name, slot, why, dropped, not unloaded))
+        if stopped:
+            NamedThread(target=self._after_revocation, args=(stopped,), name="edgekit-revoked", daemon=True).start()
+        return [f"{name}: {why}" for name, _, why, _, _ in stopped]
+
+    def _after_revocation(self, stopped: list[tuple[str, Slot, str, Loaded | None, bool]]) -> None:
+        """``apply_trust``'s second half: close what it dropped, roll back where a previous slot
+        verifies, record the rest as failed."""
+        for name, slot, why, dropped, may_roll_back in stopped:
+            if dropped is not None:
+                self.registry.retire(dropped)
+            prev = self.store.model_state(name).previous
+            if may_roll_back and prev is not None and prev != slot and check_slot(self.store, prev, self.trust).ok:
+                try:
+                    self.rollback(name, f"{why}; rolled back to v{prev.version}", only_if_active=slot)
+                    continue
+                except Exception as exc:  # a runtime may raise anything; the model stays unserved
+                    why = f"{why}; rollback to v{prev.version} failed ({exc})"
+            self.registry.end_probation(name)
+            self.metrics.model_version.labels(name).set(0)
+            failed = f"{why}; no longer served: install a version signed by a trusted key"
+            log.error("%s: %s", name, failed)
+            self._record(name, lambda s, why=failed: replace(s, status="failed", error=why), lock=True)  # type: ignore[misc]  # bound now (B023)
 
     def _record(self, name: str, fn: Callable[[ModelState], ModelState], *, lock: bool = False) -> None:
         """A bookkeeping write to the store: logged when it fails, and serving goes on."""
@@ -612,9 +695,10 @@ class Lifecycle:
         (``MemoryBudgetError`` when it does not fit). ``on_demand``: a request's reload."""
 
         def load() -> ServedModel:
-            return load_model(
-                self.store.model_dir(slot), m, self.config.runtime_options(m.name, m.compatibility.runtime)
-            )
+            options = self.config.runtime_options(m.name, m.compatibility.runtime)
+            if self.budgets.memory is not None:  # the settings left to the runtime follow the budget
+                options = options_for_load(options, self.budgets.memory.room(m), m.name)
+            return load_model(self.store.model_dir(slot), m, options)
 
         if self.budgets.memory is None:
             return load()
@@ -646,3 +730,11 @@ class Lifecycle:
                 "updated": ms.updated,
             }
         return out
+
+
+def _served_slot(ms: ModelState, served_version: int | None) -> Slot | None:
+    """The slot ``served_version`` comes from (the active one when nothing is loaded: the next
+    request would load it), or None."""
+    if served_version is None:
+        return ms.active
+    return next((s for s in (ms.active, ms.previous) if s is not None and s.version == served_version), None)

@@ -238,8 +238,10 @@ class CacheSeries(Collector):
     lookup: an estimate of the time saved), ``edgekit_cache_evictions_total{tier}``,
     ``edgekit_cache_entries{tier}`` and ``edgekit_cache_bytes{tier}`` (memory, disk),
     ``edgekit_cache_paused`` (1 while writing to disk is off: a full disk), ``edgekit_cache_pauses_total``,
-    ``edgekit_cache_corrupt_total`` (files moved aside) and ``edgekit_cache_write_drops_total``
-    (entries not written: the writer was behind). Plain counts under one lock, as ``RequestSeries``."""
+    ``edgekit_cache_corrupt_total`` (files moved aside), ``edgekit_cache_write_drops_total``
+    (entries not written: the writer was behind) and ``edgekit_cache_deferred_total`` (answers not
+    stored at their key's first sighting: ``admit = "second"``). Plain counts under one lock, as
+    ``RequestSeries``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -251,6 +253,7 @@ class CacheSeries(Collector):
         self._pauses = 0
         self._corrupt = 0
         self._drops = 0
+        self._deferred = 0
         self._sizes: list[Callable[[], tuple[int, int, int, int]]] = []
         # approximate mode, per model: (distance threshold, false-hit rate or None, its 95% upper bound, rechecks)
         self._approximate: dict[str, tuple[float, float | None, float, int]] = {}
@@ -284,6 +287,10 @@ class CacheSeries(Collector):
         with self._lock:
             self._drops += 1
 
+    def deferred(self) -> None:
+        with self._lock:
+            self._deferred += 1
+
     def approximate(self, model: str, threshold: float, rate: float | None, bound: float, rechecked: int) -> None:
         """The approximate mode's state of ``model``: its distance threshold and measured false-hit rate."""
         with self._lock:
@@ -301,6 +308,7 @@ class CacheSeries(Collector):
             saved = list(self._saved_s.items())
             evictions = list(self._evictions.items())
             paused, pauses, corrupt, drops = self._paused, self._pauses, self._corrupt, self._drops
+            deferred = self._deferred
             sources = list(self._sizes)
             approximate = list(self._approximate.items())
         yield _counter(
@@ -384,6 +392,11 @@ class CacheSeries(Collector):
         yield CounterMetricFamily(
             "edgekit_cache_write_drops", "Result-cache entries not written to disk (the writer was behind)", value=drops
         )
+        yield CounterMetricFamily(
+            "edgekit_cache_deferred",
+            "Missed answers not stored at their key's first sighting (admit = second, memory tier full)",
+            value=deferred,
+        )
 
 
 def _counter(
@@ -435,6 +448,13 @@ class AgentMetrics:
             "edgekit_hung_calls",
             "Runtime calls past server.hung_call_s (the model was reloaded)",
             ["model"],
+            registry=r,
+        )
+        self.hung_call_stops = Counter(
+            "edgekit_hung_call_stops",
+            "What became of each hung runtime call: terminated (the runtime stopped it, its core is "
+            "free again) or abandoned (the runtime cannot stop a call: its thread runs on)",
+            ["model", "how"],
             registry=r,
         )
         self.model_version = Gauge("edgekit_model_version", "Version being served, per model", ["model"], registry=r)

@@ -91,6 +91,7 @@ class Registry:
         # What a lease loads on demand instead of the active slot (the lifecycle serving a previous
         # version for now), or None: nothing (the active slot failed verification). ``serve`` clears it.
         self._pinned: dict[str, Slot | None] = {}
+        self._refused: dict[str, str] = {}  # why a name pinned to nothing is refused (its requests' error)
         self._leases = 0  # leases taken so far: the recency of a Loaded's last_used
 
     # -- what is there ------------------------------------------------------------------
@@ -124,6 +125,10 @@ class Registry:
             with self._lock:
                 entry = self._loaded.get(name)
         if entry is None:
+            with self._lock:
+                refused = self._refused.get(name, "") if self._pinned.get(name, 0) is None else ""
+            if refused:
+                raise ModelNotFoundError(f"model {name!r} is not served: {refused}")
             known = ", ".join(self.models()) or "none"
             raise ModelNotFoundError(f"no model named {name!r} is served here (served: {known})")
         raise ModelNotFoundError(f"model {name!r} version {version} is not served (serving version {entry.version})")
@@ -198,13 +203,19 @@ class Registry:
             previous = self._loaded.get(name)
             self._loaded[name] = Loaded(model, version)
             self._pinned.pop(name, None)
+            self._refused.pop(name, None)
         self.metrics.model_version.labels(name).set(version)
         return previous
 
-    def pin(self, name: str, slot: Slot | None) -> None:
-        """Load ``slot`` on demand instead of the active one (None: load nothing) until ``serve``."""
+    def pin(self, name: str, slot: Slot | None, why: str = "") -> None:
+        """Load ``slot`` on demand instead of the active one (None: load nothing) until ``serve``;
+        ``why`` (with None) is what a request for ``name`` is told meanwhile."""
         with self._lock:
             self._pinned[name] = slot
+            if slot is None and why:
+                self._refused[name] = why
+            else:
+                self._refused.pop(name, None)
 
     def held_unloaded(self, name: str) -> bool:
         """True while nothing may load ``name`` on demand (``pin(name, None)``): unloaded or refused."""

@@ -10,6 +10,8 @@ Layout under ``root``::
 
 Every state change is write -> fsync -> rename -> fsync(dir), and the previous state is kept as
 ``state.json.bak`` so a truncated or zeroed primary (power loss on a lying disk) still loads.
+When neither loads (``StateUnreadableError``), the lifecycle sets both aside as ``*.unreadable``
+and rebuilds the state from the slots on disk that verify (``integrity.rebuild_state``).
 
 A model name has three slots: ``active`` (served), ``candidate`` (staged, being tested) and
 ``previous`` (last good, for rollback). ``max_version`` is the anti-rollback counter: the
@@ -155,6 +157,12 @@ class Staged:
     key_id: str
 
 
+class StateUnreadableError(StoreError):
+    """``state.json`` and its backup both exist and neither reads (corrupt, truncated, an I/O
+    error): the lifecycle rebuilds the state from the verified slots on disk
+    (``integrity.rebuild_state``)."""
+
+
 class Store:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -182,8 +190,8 @@ class Store:
                 data = json.loads(path.read_bytes())
             except FileNotFoundError:
                 continue
-            except ValueError:
-                continue  # truncated / zeroed: fall back to the backup copy
+            except (ValueError, OSError):
+                continue  # truncated / zeroed / unreadable: fall back to the backup copy
             if isinstance(data, dict) and isinstance(data.get("schema_version"), int):
                 if data["schema_version"] > STATE_VERSION:  # not corrupt: written by a newer agent
                     raise StoreError(
@@ -195,8 +203,33 @@ class Store:
                 except StoreError:
                     continue  # corrupt content: fall back to the backup copy
         if self.state_path.exists() or self.backup_path.exists():
-            raise StoreError(f"{self.state_path} and its backup are both unreadable; restore one from a backup")
+            raise StateUnreadableError(
+                f"{self.state_path} and its backup are both unreadable; the agent rebuilds them from the verified "
+                "slots at its next start (edgekit-agent run)"
+            )
         return State()
+
+    def set_aside_state(self) -> list[Path]:
+        """Rename unreadable state files to ``*.unreadable`` (kept for a look, out of the way of the
+        next ``save_state``); returns the new paths."""
+        moved = []
+        for path in (self.state_path, self.backup_path):
+            if path.exists():
+                aside = path.with_name(path.name + ".unreadable")
+                os.replace(path, aside)
+                moved.append(aside)
+        fsync_dir(self.root)
+        return moved
+
+    def slot_dirs(self) -> Iterator[Slot]:
+        """Every extracted slot under ``models/`` (not ``.partial`` debris), whatever the state says;
+        ``sha256`` is the full hash of its kept bundle when that is here, else the dir's 12-digit prefix."""
+        kept = [b.name.split(".")[0] for b in (self.root / "bundles").iterdir() if b.name.endswith(".ekb")]
+        for name_dir in sorted(p for p in (self.root / "models").iterdir() if p.is_dir()):
+            for d in sorted(p for p in name_dir.iterdir() if p.is_dir() and not p.name.endswith(".partial")):
+                prefix = _sha_prefix(d.name)
+                sha = next((k for k in kept if prefix and k.startswith(prefix)), prefix)
+                yield Slot(_version_of(d.name), sha, str(d.relative_to(self.root)))
 
     @staticmethod
     def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
@@ -243,7 +276,8 @@ class Store:
         # The active version is a no-op even when a higher (rejected) version raised the counter.
         m = vm.manifest
         if ms.active is not None and ms.active.version == m.version:
-            if ms.active.sha256 != sha:
+            # a prefix: the slot was found on disk without its kept bundle (a rebuilt state)
+            if not sha.startswith(ms.active.sha256):
                 raise BundleError(f"{m.name} v{m.version} is installed with other content; publish a higher --version")
             return Staged(m, ms.active, vm.key_id)
         vm = read_verified_manifest(
@@ -358,6 +392,19 @@ class Store:
         with contextlib.suppress(StoreError):  # only a cache: the next check reads the bundle again
             atomic_write(d / SIGNATURE_NAME, sig)
         return verified
+
+    def verify_slot_signature(self, slot: Slot, trust: TrustStore) -> str:
+        """The signer's key id if ``trust`` still accepts ``slot``'s signed manifest (signature, key
+        not revoked, the key's names), its files left unhashed: the cheap half of ``verify_slot``,
+        for a change of trust. Raises ``SignatureError``; ``OSError``, ``BundleError`` or
+        ``ManifestError`` when it cannot be read."""
+        d = self.model_dir(slot)
+        raw = (d / MANIFEST_NAME).read_bytes()
+        sig_path = d / SIGNATURE_NAME
+        sig = sig_path.read_bytes() if sig_path.exists() else read_head(self.root / "bundles" / f"{slot.sha256}.ekb")[1]
+        kid = trust.verify(raw, sig)
+        trust.check_name(kid, Manifest.from_json(raw).name)
+        return kid
 
     # -- housekeeping -------------------------------------------------------------------
     def cleanup(self, keep_extra: int = 1) -> list[str]:

@@ -343,6 +343,9 @@ def _register_package(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress stays on stderr)")
     p.add_argument("--log-dir", type=Path, metavar="DIR", help="keep each target's converter output as DIR/TARGET.log")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    from edgekit.split.commands import add_package_arguments  # --split and its planning flags
+
+    add_package_arguments(p)
     p.set_defaults(func=_package)
 
 
@@ -436,6 +439,10 @@ def _package_or_raise(args: argparse.Namespace) -> int:
     if args.calib and not args.preprocess:
         _note_default_preprocess(args.model, args.calib)
     _fill_first_try_defaults(args)
+    if args.split:
+        from edgekit.split.commands import check_package_split
+
+        check_package_split(args)
     shapes = dict(parse_input_shape(s) for s in args.input_shape)
     expires = bundle_expiry(args.expires_days)
     progress = None if args.quiet else PackageProgress(targets)
@@ -496,6 +503,10 @@ def _package_or_raise(args: argparse.Namespace) -> int:
             print(f"{target}: {path}")
     if error is not None:
         raise error
+    if args.split and not code:
+        from edgekit.split.commands import split_after_package  # heads, plan and tails added to the bundle
+
+        split_after_package(args, result)
     if code:
         failed = ", ".join(r.target for r in result.rows if not r.passed)
         print(

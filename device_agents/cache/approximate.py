@@ -118,11 +118,16 @@ class _Group:
 
 def agrees(cached: Mapping[str, np.ndarray], fresh: Mapping[str, np.ndarray]) -> bool:
     """Whether a cached answer agrees with a fresh one: per output, the same top-1 for a score
-    vector per sample ([N, classes]), else a cosine of at least ``DENSE_COSINE``."""
+    vector per sample ([N, classes]), the same items for a BYTES output (labels, text), else a
+    cosine of at least ``DENSE_COSINE``."""
     for name, new in fresh.items():
         old = cached.get(name)
         if old is None or old.shape != new.shape:
             return False
+        if old.dtype.kind in "OSU" or np.asarray(new).dtype.kind in "OSU":  # BYTES (labels, text): the same items
+            if [_item_bytes(v) for v in np.asarray(old).ravel()] != [_item_bytes(v) for v in np.asarray(new).ravel()]:
+                return False
+            continue
         a, b = np.asarray(old, np.float64), np.asarray(new, np.float64)
         if a.ndim == 2:
             if not np.array_equal(a.argmax(axis=1), b.argmax(axis=1)):
@@ -136,6 +141,10 @@ def agrees(cached: Mapping[str, np.ndarray], fresh: Mapping[str, np.ndarray]) ->
         if float(a.ravel() @ b.ravel()) / (na * nb) < DENSE_COSINE:
             return False
     return True
+
+
+def _item_bytes(value: object) -> bytes:
+    return bytes(value) if isinstance(value, bytes | np.bytes_) else str(value).encode()
 
 
 def wilson(false: int, n: int, z: float = _Z95) -> tuple[float, float]:

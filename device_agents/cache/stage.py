@@ -10,7 +10,9 @@ With ``mode = "approximate"``, an exact miss is looked up again by its inputs' s
 the distance threshold answers it (response parameters ``cache = "hit"`` and ``distance``), and
 ``recheck_fraction`` of those hits are re-run through the model in a background thread (models
 without pre- or post-processing: the answer compared is the model's own), which holds the
-false-hit budget by halving the threshold. Without a configured ``max_distance`` the threshold is
+false-hit budget by halving the threshold. An answer's signature is stored with it, so an
+approximate hit that was written to disk (at its first hit) answers again after a restart.
+Without a configured ``max_distance`` the threshold is
 the one the packager calibrated into the manifest (``edgekit package --cache approximate``).
 With ``mode = "semantic"`` the vector looked up is the unit-length output of ``embed_with``,
 another served model run on the same inputs (``StageContext.registry`` leases it), instead of
@@ -23,7 +25,9 @@ as they arrive (``request.inputs`` and ``request.raw``, before pre-processing), 
 switch changes every key; the first request to a newly active version sweeps the entries of the
 others. An answer is stored only under the key of the version that produced it: in memory at
 once (its key copied into the buffer of an entry evicted unwritten, where one fits), and on disk at its first
-hit, so that what survives a restart is what repeated.
+hit, so that what survives a restart is what repeated. In the exact mode, once the memory tier
+is full, an answer is stored only at its key's second sighting (``admit = "second"``, the default:
+``device_agents.cache.admission``), so traffic that never repeats costs a hash and a probe.
 
 One ``ResultCache`` per store directory serves every endpoint (``shared_cache``); if it cannot
 be opened the agent still serves (memory tier only, one log line).
@@ -76,6 +80,7 @@ class CachePolicy:
     recheck_fraction: float = 0.0
     false_hit_budget: float = 0.01
     embed_with: str | None = None  # semantic mode: the served model whose output vector is the key
+    admit: str = "first"  # "second": a full memory tier takes an answer at its key's second sighting
 
 
 def policy(name: str, agent: AgentConfig, manifest: Manifest) -> CachePolicy | None:
@@ -141,7 +146,8 @@ def policy(name: str, agent: AgentConfig, manifest: Manifest) -> CachePolicy | N
             budget = calibrated.false_hit_budget if calibrated is not None and calibrated.false_hit_budget else 0.01
         recheck = configured.recheck_fraction if configured is not None else 0.0
         return CachePolicy(mode, ttl_s, max_bytes, max_distance, recheck, budget)
-    return CachePolicy(mode, ttl_s, max_bytes)
+    admit = configured.admit if configured is not None and configured.admit is not None else "second"
+    return CachePolicy(mode, ttl_s, max_bytes, admit=admit)
 
 
 def shared_cache(agent: AgentConfig, series: CacheSeries) -> ResultCache:
@@ -323,8 +329,13 @@ class CacheLookup:
                 if ident != self._active:
                     self._active = ident
                     self.cache.sweep(self.endpoint, manifest.version)  # the replaced version's entries
-                    if self.link.index is not None:
-                        self.link.index.clear()  # their signatures
+                    index = self.link.index
+                    if index is not None:
+                        index.clear()  # their signatures; this version's stored ones (a restart) come back
+                        for context, sig, digest in self.cache.signatures(
+                            self.endpoint, manifest.version, index.capacity
+                        ):
+                            index.add(context, sig, digest)
         return maker
 
 
@@ -359,6 +370,8 @@ class CacheStore:
                 ttl_s=self.policy.ttl_s,
                 cost_s=time.perf_counter() - t0,
                 disk_on_hit=True,  # durable once it repeats: an answer never asked again costs no disk write
+                admit=self.policy.admit,
+                signature=None if sig is None else (key.header, sig),  # kept with it: found again after a restart
             )
         except UncacheableError:
             return

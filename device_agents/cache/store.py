@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from device_agents.cache.admission import Doorkeeper
 from device_agents.cache.key import CacheKey
 from device_agents.cache.tensors import CacheFormatError, decode_tensors, encode_tensors
 from device_agents.faults import FaultCounter
@@ -51,15 +52,22 @@ from device_agents.metrics import CacheSeries
 log = logging.getLogger("edgekit.agent")
 
 DB_NAME = "results.db"
-FORMAT_VERSION = 1  # PRAGMA user_version of a file this code wrote; another value is moved aside
+# PRAGMA user_version of a file this code wrote; an older one is migrated (_MIGRATIONS), another moved aside
+FORMAT_VERSION = 2
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS entries ("
     " digest BLOB NOT NULL UNIQUE, model TEXT NOT NULL, version INTEGER NOT NULL,"
     " key BLOB NOT NULL, value BLOB NOT NULL, size_bytes INTEGER NOT NULL,"
-    " created_s REAL NOT NULL, expires_s REAL NOT NULL, cost_s REAL NOT NULL)",
+    " created_s REAL NOT NULL, expires_s REAL NOT NULL, cost_s REAL NOT NULL,"
+    " context BLOB, signature BLOB)",
     "CREATE INDEX IF NOT EXISTS entries_created ON entries(created_s)",
     "CREATE INDEX IF NOT EXISTS entries_model ON entries(model, created_s)",
 )
+# user_version -> the statements that bring such a file to the next version
+_MIGRATIONS = {
+    # 2: the approximate and semantic modes' signatures, so their hits survive a restart
+    1: ("ALTER TABLE entries ADD COLUMN context BLOB", "ALTER TABLE entries ADD COLUMN signature BLOB"),
+}
 # SQLite primary result codes (the low byte of ``sqlite_errorcode``)
 _SQLITE_IOERR, _SQLITE_CORRUPT, _SQLITE_FULL, _SQLITE_NOTADB = 10, 11, 13, 26
 _LOW_SPACE_BYTES = 1 << 20  # an I/O error with less free than this is a full disk
@@ -79,7 +87,10 @@ class Hit:
 
 
 class _Entry:
-    __slots__ = ("cost_s", "created_s", "expires_s", "key", "model", "on_disk", "outputs", "size", "version")
+    __slots__ = (
+        "context", "cost_s", "created_s", "expires_s", "key", "model", "on_disk", "outputs", "signature", "size",
+        "version",
+    )  # fmt: skip
 
     def __init__(
         self, key: bytes | bytearray, outputs: dict[str, np.ndarray], size: int, expires_s: float, model: str,
@@ -89,19 +100,24 @@ class _Entry:
         self.model, self.version, self.cost_s = model, version, cost_s
         self.on_disk = True  # in the file, or queued for it (False: written when first hit)
         self.created_s = 0.0
+        self.context: bytes | None = None  # approximate/semantic: the signature's context (the key's header)
+        self.signature: bytes | None = None  # and the signature (float32 bytes)
 
 
 class _Write:
     __slots__ = (
-        "cost_s", "created_s", "digest", "done", "expires_s", "key", "model", "ok", "size", "value", "version",
+        "context", "cost_s", "created_s", "digest", "done", "expires_s", "key", "model", "ok", "signature", "size",
+        "value", "version",
     )  # fmt: skip
 
     def __init__(
         self, digest: bytes, model: str, version: int, key: bytes | bytearray, value: bytes, created_s: float,
-        expires_s: float, cost_s: float, done: threading.Event | None,
+        expires_s: float, cost_s: float, done: threading.Event | None, context: bytes | None = None,
+        signature: bytes | None = None,
     ) -> None:  # fmt: skip
         self.digest, self.model, self.version, self.key, self.value = digest, model, version, key, value
         self.created_s, self.expires_s, self.cost_s, self.done = created_s, expires_s, cost_s, done
+        self.context, self.signature = context, signature
         self.ok = False
         self.size = len(key) + len(value)
 
@@ -146,6 +162,7 @@ class ResultCache:
         self._hot_bytes = 0
         self._hot_lock = threading.Lock()
         self._spare: dict[int, list[bytearray]] = {}  # key buffers of evicted entries, by size
+        self._doorkeeper = Doorkeeper()  # keys seen once, for put(admit="second")
         # file tier: one connection for reads (under _read_lock), one for the writer thread
         self._read_lock = threading.Lock()
         self._reader: sqlite3.Connection | None = None
@@ -224,14 +241,28 @@ class ResultCache:
         cost_s: float = 0.0,
         wait: bool = False,
         disk_on_hit: bool = False,
+        admit: str = "first",
+        signature: tuple[bytes, np.ndarray] | None = None,
     ) -> bool:
-        """Store ``outputs`` under ``key``; in memory now, in the file by the writer. ``wait``:
+        """Store ``outputs`` under ``key``; in memory now, in the file by the writer. ``admit =
+        "second"``: once the memory tier is full, only a key seen before is stored (the first
+        sighting is remembered by its hash: ``device_agents.cache.admission``), so a stream of
+        inputs that never repeat costs a probe, not a copy of each input; False when not stored.
+        ``signature``: (context, vector) of the approximate or semantic mode, stored with the entry
+        so that ``signatures()`` finds it again after a restart. ``wait``:
         return once the file's transaction committed (True) or failed (False); without it, True
         when queued. ``disk_on_hit``: write it to the file only once it is hit (from memory), so
         an answer that never repeats costs no disk write (an all-miss stream of large inputs
         would write every input, since the whole key is stored) and one that repeats is made
         durable at its first hit; an entry too big for the memory tier goes to the file now.
-        ``UncacheableError`` for outputs that are not plain numbers."""
+        ``UncacheableError`` for outputs that are neither numbers nor BYTES."""
+        if (
+            admit == "second"
+            and self._hot_bytes + key.nbytes > self.memory_max_bytes
+            and not self._doorkeeper.seen_before(key.digest)
+        ):
+            self.series.deferred()
+            return False
         value = encode_tensors(outputs)
         now = self.clock()
         decoded = decode_tensors(value)  # read-only views: what a hit hands out, whatever the caller does next
@@ -239,6 +270,9 @@ class ResultCache:
         entry = _Entry(full, decoded, len(full) + len(value), now + ttl_s, model, version, cost_s)
         entry.created_s = now
         entry.on_disk = not disk_on_hit
+        if signature is not None:
+            entry.context = signature[0]
+            entry.signature = np.asarray(signature[1], "<f4").tobytes()
         if self._put_hot(key.digest, entry) and disk_on_hit:
             return True
         entry.on_disk = True
@@ -272,7 +306,7 @@ class ResultCache:
             value = encode_tensors(entry.outputs)
         write = _Write(
             digest, entry.model, entry.version, entry.key, value, entry.created_s or now, entry.expires_s,
-            entry.cost_s, threading.Event() if wait else None,
+            entry.cost_s, threading.Event() if wait else None, entry.context, entry.signature,
         )  # fmt: skip
         with self._cond:
             if len(self._pending) >= self.max_pending:
@@ -284,6 +318,29 @@ class ResultCache:
             return True
         write.done.wait()
         return write.ok
+
+    def signatures(self, model: str, version: int, limit: int) -> list[tuple[bytes, np.ndarray, bytes]]:
+        """(context, signature, digest) of ``model`` ``version``'s live entries that have one, in
+        memory or in the file, at most ``limit``, oldest first (so the newest win a full index)."""
+        now = self.clock()
+        found: dict[bytes, tuple[float, bytes, bytes]] = {}
+        for digest, context, sig, created_s in self._read(
+            "SELECT digest, context, signature, created_s FROM entries WHERE model = ? AND version = ?"
+            " AND signature IS NOT NULL AND expires_s > ? ORDER BY created_s DESC LIMIT ?",
+            (model, version, now, limit),
+        ):
+            found[bytes(digest)] = (float(created_s), bytes(context), bytes(sig))
+        with self._hot_lock:
+            for digest, entry in self._hot.items():
+                if entry.model == model and entry.version == version and entry.signature is not None:
+                    if entry.context is not None and entry.expires_s > now:
+                        found[digest] = (entry.created_s, entry.context, entry.signature)
+        rows = sorted(found.items(), key=lambda item: item[1][0])[-limit:]
+        out = []
+        for digest, (_, context, sig) in rows:
+            if len(sig) % 4 == 0 and sig:
+                out.append((context, np.frombuffer(sig, "<f4").astype(np.float32), digest))
+        return out
 
     def sweep(self, model: str, version: int) -> None:
         """Drop the entries of ``model``'s versions other than ``version`` (after an update)."""
@@ -436,10 +493,18 @@ class ResultCache:
             raise _Corrupt(f"quick_check says {check[0] if check else 'nothing'}")
         (user_version,) = writer.execute("PRAGMA user_version").fetchone()
         has_tables = writer.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
-        if has_tables and user_version != FORMAT_VERSION:
+        if has_tables and user_version != FORMAT_VERSION and user_version not in _MIGRATIONS:
             raise _Corrupt(f"format version {user_version}, this agent writes {FORMAT_VERSION}")
         writer.execute("PRAGMA journal_mode=WAL")
         writer.execute("PRAGMA synchronous=NORMAL")
+        if has_tables and user_version != FORMAT_VERSION:
+            writer.execute("BEGIN IMMEDIATE")  # one transaction: a file is at one version or the next
+            while user_version != FORMAT_VERSION:
+                for statement in _MIGRATIONS[user_version]:
+                    writer.execute(statement)
+                user_version += 1
+            writer.execute(f"PRAGMA user_version={FORMAT_VERSION}")
+            writer.execute("COMMIT")
         for statement in _SCHEMA:
             writer.execute(statement)
         writer.execute(f"PRAGMA user_version={FORMAT_VERSION}")
@@ -535,12 +600,11 @@ class ResultCache:
                     sizes[old[0]] = sizes.get(old[0], 0) - int(old[1])
                     entries -= 1
                 db.execute(
-                    "INSERT OR REPLACE INTO entries"
-                    " (digest, model, version, key, value, size_bytes, created_s, expires_s, cost_s)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT OR REPLACE INTO entries (digest, model, version, key, value, size_bytes, created_s,"
+                    " expires_s, cost_s, context, signature) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         item.digest, item.model, item.version, item.key, item.value, item.size,
-                        item.created_s, item.expires_s, item.cost_s,
+                        item.created_s, item.expires_s, item.cost_s, item.context, item.signature,
                     ),
                 )  # fmt: skip
                 sizes[item.model] = sizes.get(item.model, 0) + item.size

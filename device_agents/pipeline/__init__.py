@@ -90,6 +90,7 @@ class Pipeline:
             on_batch=self._observe_batch,
             on_hung=self._hung,
             on_failure=self._failed,
+            on_stopped=lambda how: metrics.hung_call_stops.labels(name, how).inc(),
         )
 
     def run(self, version: int | None, decode: Callable[[ServedModel], Request], encode: Callable[[Request], T]) -> T:

@@ -59,10 +59,11 @@ waits for more (the greedy policy of Triton's and TF-Serving's batchers, made ad
 So ``max_wait_ms`` is the longest a request waits for companions, never a wait imposed on every
 batch.
 
-A runtime call running longer than ``hung_call_s`` is hung (``watchdog``): its jobs fail with a 500, the
-model is dropped from the registry (the next call loads it again from the store; the hung one
-is closed if its call ever returns) and a fresh worker replaces the stuck thread (a stuck
-inline caller is answered through its hook and its slot freed).
+A runtime call running longer than ``hung_call_s`` is hung (``watchdog``): the runtime is told to stop
+it where it can (ONNX Runtime), its jobs fail with a 500, the model is dropped from the registry
+(the next call loads it again from the store; the hung one is closed if its call ever returns)
+and a fresh worker replaces the stuck thread (a stuck inline caller is answered through its hook
+and its slot freed).
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ log = logging.getLogger("edgekit.agent")
 
 # The recent peak of requests present for a model is the larger of the last two windows this long.
 _PEAK_WINDOW_S = 0.25
+# How long a stopping batcher waits for the calls it stopped past the drain to come back.
+_STOP_GRACE_S = 2.0
 
 
 class Batcher:
@@ -109,6 +112,7 @@ class Batcher:
         on_batch: Callable[[int], None] = lambda rows: None,
         on_hung: Callable[[ServedModel], None] = lambda model: None,
         on_failure: Callable[[int, Job | None], None] = lambda version, job: None,
+        on_stopped: Callable[[str], None] = lambda how: None,
     ) -> None:
         self.name = name
         self.lease = lease
@@ -158,6 +162,7 @@ class Batcher:
             on_hung=lambda model: self.on_hung(model),
             on_failure=self._count_failure,
             replace=self._spawn,
+            on_stopped=on_stopped,
         )
         self._watchdog.start()
 
@@ -235,7 +240,7 @@ class Batcher:
             self._inline += 1
             self.inflight += 1
             self._note_present()
-            call = self._calls[me] = Call(time.monotonic(), lease.model, [job], answer)
+            call = self._calls[me] = Call(time.monotonic(), lease.model, [job], answer, thread=me)
         self._run(call.jobs, lease, call)  # gives the slot and the counts back (or the watchdog does)
         if job.answered:
             job.done.wait()  # the watchdog's answer has been written
@@ -257,15 +262,18 @@ class Batcher:
             live = [t for t in self._threads if t.is_alive() and t.ident not in self._abandoned]
         for _ in live:
             self._incoming.put(None)  # after every queued job: each worker ends at one
-        deadline = time.monotonic() + timeout_s
-        for t in live:
-            t.join(max(0.0, deadline - time.monotonic()))
+        inline_left = self._wait_ended(live, time.monotonic() + timeout_s)
         with self._lock:
-            self._slot_waiters += 1
-            while self._inline and time.monotonic() < deadline:
-                self._slot_free.wait(max(0.0, deadline - time.monotonic()))
-            self._slot_waiters -= 1
-            inline_left = self._inline
+            running = [c for c in self._calls.values() if not c.hung]
+            for call in running:
+                call.stopped = True
+        if running:
+            # Calls still running past the drain are stopped where the runtime can (their jobs get
+            # 503s, counted against nothing): a runtime's thread left inside a call when the
+            # process exits takes it down with SIGABRT.
+            stopped = sum(call.model.terminate(call.thread) for call in running)
+            log.warning("%s: %d of %d calls still running were stopped", self.name, stopped, len(running))
+            inline_left = self._wait_ended(live, time.monotonic() + _STOP_GRACE_S)
         left = []
         if not self._forming.acquire(timeout=0.1):
             return False
@@ -285,6 +293,17 @@ class Batcher:
             job.error = UnavailableError(f"model {self.name} is shutting down", reason="draining")
             job.done.set()
         return not any(t.is_alive() for t in live) and not left and not inline_left
+
+    def _wait_ended(self, workers: list[threading.Thread], until: float) -> int:
+        """Wait until ``workers`` ended and no inline call runs, or ``until``; the inline calls left."""
+        for t in workers:
+            t.join(max(0.0, until - time.monotonic()))
+        with self._lock:
+            self._slot_waiters += 1
+            while self._inline and time.monotonic() < until:
+                self._slot_free.wait(max(0.0, until - time.monotonic()))
+            self._slot_waiters -= 1
+            return self._inline
 
     # -- the worker side -------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -452,7 +471,7 @@ class Batcher:
             lease = None
             with held:
                 if call is None:
-                    call = Call(start, held.model, batch)
+                    call = Call(start, held.model, batch, thread=me)
                     with self._lock:
                         self._calls[me] = call
                 if self._stall:
@@ -480,7 +499,13 @@ class Batcher:
             if call is not None and call.hung:
                 return
             failure: EdgekitError
-            if call is not None and call.model.rejects_input(exc):
+            if call is not None and call.stopped:  # stopped by a drain that ran out of time
+                failure = UnavailableError(
+                    f"model {self.name} is shutting down: its call was stopped after server.drain_timeout_s",
+                    reason="draining",
+                    retry_after_s=self.retry_after_s,
+                )
+            elif call is not None and call.model.rejects_input(exc):
                 failure = InferenceInputError(f"model {self.name} cannot take this input: {exc}")
             else:
                 log.error("%s failed to run: %s: %s", self.name, type(exc).__name__, exc)
@@ -514,6 +539,8 @@ class Batcher:
                 for job in batch:
                     job.finished = end
                     job.done.set()
+            else:  # its thread is out of the runtime again (terminated, or it ended late)
+                log.warning("%s: the hung call returned after %.1f s", self.name, time.monotonic() - start)
 
     def _split(self, batch: list[Job], outputs: dict[str, np.ndarray], rows: int, version: int) -> None:
         if len(batch) == 1:

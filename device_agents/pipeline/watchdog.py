@@ -2,7 +2,11 @@
 
 Every ``min(1 s, hung_call_s / 4)`` it asks its owner (the batcher) for the calls running past
 the limit (``collect``: the owner marks them hung and gives their call slots and counts back,
-under its own lock). For each hung call, in this order: the model is dropped (``on_hung``: the
+under its own lock). For each hung call, in this order: the runtime is told to stop it
+(``ServedModel.terminate``: ONNX Runtime's ``RunOptions.terminate``, the call then raises in its
+thread and the core it burned is free; a runtime that cannot stop a call leaves its thread
+running, abandoned), which ``on_stopped`` counts (``"terminated"`` or ``"abandoned"``); the
+model is dropped (``on_hung``: the
 next call loads it again from the store; the hung one is closed if its call ever returns), so
 that a caller who retries at once on the 500 reaches a fresh load, never the stuck session;
 then its jobs fail with a ``RuntimeFailure`` (an inline caller, whose own thread is stuck in the
@@ -36,6 +40,8 @@ class Call:
     jobs: list[Job]
     answer: Callable[[EdgekitError], None] | None = None  # set for an inline call: how to answer its caller
     hung: bool = False
+    thread: int = 0  # threading.get_ident() of the thread running it (what ``terminate`` stops)
+    stopped: bool = False  # stopped by a drain that ran out of time (its jobs are 503s, not failures)
 
 
 class Watchdog:
@@ -51,6 +57,7 @@ class Watchdog:
         on_hung: Callable[[ServedModel], None],
         on_failure: Callable[[int, Job | None], None],
         replace: Callable[[], None],
+        on_stopped: Callable[[str], None] = lambda how: None,
     ) -> None:
         self.name = name
         self.hung_call_s = hung_call_s
@@ -58,6 +65,7 @@ class Watchdog:
         self.on_hung = on_hung
         self.on_failure = on_failure
         self.replace = replace  # a fresh worker for one stuck in a hung call
+        self.on_stopped = on_stopped  # ("terminated" | "abandoned") per hung call
         self._thread = NamedThread(target=self._watch, name=f"hung-{name}", daemon=True)
 
     def start(self) -> None:
@@ -76,12 +84,24 @@ class Watchdog:
 
     def handle(self, call: Call, now: float) -> None:
         """What follows a hang (``call`` was collected: marked hung, its slot given back)."""
+        try:
+            terminated = call.model.terminate(call.thread)
+        except Exception:  # the callers must still hear of the hang
+            log.exception("%s: could not terminate the hung call", self.name)
+            terminated = False
         log.error(
-            "%s: a runtime call has run %.1f s (over server.hung_call_s = %g); reloading the model",
+            "%s: a runtime call has run %.1f s (over server.hung_call_s = %g); %s; reloading the model",
             self.name,
             now - call.started,
             self.hung_call_s,
+            "it was terminated"
+            if terminated
+            else f"{call.model.manifest.compatibility.runtime} cannot stop a call: its thread is left running",
         )
+        try:
+            self.on_stopped("terminated" if terminated else "abandoned")
+        except Exception:  # counting must never keep the callers from their answer
+            log.exception("%s: could not count a hung call", self.name)
         # Drop the hung model before anyone hears of the hang: a caller told "being reloaded"
         # that retries at once must reach a fresh load, never the stuck session.
         try:

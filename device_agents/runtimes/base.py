@@ -40,6 +40,15 @@ _NP_DTYPES = {
 # At most this many (input, shape) pairs are remembered as accepted; past it, shapes are checked every time.
 _ACCEPTED_SHAPES = 256
 
+# The threads inside a runtime call now, in this process (every model): what a stopping daemon
+# must not finalize the interpreter under (a runtime's C++ threads then abort the process).
+_IN_RUNTIME: set[int] = set()
+
+
+def calls_in_runtime() -> int:
+    """How many runtime calls (``ArtifactRunner.run``) are running now, in all models."""
+    return len(_IN_RUNTIME)
+
 
 def np_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(_NP_DTYPES[name])
@@ -61,6 +70,10 @@ class ArtifactRunner(Protocol):
         ...
 
     def close(self) -> None: ...
+
+    # Optional: ``terminate(thread_id) -> bool`` stops the call running in that thread (it then
+    # raises) and says whether there was one; a runtime without it cannot stop a call
+    # (``ServedModel.terminate``).
 
 
 class ServedModel:
@@ -188,12 +201,17 @@ class ServedModel:
                 m = self._in_map.get(name)
                 art_name = m.artifact if m else name
                 feed[art_name] = _to_artifact(arr, m, self._artifact_specs.get(art_name))
+        me = threading.get_ident()
+        _IN_RUNTIME.add(me)
         t0 = time.monotonic()
-        if self._lock is not None:
-            with self._lock:
+        try:
+            if self._lock is not None:
+                with self._lock:
+                    raw = self.runner.run(feed)
+            else:
                 raw = self.runner.run(feed)
-        else:
-            raw = self.runner.run(feed)
+        finally:
+            _IN_RUNTIME.discard(me)
         t1 = time.monotonic()
         run_s = t1 - t0
         self.latency.record(t1, run_s * 1000)
@@ -214,6 +232,13 @@ class ServedModel:
                 raise RuntimeError(f"runtime returned no {art_name!r} (outputs: {', '.join(raw)})")
             result[spec.name] = _to_served(raw[art_name], m, self._artifact_specs.get(art_name), spec)
         return result, run_s
+
+    def terminate(self, thread_id: int) -> bool:
+        """Ask the runtime to stop the call running in thread ``thread_id`` (it then raises in
+        that thread); False when the runtime cannot stop a call (no ``terminate``: its thread
+        runs on until the call ends) or none of this model runs there."""
+        stop = getattr(self.runner, "terminate", None)
+        return bool(stop is not None and stop(thread_id))
 
     def close(self) -> None:
         try:

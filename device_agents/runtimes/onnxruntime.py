@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -45,15 +46,34 @@ class OnnxRuntimeRunner:
         # the feed against the signature already, and a missing input still fails in C++. Its one
         # behaviour of note, falling back to the next provider on ``EPFail``, is kept below.
         self._run = self.session._sess.run
+        # thread id -> the RunOptions of the call running in that thread: ``terminate`` sets its
+        # flag. One RunOptions per call (0.2 us): a flag set on a shared one would stop every
+        # call running with it, and stay set for the next.
+        self._running: dict[int, ort.RunOptions] = {}
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         outputs = self._outputs
+        options = ort.RunOptions()
+        me = threading.get_ident()
+        self._running[me] = options
         try:
-            values = self._run(outputs, inputs if type(inputs) is dict else dict(inputs), None)
+            values = self._run(outputs, inputs if type(inputs) is dict else dict(inputs), options)
         except EPFail:
-            values = self.session.run(outputs, dict(inputs))  # ORT's own provider fallback, once
+            values = self.session.run(outputs, dict(inputs), options)  # ORT's own provider fallback, once
             self._run = self.session._sess.run  # the session it fell back to
+        finally:
+            self._running.pop(me, None)
         return dict(zip(outputs, values, strict=True))
+
+    def terminate(self, thread_id: int) -> bool:
+        """Stop the call running in thread ``thread_id`` (``RunOptions.terminate``: ONNX Runtime
+        checks it between kernels and in every ``Loop``/``Scan`` iteration, and the call raises);
+        False when no call of this session runs there."""
+        options = self._running.get(thread_id)
+        if options is None:
+            return False
+        options.terminate = True
+        return True
 
     def describe(self) -> dict[str, Any]:
         return {"runtime": "onnxruntime", "version": ort.__version__, "providers": self.session.get_providers()}

@@ -223,22 +223,8 @@ class SplitStage:
         return runner
 
     def _load_head(self, model: ServedModel, cut: SplitCut) -> ArtifactRunner:
-        from device_agents.runtimes import runner_class
-
         m = model.manifest
-        model_dir = self._model_dir(model)
-        if not any(f.path == cut.head_file for f in m.files):
-            raise RuntimeFailure(f"model {m.name} v{m.version}: {cut.head_file} is not in its bundle")
-        # the same manifest with the head as its artifact (the runtime opens the artifact file)
-        files = tuple(
-            dataclasses.replace(f, role="artifact")
-            if f.path == cut.head_file
-            else (dataclasses.replace(f, role="split_head") if f.role == "artifact" else f)
-            for f in m.files
-        )
-        head_manifest = dataclasses.replace(m, files=files)
-        options = self.agent.runtime_options(m.name, m.compatibility.runtime)
-        runner: ArtifactRunner = runner_class(m.compatibility.runtime)(model_dir, head_manifest, options)  # type: ignore[call-arg]  # the Protocol leaves __init__ to each runtime
+        runner = load_head(self._model_dir(model), m, cut, self.agent.runtime_options(m.name, m.compatibility.runtime))
         log.info("%s v%d: head %s loaded (%s)", m.name, m.version, cut.id, cut.head_file)
         return runner
 
@@ -304,6 +290,24 @@ def _probe_loop(ref: weakref.ref[SplitStage], stop: threading.Event) -> None:
         except Exception:  # a probe must never end the loop; the next one tries again
             log.exception("split probe failed")
         del stage
+
+
+def load_head(model_dir: Path, manifest: Manifest, cut: SplitCut, options: Any) -> ArtifactRunner:
+    """The head of ``cut`` opened with the bundle's own runtime and ``options`` (the runtime opens
+    the manifest's artifact: the same manifest with the head as its artifact)."""
+    from device_agents.runtimes import runner_class
+
+    if not any(f.path == cut.head_file for f in manifest.files):
+        raise RuntimeFailure(f"model {manifest.name} v{manifest.version}: {cut.head_file} is not in its bundle")
+    files = tuple(
+        dataclasses.replace(f, role="artifact")
+        if f.path == cut.head_file
+        else (dataclasses.replace(f, role="split_head") if f.role == "artifact" else f)
+        for f in manifest.files
+    )
+    head_manifest = dataclasses.replace(manifest, files=files)
+    runner: ArtifactRunner = runner_class(manifest.compatibility.runtime)(model_dir, head_manifest, options)  # type: ignore[call-arg]  # the Protocol leaves __init__ to each runtime
+    return runner
 
 
 def _check_plan(endpoint: str, plan: SplitPlan) -> None:

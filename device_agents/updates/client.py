@@ -110,7 +110,10 @@ class UpdateClient:
         self.reported_topic = reported_topic(u.fleet, u.device_id)
         self.connections = 0  # successful connects since start
         self.last_connected_at: float | None = None  # time.time() of the last successful connect
-        self._mqtt = new_client(self.address, u.device_id)
+        self._lost_why = ""  # why the network thread ended the last connection itself, for its one log line
+        self._mqtt = new_client(
+            self.address, u.device_id, max_packet_bytes=u.max_packet_kb * 1024, on_oversize=self._on_oversize
+        )
         self._mqtt.on_connect = self._on_connect
         self._mqtt.on_disconnect = self._on_disconnect
         self._mqtt.on_message = self._on_message
@@ -167,12 +170,17 @@ class UpdateClient:
         while not self._stop.is_set():
             try:
                 self._mqtt.connect(
-                    u.broker_host, u.broker_port, u.keepalive_s, clean_start=False, properties=session_properties(True)
+                    u.broker_host,
+                    u.broker_port,
+                    u.keepalive_s,
+                    clean_start=False,
+                    properties=session_properties(True, max_packet_bytes=u.max_packet_kb * 1024),
                 )
             except OSError as exc:  # refused, unreachable, TLS handshake (ssl.SSLError is an OSError)
                 self._wait_before_reconnect(f"cannot connect to {self.address.url} ({exc})")
                 continue
             connections = self.connections
+            self._lost_why = ""
             while not self._stop.is_set() and self._mqtt.loop(timeout=_LOOP_S) == 0:  # 0: MQTT_ERR_SUCCESS
                 pass
             if self._stop.is_set():
@@ -184,7 +192,8 @@ class UpdateClient:
                 break
             self._connected = False
             lost = self.connections > connections
-            self._wait_before_reconnect(f"lost {self.address.url}" if lost else f"{self.address.url} refused us")
+            why = f"lost {self.address.url}" if lost else f"{self.address.url} refused us"
+            self._wait_before_reconnect(f"{why}: {self._lost_why}" if self._lost_why else why)
 
     def _wait_before_reconnect(self, why: str) -> None:
         delay = self._connect_backoff.next_delay()
@@ -211,6 +220,16 @@ class UpdateClient:
         keys = (self.trust.keys_topic,) if self.trust.keys_topic else ()
         client.subscribe([(t, SubscribeOptions(qos=1)) for t in (*keys, *self.topics)])
         self._publish_report()
+
+    def _on_oversize(self, size: int) -> None:
+        """A packet over ``max_packet_kb`` is arriving (the broker ignored the limit asked at
+        CONNECT): the connection ends unread; the reconnect line says why."""
+        kb = self.updates.max_packet_kb
+        self._lost_why = (
+            f"it sent a packet of {size} bytes, over updates.max_packet_kb = {kb} ({kb * 1024} bytes), which "
+            "was dropped unread; the broker should drop it itself (MQTT 5 Maximum Packet Size) or cap what it "
+            "accepts (mosquitto: max_packet_size)"
+        )
 
     def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
         self._connected = False
@@ -253,7 +272,8 @@ class UpdateClient:
             return
         if doc is None:
             return
-        self.lifecycle.trust = self.trust.bundle_trust()
+        # models signed by a key revoked now stop serving before this returns (then roll back)
+        self.lifecycle.apply_trust(self.trust.bundle_trust())
         log.warning(
             "updates: keys document v%d accepted: %d notice key(s), %d bundle key(s) added; revoked: %s",
             doc.version,

@@ -5,8 +5,11 @@ cut, the plan in the manifest's ``split``) and one tail bundle per cut for the t
 The device bundle starts as the ordinary bundle of the full model (``edgekit.packaging``, gated as
 always); its heads are added under ``heads/`` (role ``split_head``) and the manifest re-signed
 with the same key. Each tail is packaged FP32 with the heads' outputs on the calibration samples
-as its calibration data, so the tail's golden vectors are real cut tensors. When no cut is chosen
-at any planned bandwidth, only the ordinary bundle is written and the result says why.
+as its calibration data, so the tail's golden vectors are real cut tensors. Before anything is
+added, every shipped head and its tail composed are held to the device bundle's own gate (its
+validation kind and tolerance, ``edgekit.validate.metrics.compare``) against the full FP32 model
+on the samples: a cut that fails it is refused (``SplitGateError``). When no cut is chosen at any
+planned bandwidth, only the ordinary bundle is written and the result says why, per bandwidth.
 """
 
 from __future__ import annotations
@@ -24,9 +27,13 @@ from edgekit.bundle import file_entries, load_private_key, write_bundle
 from edgekit.bundle.archive import extract, read_verified_manifest
 from edgekit.bundle.manifest import MANIFEST_NAME, SIGNATURE_NAME
 from edgekit.bundle.signing import TrustStore, key_id
-from edgekit.errors import ConfigError
-from edgekit.split.plan import Plan, to_manifest, useful_cuts
+from edgekit.errors import ConfigError, ValidationFailedError
+from edgekit.split.plan import Plan, to_manifest, useful_cuts, why_no_cut
 from edgekit.validate.ort_runner import ort_cpu_runner
+
+
+class SplitGateError(ValidationFailedError):
+    """A head and its tail composed miss the gate the full model's bundle passed."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,7 @@ class SplitBundles:
     device: Path
     tails: dict[str, Path]  # cut id -> tail bundle
     note: str
+    gate: tuple[str, ...] = ()  # per shipped cut: head∘tail against the full model, one line
 
 
 def tail_model_name(name: str) -> str:
@@ -58,10 +66,7 @@ def write_split_bundles(
     (None: those the plan chose at some bandwidth)."""
     from edgekit import package
 
-    chosen = list(cuts) if cuts is not None else useful_cuts(plan)
-    unknown = [c for c in chosen if c not in heads]
-    if unknown:
-        raise ConfigError(f"--cuts {','.join(unknown)}: not cuts of this plan (it has {', '.join(heads)})")
+    check_cuts(plan, heads, cuts)
     result = package(
         model,
         targets="cpu",
@@ -76,14 +81,49 @@ def write_split_bundles(
     bundle = result.bundles.get("cpu")
     if bundle is None:
         raise ConfigError(f"{model}: packaging the full model failed: {result.errors}")
+    return add_split(
+        bundle, model, plan, heads, tails, calib, key=key, name=name, out_dir=out_dir, version=version, cuts=cuts
+    )
+
+
+def check_cuts(plan: Plan, heads: Mapping[str, Path], cuts: Sequence[str] | None) -> list[str]:
+    """The cuts to ship: ``cuts`` (each one a cut of the plan; ``["all"]``: every cut measured, for
+    a bundle to profile on the device) or, for None, those chosen."""
+    chosen = list(cuts) if cuts is not None else useful_cuts(plan)
+    if chosen == ["all"]:
+        chosen = list(heads)
+    unknown = [c for c in chosen if c not in heads]
+    if unknown:
+        raise ConfigError(f"--cuts {','.join(unknown)}: not cuts of this plan (it has {', '.join(heads)})")
+    return chosen
+
+
+def add_split(
+    bundle: Path,
+    model: Path,
+    plan: Plan,
+    heads: Mapping[str, Path],
+    tails: Mapping[str, Path],
+    calib: Mapping[str, np.ndarray],
+    *,
+    key: Path,
+    name: str,
+    out_dir: Path,
+    version: int = 1,
+    cuts: Sequence[str] | None = None,
+) -> SplitBundles:
+    """Make the ordinary device ``bundle`` of ``model`` a split one: gate each cut, package its
+    tail, add the heads and the plan (re-signed in place). No cut chosen: ``bundle`` as it is,
+    and the note says why."""
+    from edgekit.packager import package
+
+    chosen = check_cuts(plan, heads, cuts)
     if not chosen:
-        return SplitBundles(
-            bundle, {}, "no cut beats both local and remote at any planned bandwidth: ordinary bundle only"
-        )
+        return SplitBundles(bundle, {}, "ordinary bundle only: " + why_no_cut(plan))
+    gate = gate_cuts(bundle, model, {c: heads[c] for c in chosen}, {c: tails[c] for c in chosen}, calib, key=key)
     tail_bundles = {}
     for cut_id in chosen:
-        head = ort_cpu_runner(heads[cut_id])
-        mids = head(dict(calib))
+        mids = ort_cpu_runner(heads[cut_id])(dict(calib))
         out = package(
             tails[cut_id],
             targets="cpu",
@@ -99,15 +139,47 @@ def write_split_bundles(
             raise ConfigError(f"{tails[cut_id]}: packaging the tail of {cut_id} failed: {out.errors}")
         tail_bundles[cut_id] = out.bundles["cpu"]
     add_heads(bundle, plan, {c: heads[c] for c in chosen}, key=key, name=name)
-    return SplitBundles(bundle, tail_bundles, f"cuts {', '.join(chosen)}")
+    return SplitBundles(bundle, tail_bundles, f"cuts {', '.join(chosen)}", gate)
+
+
+def gate_cuts(
+    bundle: Path,
+    model: Path,
+    heads: Mapping[str, Path],
+    tails: Mapping[str, Path],
+    samples: Mapping[str, np.ndarray],
+    *,
+    key: Path,
+) -> tuple[str, ...]:
+    """Each head∘tail against the full FP32 ``model`` on ``samples``, judged by the gate the device
+    ``bundle`` was validated with (its kind and tolerance); one line per cut, or SplitGateError."""
+    from edgekit.validate.metrics import compare, run_all
+
+    manifest = read_verified_manifest(bundle, _trust(key)).manifest
+    validation = manifest.validation
+    if validation is None:
+        raise ConfigError(f"{bundle}: its manifest records no validation to hold the split cuts to")
+    full = ort_cpu_runner(model)
+    reference = run_all(full, samples)
+    lines = []
+    for cut_id, head_path in heads.items():
+        head, tail = ort_cpu_runner(head_path), ort_cpu_runner(tails[cut_id])
+        composed = run_all(lambda feed, h=head, t=tail: t(h(feed)), samples)  # type: ignore[misc]  # default-bound loop vars
+        got = compare(reference, {n: composed[n] for n in reference}, validation.kind, validation.tolerance)
+        line = f"{cut_id}: head∘tail against the full model on {got.samples} samples: {got.summary()}"
+        if not got.passed:
+            raise SplitGateError(
+                f"{line}: fails the gate the full model passed ({'; '.join(got.failures)}); this cut cannot be "
+                "shipped: leave it out with --cuts, or plan again"
+            )
+        lines.append(line + " (passed)")
+    return tuple(lines)
 
 
 def add_heads(bundle: Path, plan: Plan, heads: Mapping[str, Path], *, key: Path, name: str) -> Path:
     """Re-sign ``bundle`` (in place) with ``heads`` added under ``heads/`` and the plan of them."""
     private = load_private_key(key)
-    public = private.public_key()
-    trust = TrustStore({key_id(public): public})
-    verified = read_verified_manifest(bundle, trust)
+    verified = read_verified_manifest(bundle, _trust(key))
     with tempfile.TemporaryDirectory(prefix="edgekit-split-") as tmp:
         root = extract(bundle, verified, Path(tmp) / "b")
         for leftover in (MANIFEST_NAME, SIGNATURE_NAME):
@@ -125,3 +197,8 @@ def add_heads(bundle: Path, plan: Plan, heads: Mapping[str, Path], *, key: Path,
             split=to_manifest(plan, list(heads), head_files, tail_model_name(name)),
         )
         return write_bundle(manifest, root, private, bundle)
+
+
+def _trust(key: Path) -> TrustStore:
+    public = load_private_key(key).public_key()
+    return TrustStore({key_id(public): public})

@@ -9,6 +9,16 @@ tail on the server). One request costs::
 with the same bandwidth both ways. ``device_ms`` comes from a device profile, else from this
 host; ``server_ms`` from a server profile, else this host's time divided by ``server_speedup``
 (an assumption the plan states).
+
+With the ``energy`` objective the best option is the one that costs the device the fewest
+millijoules per request (W x ms = mJ)::
+
+    device_power_w * device_ms + radio_power_w * transfer_ms + idle_power_w * (rtt_ms + server_ms)
+
+(local: ``device_power_w * device_ms``): computing, then sending and receiving, then waiting for
+the server. ``device_power_w`` comes from ``--device-power-w`` or the device profile
+(``edgekit-agent profile`` measures it where the device has an energy meter); the radio and idle
+powers are given or assumed, and the plan says which.
 """
 
 from __future__ import annotations
@@ -24,6 +34,18 @@ from edgekit.split.profile import Profile
 
 LOCAL = "local"
 REMOTE = "remote"
+OBJECTIVES = ("latency", "energy")
+DEFAULT_RADIO_POWER_W = 1.0  # a Wi-Fi or LTE radio while sending (assumed where not given)
+DEFAULT_IDLE_POWER_W = 0.2  # the device waiting for the server's answer (assumed where not given)
+
+
+@dataclass(frozen=True)
+class Power:
+    """Watts the device draws computing, with its radio sending/receiving, and waiting."""
+
+    device_w: float
+    radio_w: float = DEFAULT_RADIO_POWER_W
+    idle_w: float = DEFAULT_IDLE_POWER_W
 
 
 @dataclass(frozen=True)
@@ -40,6 +62,14 @@ class Option:
             return self.device_ms
         return self.device_ms + transfer_ms(self.up_bytes + self.down_bytes, bandwidth_mbps) + rtt_ms + self.server_ms
 
+    def energy_mj(self, bandwidth_mbps: float, rtt_ms: float, power: Power) -> float:
+        """Millijoules the device spends on one request (see the module docstring)."""
+        compute = power.device_w * self.device_ms
+        if self.id == LOCAL:
+            return compute
+        link = power.radio_w * transfer_ms(self.up_bytes + self.down_bytes, bandwidth_mbps)
+        return compute + link + power.idle_w * (rtt_ms + self.server_ms)
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -51,6 +81,11 @@ class Choice:
     remote_ms: float
     best_cut: str | None  # the best of the cuts alone (None when the model has none)
     best_cut_ms: float | None
+    # the energy objective: the device's millijoules per request (None under the latency objective)
+    best_mj: float | None = None
+    local_mj: float | None = None
+    remote_mj: float | None = None
+    best_cut_mj: float | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +94,8 @@ class Plan:
     choices: tuple[Choice, ...]
     compress: compression.Mode
     assumptions: tuple[str, ...]
+    objective: str = "latency"
+    power: Power | None = None
 
     def option(self, option_id: str) -> Option:
         for o in self.options:
@@ -112,8 +149,19 @@ def build_options(
     if compress != "none":
         notes.append(f"cut tensors sent as {compress} + {compression.CODEC}")
 
+    # a cut the device profile lacks (the bundle profiled shipped other heads): this host's time
+    # scaled by the device's full model against this host's
+    scale = device.full_ms / measured.full_ms if device is not None and measured.full_ms > 0 else 1.0
+    missing = [m.cut.id for m in measured.cuts if device is not None and device.head_ms(m.cut) is None]
+    if missing:
+        notes.append(
+            f"device times of {', '.join(missing)} (not in the device profile): this host's x {scale:.3g} "
+            "(the device's full model against this host's); profile a bundle with those heads "
+            "(`edgekit package --split --cuts all`) to measure them"
+        )
+
     def device_ms(host_ms: float, profiled: float | None) -> float:
-        return profiled if profiled is not None else host_ms
+        return profiled if profiled is not None else host_ms * scale
 
     def server_ms(host_ms: float, profiled: float | None) -> float:
         return profiled if profiled is not None else host_ms / server_speedup
@@ -144,14 +192,35 @@ def build_options(
     return tuple(options), tuple(notes)
 
 
-def choose(options: Sequence[Option], bandwidths_mbps: Sequence[float], rtt_ms: float) -> tuple[Choice, ...]:
+def choose(
+    options: Sequence[Option],
+    bandwidths_mbps: Sequence[float],
+    rtt_ms: float,
+    *,
+    objective: str = "latency",
+    power: Power | None = None,
+) -> tuple[Choice, ...]:
+    """Per bandwidth, the option with the lowest latency (or, ``energy``, device millijoules)."""
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"--objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
+    if objective == "energy" and power is None:
+        raise ConfigError("--objective energy needs the device's power: --device-power-w W or a device profile with it")
     out = []
     local = next(o for o in options if o.id == LOCAL)
     remote = next(o for o in options if o.id == REMOTE)
     cuts = [o for o in options if o.id not in (LOCAL, REMOTE)]
     for bw in bandwidths_mbps:
-        best = min(options, key=lambda o: o.latency_ms(bw, rtt_ms))
-        best_cut = min(cuts, key=lambda o: o.latency_ms(bw, rtt_ms)) if cuts else None
+
+        def cost(o: Option, bw: float = bw) -> float:
+            if objective == "energy" and power is not None:
+                return o.energy_mj(bw, rtt_ms, power)
+            return o.latency_ms(bw, rtt_ms)
+
+        def mj(o: Option | None, bw: float = bw) -> float | None:
+            return o.energy_mj(bw, rtt_ms, power) if o is not None and power is not None else None
+
+        best = min(options, key=cost)
+        best_cut = min(cuts, key=cost) if cuts else None
         out.append(
             Choice(
                 bandwidth_mbps=bw,
@@ -162,6 +231,10 @@ def choose(options: Sequence[Option], bandwidths_mbps: Sequence[float], rtt_ms: 
                 remote_ms=remote.latency_ms(bw, rtt_ms),
                 best_cut=best_cut.id if best_cut else None,
                 best_cut_ms=best_cut.latency_ms(bw, rtt_ms) if best_cut else None,
+                best_mj=mj(best),
+                local_mj=mj(local),
+                remote_mj=mj(remote),
+                best_cut_mj=mj(best_cut),
             )
         )
     return tuple(out)
@@ -176,19 +249,86 @@ def make_plan(
     server: Profile | None = None,
     server_speedup: float = 10.0,
     compress: compression.Mode = "none",
+    objective: str = "latency",
+    device_power_w: float | None = None,
+    radio_power_w: float | None = None,
+    idle_power_w: float | None = None,
 ) -> Plan:
+    """``device_power_w``: watts while computing (else the device profile's, when it has one);
+    ``radio_power_w`` / ``idle_power_w``: None = the defaults, stated as assumed."""
     if rtt_ms < 0:
         raise ConfigError(f"--rtt-ms {rtt_ms}: must be >= 0")
     options, notes = build_options(
         measured, device=device, server=server, server_speedup=server_speedup, compress=compress
     )
-    return Plan(options, choose(options, bandwidths_mbps, rtt_ms), compress, notes)
+    power, power_notes = _power(objective, device, device_power_w, radio_power_w, idle_power_w)
+    chosen = choose(options, bandwidths_mbps, rtt_ms, objective=objective, power=power)
+    return Plan(options, chosen, compress, (*notes, *power_notes), objective, power)
+
+
+def _power(
+    objective: str,
+    device: Profile | None,
+    device_w: float | None,
+    radio_w: float | None,
+    idle_w: float | None,
+) -> tuple[Power | None, tuple[str, ...]]:
+    for flag, value in (("--device-power-w", device_w), ("--radio-power-w", radio_w), ("--idle-power-w", idle_w)):
+        if value is not None and value < 0:
+            raise ConfigError(f"{flag} {value}: must be >= 0 watts")
+    if objective != "energy":
+        return None, ()
+    notes = ["objective: the device's energy per request (mJ), not latency"]
+    if device_w is not None:
+        notes.append(f"device power {device_w:g} W while computing (--device-power-w)")
+    elif device is not None and device.device_power_w is not None:
+        device_w = device.device_power_w
+        notes.append(f"device power {device_w:g} W while computing ({device.source}: {device.power_source})")
+    else:
+        raise ConfigError(
+            "--objective energy needs the device's power while computing: give --device-power-w W, or a "
+            "--device-profile recorded by `edgekit-agent profile` on a device with an energy meter"
+        )
+    if radio_w is None:
+        radio_w = DEFAULT_RADIO_POWER_W
+        notes.append(f"radio power ASSUMED {radio_w:g} W while sending/receiving (give --radio-power-w)")
+    else:
+        notes.append(f"radio power {radio_w:g} W while sending/receiving (--radio-power-w)")
+    if idle_w is None:
+        idle_w = DEFAULT_IDLE_POWER_W
+        notes.append(f"idle power ASSUMED {idle_w:g} W while waiting for the server (give --idle-power-w)")
+    else:
+        notes.append(f"idle power {idle_w:g} W while waiting for the server (--idle-power-w)")
+    return Power(device_w, radio_w, idle_w), tuple(notes)
 
 
 def useful_cuts(plan: Plan) -> list[str]:
     """The cuts chosen at one of the planned bandwidths, in graph order."""
     chosen = {c.best for c in plan.choices}
     return [o.id for o in plan.cuts if o.id in chosen]
+
+
+def why_no_cut(plan: Plan) -> str:
+    """Why no cut was chosen: per planned bandwidth, what won and what the best cut would cost."""
+    parts = []
+    for c in plan.choices:
+        if c.best_cut is None or c.best_cut_ms is None:
+            parts.append(f"at {c.bandwidth_mbps:g} Mbit/s {c.best} ({c.best_ms:.2f} ms); the model has no cut")
+            continue
+        cut = plan.option(c.best_cut)
+        link = transfer_ms(cut.up_bytes + cut.down_bytes, c.bandwidth_mbps)
+        parts.append(
+            f"at {c.bandwidth_mbps:g} Mbit/s {c.best} {c.best_ms:.2f} ms beats the best cut {c.best_cut} "
+            f"{c.best_cut_ms:.2f} ms (head {cut.device_ms:.2f} + link {link:.2f} for {cut.up_bytes} B + rtt "
+            f"{c.rtt_ms:g} + tail {cut.server_ms:.2f})"
+        )
+    local = sum(1 for c in plan.choices if c.best == LOCAL)
+    head = "no cut beats both local and remote at any planned bandwidth"
+    if not plan.cuts:
+        head = "the model has no cut where few enough tensors cross"
+    elif local == len(plan.choices):
+        head += " (the device runs the whole model sooner than any head plus the link)"
+    return f"{head}: " + "; ".join(parts)
 
 
 def to_manifest(plan: Plan, cut_ids: Sequence[str], head_files: dict[str, str], tail_model: str) -> SplitPlan | None:
@@ -240,15 +380,21 @@ def table(plan: Plan, measured: Measurements) -> str:
             f"{z:>9} {f16:>12} {i8:>20}"
         )
     lines.append("")
+    energy = plan.objective == "energy"
     lines.append(
         f"{'Mbit/s':>9} {'rtt ms':>7} {'local ms':>10} {'remote ms':>10} {'best cut ms':>12} {'chosen':<10} {'ms':>9}"
+        + (f" {'local mJ':>10} {'remote mJ':>10} {'best cut mJ':>14} {'mJ':>9}" if energy else "")
     )
     for c in plan.choices:
         cut = f"{c.best_cut_ms:.2f} {c.best_cut}" if c.best_cut_ms is not None else "-"
-        lines.append(
+        line = (
             f"{c.bandwidth_mbps:>9g} {c.rtt_ms:>7g} {c.local_ms:>10.2f} {c.remote_ms:>10.2f} {cut:>12} "
             f"{c.best:<10} {c.best_ms:>9.2f}"
         )
+        if energy:
+            cut_mj = f"{c.best_cut_mj:.2f} {c.best_cut}" if c.best_cut_mj is not None else "-"
+            line += f" {c.local_mj or 0:>10.2f} {c.remote_mj or 0:>10.2f} {cut_mj:>14} {c.best_mj or 0:>9.2f}"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from edgekit.errors import CalibrationDataError, ConfigError
 from edgekit.split import compression, graph
 from edgekit.split.measure import Feed, Measurements, measure
-from edgekit.split.plan import Plan, make_plan, table, useful_cuts
+from edgekit.split.plan import Plan, make_plan, table, useful_cuts, why_no_cut
 from edgekit.split.profile import Profile, SegmentTimes, this_machine
 from edgekit.split.profile import read as read_profile
 from edgekit.split.profile import write as write_profile
@@ -53,6 +53,10 @@ def plan_model(
     save_profile: Path | None = None,
     plot: bool = True,
     all_cuts: bool = False,
+    objective: str = "latency",
+    device_power_w: float | None = None,
+    radio_power_w: float | None = None,
+    idle_power_w: float | None = None,
 ) -> PlanRun:
     if target not in TARGETS:
         raise ConfigError(
@@ -90,10 +94,16 @@ def plan_model(
         server=server,
         server_speedup=server_speedup,
         compress=compress,
+        objective=objective,
+        device_power_w=device_power_w,
+        radio_power_w=radio_power_w,
+        idle_power_w=idle_power_w,
     )
     kept = "" if all_cuts else f" ({len(cuts)} send fewer bytes than the input and every earlier cut)"
     text = f"# {model_path.name}: {found} cut(s) where <= {max_tensors} tensor(s) cross{kept}; samples: {source}\n"
     text += table(plan, measured)
+    if not useful_cuts(plan):
+        text += "\n# " + why_no_cut(plan)
     (out_dir / "plan.txt").write_text(text + "\n")
     (out_dir / "plan.json").write_text(json.dumps(plan_json(model_path, plan, measured, source), indent=2) + "\n")
     if save_profile is not None:
@@ -155,11 +165,14 @@ def plan_json(model_path: Path, plan: Plan, measured: Measurements, source: str)
         "model": model_path.name,
         "samples": source,
         "compress": plan.compress,
+        "objective": plan.objective,
+        "power_w": asdict(plan.power) if plan.power is not None else None,
         "compression_codec": compression.CODEC,
         "assumptions": list(plan.assumptions),
         "options": [asdict(o) for o in plan.options],
         "choices": [asdict(c) for c in plan.choices],
         "useful_cuts": useful_cuts(plan),
+        "no_cut_because": None if useful_cuts(plan) else why_no_cut(plan),
         "cuts": [
             {
                 "id": m.cut.id,

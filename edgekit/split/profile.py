@@ -5,9 +5,13 @@ tool that writes the same keys)::
 
     {"format": "edgekit-split-profile/1", "machine": "...", "runtime": "onnxruntime 1.32.0",
      "full_ms": 12.5,
-     "cuts": {"cut7": {"tensors": ["r2"], "head_ms": 3.1, "tail_ms": 9.6}}}
+     "cuts": {"cut7": {"tensors": ["r2"], "head_ms": 3.1, "tail_ms": 9.6}},
+     "device_power_w": 4.2, "power_source": "measured: rapl (package-0)"}
 
-Milliseconds are per sample. Unknown keys are errors naming their path; a cut whose tensors
+``edgekit-agent profile BUNDLE`` writes one on the device with the agent's own runtime (the full
+model and the bundle's heads; ``device_power_w`` where the device has an energy meter).
+Milliseconds are per sample; ``device_power_w`` (optional) is the power drawn while computing.
+Unknown keys are errors naming their path; a cut whose tensors
 differ from the model's cut of that id is an error (the profile is of another model).
 """
 
@@ -40,6 +44,8 @@ class Profile:
     cuts: Mapping[str, SegmentTimes]
     machine: str = ""
     runtime: str = ""
+    device_power_w: float | None = None  # watts while computing (energy objective)
+    power_source: str = ""
 
     def head_ms(self, cut: CutPoint) -> float | None:
         return self._times(cut).head_ms
@@ -66,7 +72,7 @@ def read(path: Path) -> Profile:
         raise ConfigError(f"{path}: not JSON ({exc})") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object")
-    _known(data, {"format", "machine", "runtime", "full_ms", "cuts"}, str(path))
+    _known(data, {"format", "machine", "runtime", "full_ms", "cuts", "device_power_w", "power_source"}, str(path))
     if data.get("format") != FORMAT:
         raise ConfigError(f"{path}: format is {data.get('format')!r}, expected {FORMAT!r}")
     cuts: dict[str, SegmentTimes] = {}
@@ -87,7 +93,16 @@ def read(path: Path) -> Profile:
     full_ms = _ms(data.get("full_ms"), f"{path}: full_ms")
     if full_ms is None:
         raise ConfigError(f"{path}: full_ms (the whole model's milliseconds per sample) is missing")
-    return Profile(str(path), full_ms, cuts, str(data.get("machine", "")), str(data.get("runtime", "")))
+    power = _ms(data.get("device_power_w"), f"{path}: device_power_w")
+    return Profile(
+        str(path),
+        full_ms,
+        cuts,
+        str(data.get("machine", "")),
+        str(data.get("runtime", "")),
+        power,
+        str(data.get("power_source", "")),
+    )
 
 
 def write(path: Path, profile: Profile) -> Path:
@@ -101,6 +116,8 @@ def write(path: Path, profile: Profile) -> Path:
             for cut_id, t in profile.cuts.items()
         },
     }
+    if profile.device_power_w is not None:
+        data["device_power_w"], data["power_source"] = profile.device_power_w, profile.power_source
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
     return Path(path)
 
@@ -119,7 +136,7 @@ def _ms(value: object, where: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ConfigError(f"{where} must be a non-negative number of milliseconds, got {value!r}")
+        raise ConfigError(f"{where} must be a non-negative number, got {value!r}")
     return float(value)
 
 

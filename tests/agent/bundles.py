@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import tarfile
 import tempfile
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,23 +40,28 @@ def rebundle(
     key_path: Path,
     out: Path,
     *,
-    files: dict[str, bytes] | None = None,
+    files: Mapping[str, bytes | None] | None = None,
     compat: dict[str, Any] | None = None,
+    roles: dict[str, str] | None = None,
     **changes: Any,
 ) -> Path:
-    """A correctly signed copy of ``src`` with ``files`` replaced and manifest (``compat``:
-    compatibility) fields changed."""
+    """A correctly signed copy of ``src`` with ``files`` replaced (None: removed; a new file needs
+    its role in ``roles``) and manifest (``compat``: compatibility) fields changed."""
     members = _members(src)
     manifest = Manifest.from_json(members.pop(MANIFEST_NAME))
     members.pop(SIGNATURE_NAME)
     if compat:
         changes["compatibility"] = replace(manifest.compatibility, **compat)
-    members.update(files or {})
+    for name, data in (files or {}).items():
+        if data is None:
+            members.pop(name, None)
+        else:
+            members[name] = data
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for name, data in members.items():
             (root / name).write_bytes(data)
-        roles = {e.path: e.role for e in manifest.files}
+        roles = {**{e.path: e.role for e in manifest.files if e.path in members}, **(roles or {})}
         manifest = manifest.with_updates(files=file_entries(root, roles), **changes)
         return write_bundle(manifest, root, load_private_key(key_path), out)
 

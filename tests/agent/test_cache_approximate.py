@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from device_agents.cache.approximate import MIN_RECHECKS, FalseHitMeter, NearIndex, agrees, signature, wilson
-from device_agents.cache.stage import policy
+from device_agents.cache.stage import policy, shared_cache
 from device_agents.config import load_config
 from device_agents.lifecycle import Lifecycle
 from device_agents.pipeline import Pipeline, Request
@@ -81,6 +81,9 @@ def test_agrees_compares_top1_of_scores_and_cosine_of_dense_outputs() -> None:
     dense = np.linspace(0, 1, 64, dtype=np.float32).reshape(1, 4, 4, 4)
     assert agrees({"m": dense}, {"m": dense * 1.01})
     assert not agrees({"m": dense}, {"m": dense[:, ::-1].copy()})
+    cached_labels = np.array([b"cat", b"dog"], dtype=object)  # a BYTES output as the cache hands it back
+    assert agrees({"label": cached_labels}, {"label": np.array(["cat", "dog"], dtype=object)})
+    assert not agrees({"label": cached_labels}, {"label": np.array(["cat", "cow"], dtype=object)})
 
 
 def test_false_hit_meter_tightens_only_when_the_rate_is_over_the_budget_with_confidence() -> None:
@@ -150,6 +153,30 @@ def test_approximate_stage_answers_a_near_duplicate_with_its_distance(
         assert b'edgekit_cache_distance_threshold{model="tiny"} 0.02' in lc.metrics.exposition()
     finally:
         lc.stop()
+
+
+def test_approximate_hit_survives_a_restart_with_its_signature(
+    tmp_path: Path, keypair: tuple[Path, Path], bundles: Bundles
+) -> None:
+    lc = _approximate(tmp_path, keypair[1], bundles, max_distance=0.02)
+    x = _scene(22, size=16)
+    try:
+        pipeline = Pipeline("tiny", lc.registry, lc.config, lc.metrics, threading.Semaphore(4))  # type: ignore[arg-type]  # what Slots wraps
+        assert _ask(pipeline, x).response_parameters["cache"] == "miss"
+        assert _ask(pipeline, x + np.float32(0.01)).response_parameters["cache"] == "hit"  # hit: written to disk
+        assert _ask(pipeline, _scene(23, size=16)).response_parameters["cache"] == "miss"  # asked once: memory only
+    finally:
+        lc.stop()
+    assert shared_cache(lc.config, lc.metrics.cache).flush()
+    again = Lifecycle(lc.config)  # a new agent on the same store: its signature index starts empty
+    again.start()
+    try:
+        pipeline = Pipeline("tiny", again.registry, again.config, again.metrics, threading.Semaphore(4))  # type: ignore[arg-type]  # what Slots wraps
+        near = _ask(pipeline, x + np.float32(0.02))  # never seen byte for byte: only its signature can answer it
+        assert near.response_parameters["cache"] == "hit" and 0 <= near.response_parameters["distance"] <= 0.02
+        assert _ask(pipeline, _scene(23, size=16) + np.float32(0.01)).response_parameters["cache"] == "miss"
+    finally:
+        again.stop()
 
 
 def test_approximate_recheck_tightens_a_threshold_set_too_loose(

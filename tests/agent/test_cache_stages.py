@@ -143,7 +143,11 @@ def test_cache_policy_is_the_manifest_s_unless_the_config_overrides_it(bundles: 
     assert policy("tiny", config("[models.tiny.cache]\nenabled = false\n"), declared) is None
     assert policy("tiny", config("[cache]\nenabled = false\n[models.tiny.cache]\n"), declared) is None
     got = policy("tiny", config("[models.tiny.cache]\n"), manifest)
-    assert got is not None and got.ttl_s == 3600
+    assert got is not None and got.ttl_s == 3600 and got.admit == "second"
+    got = policy("tiny", config('[models.tiny.cache]\nadmit = "first"\n'), manifest)
+    assert got is not None and got.admit == "first"
+    got = policy("tiny", config('[models.tiny.cache]\nmode = "approximate"\nmax_distance = 0.1\n'), manifest)
+    assert got is not None and got.admit == "first"
 
 
 def test_cache_on_a_stateful_model_is_a_config_error(bundles: Bundles, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from device_agents.cache.admission import Doorkeeper
 from device_agents.cache.key import CacheKey, KeyMaker
 from device_agents.cache.store import DB_NAME, ResultCache
 from device_agents.cache.tensors import CacheFormatError, UncacheableError, decode_tensors, encode_tensors
@@ -100,7 +101,35 @@ def test_tensors_round_trip_without_pickle_and_reject_bad_blobs() -> None:
         with pytest.raises(CacheFormatError):
             decode_tensors(bad)
     with pytest.raises(UncacheableError):
-        encode_tensors({"text": np.array(["a"], dtype=object)})
+        encode_tensors({"text": np.array([1.5], dtype=object)})
+
+
+def test_tensors_bytes_outputs_round_trip_as_read_only_bytes_items() -> None:
+    labels = np.array([[b"cat", "d\u00f6g"], [b"", "x" * 300]], dtype=object)  # bytes and str items, one empty
+    outputs = {"label": labels, "fixed": np.array([b"ab", b"c"]), "text": np.array(["hi"]), "score": _x(4, (2,))}
+    back = decode_tensors(encode_tensors(outputs))
+    assert back["label"].dtype == object and back["label"].shape == (2, 2) and not back["label"].flags.writeable
+    assert back["label"].tolist() == [[b"cat", "d\u00f6g".encode()], [b"", b"x" * 300]]
+    assert back["fixed"].tolist() == [b"ab", b"c"] and back["text"].tolist() == [b"hi"]
+    np.testing.assert_array_equal(back["score"], outputs["score"])
+    blob = encode_tensors({"label": labels})
+    for bad in (blob[:-1], blob + b"\0", blob.replace(b"x" * 300, b"x" * 299 + b"\xff\xff", 1)[:-2]):
+        with pytest.raises(CacheFormatError):
+            decode_tensors(bad)
+
+
+def test_cache_bytes_outputs_hit_from_memory_and_from_disk(tmp_path: Path) -> None:
+    cache = _cache(tmp_path)
+    key = _maker().key({"x": _x(50)})
+    outputs = {"label": np.array(["person", "bicycle"], dtype=object), "boxes": _x(51, (2, 4))}
+    assert cache.put(key, outputs, model="det", version=1, ttl_s=60, wait=True)
+    hit = cache.get(_maker().key({"x": _x(50)}), "det")
+    assert hit is not None and hit.outputs["label"].tolist() == [b"person", b"bicycle"]
+    cache.close()
+    reopened = _cache(tmp_path)
+    hit = reopened.get(_maker().key({"x": _x(50)}), "det")
+    assert hit is not None and hit.tier == "disk" and hit.outputs["label"].tolist() == [b"person", b"bicycle"]
+    reopened.close()
 
 
 def test_cache_hit_from_memory_then_from_disk_after_reopen(tmp_path: Path) -> None:
@@ -313,3 +342,60 @@ def test_cache_memory_tier_stays_exact_when_it_reuses_evicted_key_buffers(tmp_pa
     # two fit: each later put evicted the oldest, whose buffer took the next key; every key still compares right
     assert [cache.get(k, "det") is not None for k in keys] == [False, False, True, True]
     cache.close()
+
+
+def test_cache_admit_second_stores_a_full_tier_s_answer_only_at_its_key_s_second_sighting(tmp_path: Path) -> None:
+    size = _maker().key({"x": _x(0, (64, 64))}).nbytes + len(encode_tensors({"y": _x(0, (2,))}))
+    metrics = AgentMetrics()
+    cache = _cache(tmp_path, memory_max_bytes=3 * size, series=metrics.cache)
+
+    def put(key: CacheKey, admit: str) -> bool:
+        return cache.put(key, {"y": _x(0, (2,))}, model="det", version=1, ttl_s=60, disk_on_hit=True, admit=admit)
+
+    kept = [_maker().key({"x": _x(40 + i, (64, 64))}) for i in range(3)]
+    assert all(put(k, "second") for k in kept)  # the tier has room: taken at the first sighting
+    for i in range(20):  # a stream that never repeats, into a full tier: remembered by hash only
+        assert not put(_maker().key({"x": _x(100 + i, (64, 64))}), "second")
+    assert all(cache.get(k, "det") is not None for k in kept)  # nothing of the stream evicted them
+    assert b"edgekit_cache_deferred_total 20.0" in metrics.exposition()
+    again = _maker().key({"x": _x(119, (64, 64))})  # the stream's last input, seen a second time
+    assert put(again, "second") and cache.get(again, "det") is not None
+    assert put(_maker().key({"x": _x(200, (64, 64))}), "first")  # "first": every answer, whatever it evicts
+    cache.close()
+
+
+def test_cache_doorkeeper_says_seen_only_of_a_digest_it_was_shown() -> None:
+    keeper = Doorkeeper(slots=4)
+    digests = [_maker().key({"x": _x(300 + i)}).digest for i in range(64)]
+    assert [keeper.seen_before(d) for d in digests[:1]] == [False]
+    assert keeper.seen_before(digests[0])
+    # 64 digests through 4 slots: a digest is "seen" only after it was shown, never because of another's
+    fresh = Doorkeeper(slots=4)
+    assert not any(fresh.seen_before(d) for d in digests)
+    with pytest.raises(ValueError, match="power of two"):
+        Doorkeeper(slots=3)
+
+
+def test_cache_file_of_the_previous_format_is_migrated_with_its_entries(tmp_path: Path) -> None:
+    cache = _cache(tmp_path)
+    key = _maker().key({"x": _x(60)})
+    assert cache.put(key, {"y": _x(61, (2,))}, model="det", version=1, ttl_s=60, wait=True)
+    cache.close()
+    with sqlite3.connect(tmp_path / DB_NAME) as db:  # as format 1 wrote it: no signature columns
+        db.execute("ALTER TABLE entries DROP COLUMN context")
+        db.execute("ALTER TABLE entries DROP COLUMN signature")
+        db.execute("PRAGMA user_version=1")
+    reopened = _cache(tmp_path)
+    hit = reopened.get(_maker().key({"x": _x(60)}), "det")
+    assert hit is not None and hit.tier == "disk" and not list(tmp_path.glob(f"{DB_NAME}.corrupt-*"))
+    sig = np.ones(4, np.float32) / 2
+    other = _maker().key({"x": _x(62)})
+    assert reopened.put(other, {"y": _x(63, (2,))}, model="det", version=1, ttl_s=60, wait=True, signature=(b"c", sig))
+    reopened.close()
+    with sqlite3.connect(tmp_path / DB_NAME) as db:
+        assert db.execute("PRAGMA user_version").fetchone() == (2,)
+    again = _cache(tmp_path)
+    [(context, stored, digest)] = again.signatures("det", 1, 10)
+    assert context == b"c" and digest == other.digest
+    np.testing.assert_array_equal(stored, sig)
+    again.close()

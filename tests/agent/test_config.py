@@ -79,6 +79,11 @@ def test_config_without_updates_table_has_none(tmp_path: Path) -> None:
         (BASE + "[models.m.cache]\nmode = 'semantic'\n", 'agent.models.m.cache: mode = "semantic" goes with'),
         (BASE + "[models.m.cache]\nmax_mb = 0\n", "agent.models.m.cache: max_mb must be > 0"),
         (BASE + "[models.m.cache]\nrecheck_fraction = 0.1\n", "agent.models.m.cache: recheck_fraction applies to"),
+        (BASE + "[models.m.cache]\nadmit = 'third'\n", "agent.models.m.cache: admit 'third' must be one of first"),
+        (
+            BASE + "[models.m.cache]\nmode = 'approximate'\nmax_distance = 0.1\nadmit = 'second'\n",
+            'agent.models.m.cache: admit = "second" goes with mode = "exact"',
+        ),
         (BASE + "[cache]\nmax_mbytes = 5\n", "agent.cache: unknown key 'max_mbytes' (did you mean 'max_mb'?"),
         (BASE + "[models.m.route]\nmembers = ['a']\nthreshold = 0.5\n", "agent.models.m.route: members must name two"),
         (

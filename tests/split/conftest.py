@@ -57,7 +57,7 @@ def split_build(tmp_path_factory: pytest.TempPathFactory, keypair: tuple[Path, P
     root = tmp_path_factory.mktemp("split")
     model = shrinking_convnet(root / "m.onnx")
     device, server = write_profiles(root, model)
-    calib = inputs(16, seed=3)
+    calib = inputs(64, seed=3)
     np.savez(root / "calib.npz", x=calib)
     run = plan_model(
         model,

@@ -181,3 +181,52 @@ def test_undominated_drops_cuts_that_send_no_fewer_bytes_than_an_earlier_one(tmp
     # r1 sends what c1 sends, after more work; c3/r3 (18 KB) more than c2 (4.6 KB); logits more than gap
     assert kept == ["c1", "c2", "c4", "gap"]
     assert graph.tensor_bytes(model, "c3") == TENSOR_BYTES["c3"] and graph.tensor_bytes(model, "x") == 3 * 96 * 96 * 4
+
+
+def test_plan_energy_objective_picks_the_option_costing_the_device_least_energy(tmp_path: Path) -> None:
+    model = shrinking_convnet(tmp_path / "m.onnx")
+    device, server = write_profiles(tmp_path, model)
+    common = {"rtt_ms": 5, "device_profile": device, "server_profile": server, "budget_s": 0.5, "plot": False}
+    fast = plan_model(model, tmp_path / "lat", [10.0], **common)  # type: ignore[arg-type]  # keyword bundle
+    assert fast.plan.option(fast.plan.choices[0].best).tensors[0] in ("c1", "r1")  # latency: the cut after conv1
+    # a power-hungry device (50 W computing), radio 1 W, idle 0 W: sending the whole input costs it least
+    run = plan_model(
+        model, tmp_path / "energy", [10.0], objective="energy", device_power_w=50.0, radio_power_w=1.0,
+        idle_power_w=0.0, **common,  # type: ignore[arg-type]  # keyword bundle
+    )  # fmt: skip
+    c = run.plan.choices[0]
+    assert c.best == "remote"
+    assert c.best_mj == pytest.approx(1.0 * (3 * 96 * 96 * 4 + 40) * 8 / 10_000)  # radio W x transfer ms
+    assert c.local_mj == pytest.approx(50.0 * 100.0)
+    cut1 = run.plan.option(c.best_cut or "")
+    assert c.best_cut_mj == pytest.approx(50.0 * cut1.device_ms + 1.0 * (cut1.up_bytes + 40) * 8 / 10_000)
+    assert "objective: the device's energy per request (mJ), not latency" in run.plan.assumptions
+    assert "mJ" in run.table
+
+
+def test_plan_energy_objective_reads_the_device_power_from_the_profile_and_states_assumed_powers(
+    tmp_path: Path,
+) -> None:
+    model = shrinking_convnet(tmp_path / "m.onnx")
+    device, server = write_profiles(tmp_path, model)
+    doc = json.loads(device.read_text())
+    doc.update(device_power_w=2.0, power_source="measured: rapl (package-0)")
+    device.write_text(json.dumps(doc))
+    run = plan_model(
+        model, tmp_path / "o", [1.0], objective="energy", device_profile=device, server_profile=server,
+        rtt_ms=5, budget_s=0.5, plot=False,
+    )  # fmt: skip
+    assert run.plan.power is not None and run.plan.power.device_w == 2.0
+    assert any("radio power ASSUMED 1 W" in n for n in run.plan.assumptions)
+    assert any("idle power ASSUMED 0.2 W" in n for n in run.plan.assumptions)
+    c = run.plan.choices[0]
+    best = run.plan.option(c.best)
+    assert c.best_mj is not None
+    assert c.best_mj == pytest.approx(best.energy_mj(1.0, 5.0, run.plan.power))
+    assert all(c.best_mj <= run.plan.option(o.id).energy_mj(1.0, 5.0, run.plan.power) for o in run.plan.options)
+
+
+def test_plan_energy_objective_without_a_device_power_is_an_error(tmp_path: Path) -> None:
+    model = shrinking_convnet(tmp_path / "m.onnx")
+    with pytest.raises(ConfigError, match="--device-power-w W, or a --device-profile recorded by `edgekit-agent"):
+        plan_model(model, tmp_path / "o", [1.0], objective="energy", budget_s=0.3, plot=False)
