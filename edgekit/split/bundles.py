@@ -115,7 +115,7 @@ def add_split(
     """Make the ordinary device ``bundle`` of ``model`` a split one: gate each cut, package its
     tail, add the heads and the plan (re-signed in place). No cut chosen: ``bundle`` as it is,
     and the note says why."""
-    from edgekit.packager import package
+    from edgekit import package
 
     chosen = check_cuts(plan, heads, cuts)
     if not chosen:
