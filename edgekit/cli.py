@@ -20,10 +20,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from device_agents.command_line import Parser, os_error_message, reader_gone
 from edgekit import __version__
 from edgekit import package_defaults as defaults
 from edgekit.bundle.codec import to_data
+from edgekit.bundle.command_line import Parser, os_error_message, reader_gone
 from edgekit.errors import ConfigError, EdgekitError, InferenceInputError
 
 PROG = "edgekit"

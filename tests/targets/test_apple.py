@@ -17,11 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from device_agents.errors import IncompatibleError
 from device_agents.runtimes import load_model
 from device_agents.runtimes.coreml import compute_units, package_dir
 from device_agents.runtimes.options import CoreMlOptions
 from edgekit.bundle import file_entries
-from edgekit.errors import BundleError, ConfigError, IncompatibleError, ValidationFailedError
+from edgekit.errors import BundleError, ConfigError, ValidationFailedError
 from edgekit.optimize.run import build as build_with_engine
 from edgekit.targets.apple import AppleOptions, AppleTarget
 from edgekit.targets.base import BuildContext

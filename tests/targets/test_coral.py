@@ -23,13 +23,14 @@ import pytest
 from onnx import TensorProto, helper
 
 import edgekit
+from device_agents.errors import IncompatibleError
 from device_agents.runtimes import load_model
 from device_agents.runtimes.litert import LiteRtRunner
 from device_agents.runtimes.options import LiteRtOptions, RuntimesConfig
 from edgekit.bundle.manifest import Compatibility, Manifest
 from edgekit.compress.freeze import scope_name
 from edgekit.compress.onnx2tflite import signature_details
-from edgekit.errors import ConfigError, IncompatibleError
+from edgekit.errors import ConfigError
 from edgekit.packaging.result import PackageResult
 from edgekit.targets.base import BuildContext
 from edgekit.targets.coral import SIXTEEN_BY_EIGHT, CoralOptions, CoralTarget, edgetpu_placement

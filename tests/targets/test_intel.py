@@ -17,12 +17,13 @@ import pytest
 from onnx import TensorProto, helper
 
 import edgekit
+from device_agents.errors import IncompatibleError
 from device_agents.runtimes import load_model
 from device_agents.runtimes.openvino import OpenVinoRunner
 from device_agents.runtimes.options import OpenVinoOptions
 from edgekit.bundle.manifest import Manifest, Tolerance
 from edgekit.compress.onnx_prep import prepare_model
-from edgekit.errors import ConfigError, IncompatibleError, UnsupportedOpError
+from edgekit.errors import ConfigError, UnsupportedOpError
 from edgekit.optimize.run import build as build_with_engine
 from edgekit.targets.base import BuildContext
 from edgekit.targets.intel import IntelOptions, IntelTarget

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from device_agents.errors import IncompatibleError
 from device_agents.runtimes import load_model
 from device_agents.runtimes.options import TensorRtOptions
 from device_agents.runtimes.tensorrt import EngineCache, EngineKey, workspace_bound_mb
@@ -24,14 +25,7 @@ from edgekit.bundle.codec import from_data
 from edgekit.bundle.manifest import Tolerance
 from edgekit.compress.qdq_structure import QdqStructureError, check_tensorrt_qdq
 from edgekit.compress.trt_calibration_table import format_table, parse_table, scales_from_ranges, trt_version_number
-from edgekit.errors import (
-    CalibrationDataError,
-    ConfigError,
-    IncompatibleError,
-    MissingSDKError,
-    ModelFormatError,
-    UnsupportedOpError,
-)
+from edgekit.errors import CalibrationDataError, ConfigError, MissingSDKError, ModelFormatError, UnsupportedOpError
 from edgekit.optimize.run import build as build_with_engine
 from edgekit.targets.base import BuildContext
 from edgekit.targets.jetson import JetsonOptions, JetsonTarget
