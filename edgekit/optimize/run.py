@@ -19,9 +19,10 @@ from edgekit.bundle.manifest import Tolerance
 from edgekit.errors import ConfigError
 from edgekit.optimize.candidates import OBJECTIVES, RunFn
 from edgekit.optimize.data import search_data
-from edgekit.optimize.engine import Outcome, SearchResult, record_of, search
+from edgekit.optimize.engine import record_of, search
 from edgekit.optimize.profile import DeviceProfile
 from edgekit.optimize.record import choice_step
+from edgekit.optimize.search_state import Outcome, SearchResult
 from edgekit.package_defaults import DEFAULT_CALIB_SAMPLES, DEFAULT_OBJECTIVE
 from edgekit.targets.base import BuildContext, BuildResult, static_signature
 from edgekit.validate.calib import even_batch, fixed_batch, sample_count
