@@ -125,7 +125,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     config.check_exposure()  # off loopback only with a bearer token
-    raise_nofile_limit()
+    raise_nofile_limit(config.server.max_connections)
     log_usable_cpus()
     # wait while a one-shot `install` holds the lock; refuse at once when another daemon does
     wait_s = 0.0 if _daemon_pid(config.store) is not None else _DAEMON_WAIT_S
@@ -227,15 +227,29 @@ def log_usable_cpus() -> None:
         )
 
 
-def raise_nofile_limit() -> None:
-    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit: every connection is a file descriptor."""
+# Descriptors the agent holds besides its connections (models, store, cache, logs, MQTT, ...).
+_OTHER_FDS = 64
+
+
+def raise_nofile_limit(max_connections: int | None = None) -> None:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit: every connection is a file descriptor.
+    Warn when the limit is still below ``max_connections`` and the agent's own files."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or soft < hard:
         target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
         except (ValueError, OSError) as exc:
             log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+    if max_connections is not None and soft < max_connections + _OTHER_FDS:
+        log.warning(
+            "the open-file limit (%d) is below server.max_connections (%d) + %d: past it new connections "
+            "wait in the listen queue; raise LimitNOFILE / ulimit -n or lower server.max_connections",
+            soft,
+            max_connections,
+            _OTHER_FDS,
+        )
 
 
 def _publish_address(path: Path, url: str) -> None:

@@ -69,6 +69,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser from PyPI (the `agent` extra installs it)
     import tomli as tomllib
 
+from device_agents.containment import CONTAINMENTS
 from device_agents.runtimes.options import COMPUTE_UNITS, OPTIONS, RuntimeOptions, RuntimesConfig
 from edgekit.bundle.codec import from_data, upgrade
 from edgekit.bundle.errors import ConfigError
@@ -97,6 +98,10 @@ class SelfTestConfig:
     latency_slack: float = 3.0
     # p50 values below this are never refused: timer noise dominates such small numbers.
     latency_floor_ms: float = 1.0
+    # How no process the child starts outlives it (device_agents.containment): "auto" = a cgroup v2
+    # of its own where the agent may make one (root, a delegated subtree), else "subreaper"; "cgroup"
+    # = only that (a self-test without it fails); "subreaper" = never a cgroup.
+    containment: str = "auto"
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
@@ -105,6 +110,8 @@ class SelfTestConfig:
             raise ValueError(f"memory_mb must be > 0, got {self.memory_mb}")
         if self.latency_slack < 0 or self.latency_floor_ms < 0:
             raise ValueError("latency_slack and latency_floor_ms must be >= 0")
+        if self.containment not in CONTAINMENTS:
+            raise ValueError(f"containment {self.containment!r} must be one of {', '.join(CONTAINMENTS)}")
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,11 @@ _stall_lock = threading.Lock()
 # Misbehaviours a test can switch on the same way (``EDGEKIT_FAULT=<name>``); the code at the
 # point does what the name says instead of dying. ``selftest_flood``: the self-test child starts
 # grandchildren (one in a session of its own) and floods its stdout and stderr, forever.
-FAULT_BEHAVIOURS = ("selftest_flood",)
+# ``selftest_double_fork``: the self-test child starts a helper that double-forks a sleeper into a
+# session of its own (out of its process group and parent chain), then goes on with the test; the
+# sleeper's pid is appended to the file named by ``EDGEKIT_FAULT_PID_FILE``.
+FAULT_BEHAVIOURS = ("selftest_flood", "selftest_double_fork")
+PID_FILE_ENV = "EDGEKIT_FAULT_PID_FILE"
 
 
 def fault_point(name: str) -> None:

@@ -462,6 +462,7 @@ class Lifecycle:
             options=self.config.runtimes_for(name),
             work_dir=self.store.root / "tmp",
             baseline_dir=self.store.model_dir(active) if active is not None and active != slot else None,
+            containment=cfg.containment,
         )
         report = self._with_baseline(name, report, host_p50_ms)
         # Only a baseline measured on this device gates: the host that packaged the bundle is

@@ -4,19 +4,23 @@ A crashing, hanging or memory-hungry runtime cannot take the daemon down: the pa
 (``run_selftest``) starts ``python -m device_agents.selftest``, kills it after
 ``selftest.timeout_s`` or when its RSS goes over ``selftest.memory_mb`` (watched with psutil:
 ``RLIMIT_AS`` breaks ONNX Runtime, OpenVINO and TensorFlow, which reserve address space), and
-reads its JSON report. The child leads its own session: on any end (report, crash, timeout,
-memory) its whole process group and every descendant seen are SIGKILLed, and of its output only
-the last ``LOG_CAP_BYTES`` are kept, in memory (nothing on disk grows); RSS is summed over the
-child and its descendants. The child loads the model with its runtime, runs the golden vectors
-(``manifest.golden``: cosine, atol/rtol, top-1 agreement) and measures p50 latency on one
-sample (one static batch): side by side with the serving version (both loaded, timed
-interleaved, so that load on the device weighs on both alike) when memory allows.
+reads its JSON report. The child leads its own session and is contained so that no process it
+starts outlives it (``device_agents.containment``: a cgroup v2 of its own where the agent may
+make one, else the child is a subreaper of its orphans): on any end (report, crash, timeout,
+memory) the cgroup, or the child's whole tree (stopped first), its process group and every
+descendant seen are SIGKILLed, and of its output only the last ``LOG_CAP_BYTES`` are kept, in
+memory (nothing on disk grows); RSS is summed over the child and its descendants. The child
+loads the model with its runtime, runs the golden vectors (``manifest.golden``: cosine,
+atol/rtol, top-1 agreement) and measures p50 latency on one sample (one static batch): side by
+side with the serving version (both loaded, timed interleaved, so that load on the device weighs
+on both alike) when memory allows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import statistics
@@ -31,8 +35,9 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from device_agents import containment as contain
 from device_agents.errors import SelfTestError
-from device_agents.faults import fault_active, fault_point
+from device_agents.faults import PID_FILE_ENV, fault_active, fault_point
 from device_agents.processing.golden import check_golden_image
 from device_agents.runtimes.options import RuntimesConfig
 from edgekit.bundle.codec import from_data, to_data
@@ -95,6 +100,7 @@ def run_selftest(
     options: RuntimesConfig,
     work_dir: Path,
     baseline_dir: Path | None = None,
+    containment: str = "auto",
 ) -> SelfTestReport:
     """Self-test the extracted bundle in ``model_dir`` in a child process; never raises for a bad model.
 
@@ -103,9 +109,10 @@ def run_selftest(
     otherwise the report carries ``latency_window_s`` for a comparison with live traffic and
     leaves the verdict on latency to the caller.
 
-    The child runs in its own session (process group); whatever happens, the whole group and
-    every descendant seen is SIGKILLed before this returns, and only the last ``LOG_CAP_BYTES``
-    of its output are kept (in memory; a flooding child blocks on the pipe)."""
+    The child runs in its own session (process group), contained as ``containment`` says
+    (``device_agents.containment``); whatever happens, every process it started is SIGKILLed
+    before this returns, and only the last ``LOG_CAP_BYTES`` of its output are kept (in memory;
+    a flooding child blocks on the pipe)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     result_path = work_dir / f"selftest-{uuid.uuid4().hex[:12]}.json"
     cmd = [
@@ -119,7 +126,7 @@ def run_selftest(
     ]
     start = time.monotonic()
     try:
-        child = ContainedChild(cmd)
+        child = ContainedChild(cmd, containment)
     except OSError as exc:
         raise SelfTestError(f"cannot start the self-test process: {exc}") from exc
     try:
@@ -148,27 +155,45 @@ def run_selftest(
 
 
 class ContainedChild:
-    """A child process in its own session, its output's tail, and the descendants it starts.
+    """A child process in its own session (and cgroup, or a subreaper of its orphans: see
+    ``device_agents.containment``), its output's tail, and the descendants it starts.
 
     ``poll`` reads at most ``_LOG_READ_PER_TICK`` bytes of output per call (the child blocks on
     the full pipe beyond that), keeps the last ``LOG_CAP_BYTES``, samples RSS summed over the
     child and its descendants, and every ``_SCAN_EVERY`` calls looks for new descendants.
-    ``kill_all`` SIGKILLs the process group and every descendant seen (one that left the group
-    with ``setsid`` too) and reaps the child."""
+    ``kill_all`` kills the cgroup, then (the child still running) its whole tree, stopped first,
+    then the process group and every descendant seen (one that left the group with ``setsid``
+    too), and reaps the child; ``close`` removes the cgroup."""
 
-    def __init__(self, cmd: list[str]) -> None:
+    def __init__(self, cmd: list[str], containment: str = "auto") -> None:
         import psutil
 
+        self.cgroup: contain.Cgroup | None = None
+        env = None
+        if containment == "subreaper":
+            _note_containment("subreaper", "the child is a subreaper of its helpers (selftest.containment)")
+        else:
+            self.cgroup, why = contain.Cgroup.create()
+            if self.cgroup is None:
+                if containment == "cgroup":
+                    raise OSError(f'selftest.containment = "cgroup": {why}')
+                _note_containment("subreaper", f"no cgroup of its own ({why}): the child is a subreaper of its helpers")
+            else:
+                env = {**os.environ, contain.CGROUP_ENV: str(self.cgroup.path)}
         read_fd, write_fd = os.pipe()
         try:
             self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd, start_new_session=True
+                cmd, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd, start_new_session=True, env=env
             )
         except OSError:
             os.close(read_fd)
+            if self.cgroup is not None:
+                self.cgroup.remove()
             raise
         finally:
             os.close(write_fd)
+        if self.cgroup is not None:
+            self.cgroup = self._join_cgroup(self.cgroup, containment)
         os.set_blocking(read_fd, False)
         self._fd: int | None = read_fd
         self._root = psutil.Process(self.proc.pid)
@@ -177,6 +202,27 @@ class ContainedChild:
         self.log = bytearray()
         self.log_bytes = 0  # everything read, kept or not
         self.peak_rss = 0
+
+    def _join_cgroup(self, cgroup: contain.Cgroup, containment: str) -> contain.Cgroup | None:
+        """Move the child into ``cgroup`` (it moves itself too, first thing: nothing it starts is
+        born outside); where the kernel refuses (not delegated, controllers on), go on without."""
+        try:
+            cgroup.add(self.proc.pid)
+        except OSError as exc:
+            if self.proc.pid in cgroup.pids():
+                return cgroup  # it moved itself meanwhile
+            cgroup.remove()
+            if containment == "cgroup":
+                self.proc.kill()
+                self.proc.wait()
+                raise OSError(
+                    f'selftest.containment = "cgroup": cannot move the child into its cgroup ({exc})'
+                ) from exc
+            why = f"its cgroup refused it ({exc.strerror or exc})"
+            _note_containment("subreaper", f"{why}: the child is a subreaper of its helpers")
+            return None
+        _note_containment("cgroup", f"each child runs in a cgroup of its own under {cgroup.path.parent}")
+        return cgroup
 
     @property
     def returncode(self) -> int:
@@ -205,6 +251,10 @@ class ContainedChild:
     def kill_all(self) -> None:
         import psutil
 
+        if self.cgroup is not None:
+            self.cgroup.kill()  # everything the child started, wherever it went
+        if self.proc.poll() is None:  # a subreaper: its orphans are still in its tree
+            contain.kill_all(contain.stop_tree(self._root))
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # pgid == pid: start_new_session
         with contextlib.suppress(psutil.Error):
@@ -244,6 +294,9 @@ class ContainedChild:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self.cgroup is not None:
+            self.cgroup.remove()
+            self.cgroup = None
 
     def _pump(self, budget: int) -> None:
         while budget > 0 and self._fd is not None:
@@ -258,6 +311,16 @@ class ContainedChild:
             self.log += block
             if len(self.log) > LOG_CAP_BYTES:
                 del self.log[: len(self.log) - LOG_CAP_BYTES]
+
+
+_noted: set[str] = set()
+
+
+def _note_containment(kind: str, how: str) -> None:
+    """Say once per agent how self-test children are contained (``kind``: cgroup or subreaper)."""
+    if kind not in _noted:
+        _noted.add(kind)
+        logging.getLogger("edgekit.agent").info("self-test containment: %s", how)
 
 
 def _running(p: Any) -> bool:
@@ -321,6 +384,8 @@ def _child(model_dir: Path, options: RuntimesConfig, plan: ChildPlan) -> SelfTes
     fault_point("selftest_child")
     if fault_active("selftest_flood"):
         _flood()
+    if fault_active("selftest_double_fork"):
+        _double_fork()
     rss_before = _rss_bytes()
     model = _load(model_dir, manifest, options)
     model_cost = max(0, _rss_bytes() - rss_before)
@@ -483,6 +548,20 @@ def _flood() -> NoReturn:
         os.write(2, line)
 
 
+def _double_fork() -> None:
+    """What a runtime's daemonizing helper might do (fault ``selftest_double_fork``): a helper
+    starts a sleeper in a session of its own and exits, so the sleeper is an orphan outside our
+    process group. Its pid is appended to ``$EDGEKIT_FAULT_PID_FILE``."""
+    code = (
+        "import subprocess, sys\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True,\n"
+        "                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "with open(sys.argv[1], 'a') as f:\n"
+        "    f.write(f'{p.pid}\\n')\n"
+    )
+    subprocess.run([sys.executable, "-c", code, os.environ.get(PID_FILE_ENV, os.devnull)], check=True)
+
+
 def _exit_with_parent(parent: int) -> None:
     """Stop, with everything we started, when the daemon that started us dies (we lead our own
     session: nothing else would stop runtime helpers)."""
@@ -493,18 +572,46 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _stop_helpers(parent: int) -> None:
-    """Kill our descendants (those that left the group too); with the daemon gone, the whole
-    group, this process included: nobody is left to do it."""
+    """Kill our descendants (those that left the group too; as a subreaper, orphans of our
+    helpers are our children) until none is left, reaping them; with the daemon gone, the whole
+    cgroup or group, this process included: nobody is left to do it."""
     import psutil
 
-    for p in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            p.kill()
+    me = psutil.Process()
+    deadline = time.monotonic() + _KILL_WAIT_S
+    while time.monotonic() < deadline:
+        helpers = [p for p in me.children(recursive=True) if _running(p)]
+        if not helpers:
+            break
+        contain.kill_all(helpers)
+        _reap_children()
+        time.sleep(0.01)
+    _reap_children()
     if os.getppid() != parent:
+        if _CGROUP is not None:
+            _CGROUP.kill(wait_s=0.0)
         os.killpg(0, signal.SIGKILL)
 
 
+def _reap_children() -> None:
+    """Collect the exit status of every child that ended (orphans re-parented to a subreaper
+    become its children: they would stay zombies)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+_CGROUP: contain.Cgroup | None = None  # the child's own cgroup, where the parent made one
+
+
 def main(argv: list[str]) -> int:
+    global _CGROUP
+    _CGROUP = contain.join_cgroup_from_env()  # before anything is started
+    contain.become_subreaper()  # orphans of our helpers stay ours to kill
     model_dir, options_json, result_path = Path(argv[0]), argv[1], Path(argv[2])
     parent = os.getppid()
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()

@@ -175,8 +175,8 @@ class _Link:
     __slots__ = ("index", "pending")
 
     def __init__(self, index: NearIndex | None = None) -> None:
-        # request id -> (key, lookup start, version, the inputs' signature in the approximate mode)
-        self.pending: dict[int, tuple[CacheKey, float, int, np.ndarray | None]] = {}
+        # request id -> (key, lookup start, version, (context, vector) in the approximate and semantic modes)
+        self.pending: dict[int, tuple[CacheKey, float, int, tuple[bytes, np.ndarray] | None]] = {}
         self.index = index  # the approximate mode's signatures
 
 
@@ -237,8 +237,8 @@ class CacheLookup:
         hit = self.cache.get(key, self.endpoint)
         sig = None
         if hit is None and self.meter is not None and self.link.index is not None:
-            sig = self._key_vector(request)
-            near = None if sig is None else self.link.index.nearest(key.header, sig)
+            sig = self._key_vector(request, key.header)
+            near = None if sig is None else self.link.index.nearest(*sig)
             if near is not None and near[1] <= self.meter.threshold:
                 hit = self.cache.get_digest(near[0], self.endpoint)
                 if hit is not None:
@@ -257,19 +257,23 @@ class CacheLookup:
         pending[rid] = (key, t0, maker.version, sig)
         request.on_done.append(lambda: _forget(pending, rid))
 
-    def _key_vector(self, request: Request) -> np.ndarray | None:
-        """The vector looked up: the inputs' signature (approximate), or the unit-length output of
-        the ``embed_with`` model on the same inputs (semantic; None when it cannot run: then the
-        request is an exact look-up only)."""
+    def _key_vector(self, request: Request, header: bytes) -> tuple[bytes, np.ndarray] | None:
+        """(context, vector) looked up: the inputs' signature (approximate), or the unit-length
+        output of the ``embed_with`` model on the same inputs (semantic; None when it cannot run:
+        then the request is an exact look-up only). The context is the key's header (model,
+        version, shapes, parameters), and in the semantic mode the encoder's name and version
+        too: another encoder version maps inputs elsewhere, so its vectors are never compared."""
         if request.raw:
             return None
         embed_with = self.policy.embed_with
         if embed_with is None:
-            return signature(request.inputs)
+            sig = signature(request.inputs)
+            return None if sig is None else (header, sig)
         if self.registry is None:
             return None
         try:
             with self.registry.lease(embed_with) as lease:
+                encoder = lease.model.manifest
                 outputs = lease.model.infer(dict(request.inputs))
         except Exception as exc:  # the encoder is not served, or refused these inputs: exact look-up only
             (log.debug if self._embed_failed else log.warning)(
@@ -283,7 +287,9 @@ class CacheLookup:
         self._embed_failed = False
         vector = np.asarray(next(iter(outputs.values())), np.float32).ravel()
         norm = float(np.linalg.norm(vector))
-        return vector / norm if norm > 0 else None
+        if not norm > 0:
+            return None
+        return header + f"\0embed_with={encoder.name} v{encoder.version}".encode(), vector / norm
 
     def _maybe_recheck(self, request: Request, model: ServedModel, cached: Mapping[str, np.ndarray]) -> None:
         """Queue this approximate hit for a fresh run, with probability ``recheck_fraction``."""
@@ -339,7 +345,7 @@ class CacheLookup:
         return maker
 
 
-def _forget(pending: dict[int, tuple[CacheKey, float, int, np.ndarray | None]], rid: int) -> None:
+def _forget(pending: dict[int, tuple[CacheKey, float, int, tuple[bytes, np.ndarray] | None]], rid: int) -> None:
     pending.pop(rid, None)
 
 
@@ -358,7 +364,7 @@ class CacheStore:
         pending = self.link.pending.pop(id(request), None)
         if pending is None or request.outputs is None:
             return
-        key, t0, version, sig = pending
+        key, t0, version, sig = pending  # sig: (context, vector) in the approximate and semantic modes
         if request.served_version != version:  # an update switched versions meanwhile: not this key's answer
             return
         try:
@@ -371,12 +377,12 @@ class CacheStore:
                 cost_s=time.perf_counter() - t0,
                 disk_on_hit=True,  # durable once it repeats: an answer never asked again costs no disk write
                 admit=self.policy.admit,
-                signature=None if sig is None else (key.header, sig),  # kept with it: found again after a restart
+                signature=sig,  # kept with it: found again after a restart
             )
         except UncacheableError:
             return
         if sig is not None and self.link.index is not None:
-            self.link.index.add(key.header, sig, key.digest)
+            self.link.index.add(sig[0], sig[1], key.digest)
 
 
 # The stages of one endpoint share a _Link; the store factory runs right after the lookup's

@@ -97,6 +97,10 @@ def open_session(model_path: Path, options: OnnxRuntimeOptions) -> ort.Inference
         so.intra_op_num_threads = threads
     if options.inter_op_threads:
         so.inter_op_num_threads = options.inter_op_threads
+    if options.cpu_mem_arena is not None:
+        so.enable_cpu_mem_arena = options.cpu_mem_arena
+    if options.mem_pattern is not None:
+        so.enable_mem_pattern = options.mem_pattern
     if not options.spinning:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         so.add_session_config_entry("session.inter_op.allow_spinning", "0")

@@ -3,8 +3,9 @@
 The device comes from the agent config (``[runtimes.openvino] device``: CPU, GPU, NPU, AUTO), else
 from the device the bundle was built for (``target_options.device``), else AUTO. The other
 ``OpenVinoOptions`` fields map one to one onto OpenVINO properties (``PERFORMANCE_HINT``,
-``NUM_STREAMS``, ``INFERENCE_NUM_THREADS``, ``CACHE_DIR``); ``inference_precision`` overrides the
-manifest's (``"bf16"`` trades accuracy the host did not validate for speed).
+``NUM_STREAMS``, ``INFERENCE_NUM_THREADS``, ``CACHE_DIR``, ``CPU_RUNTIME_CACHE_CAPACITY`` on the
+CPU); ``inference_precision`` overrides the manifest's (``"bf16"`` trades accuracy the host did not
+validate for speed).
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ class OpenVinoRunner:
         threads = options.threads or default_threads()  # OpenVINO follows the affinity, not a cgroup quota
         if threads:
             config["INFERENCE_NUM_THREADS"] = threads
+        if options.runtime_cache_capacity is not None and self.device.split(".")[0] == "CPU":
+            config["CPU_RUNTIME_CACHE_CAPACITY"] = options.runtime_cache_capacity  # a CPU plugin property
+        self.config = config  # what compile_model was given (some properties are not read back)
         self.compiled = self.core.compile_model(self.core.read_model(str(xml), str(weights)), self.device, config)
         wanted = {s.name for s in manifest.artifact_signature.outputs}
         self._outputs = [

@@ -40,6 +40,11 @@ class OnnxRuntimeOptions:
     # each) and cost latency at 1 client (p50 2.11-2.26 ms vs 1.55-1.68 in two of three runs: the
     # threads are woken for every run).
     spin_between_runs: bool = True
+    # SessionOptions.enable_cpu_mem_arena / enable_mem_pattern; None = ONNX Runtime's default (on),
+    # off under a [budgets] memory_mb (device_agents.budgets.knobs): the arena keeps a large
+    # batch's activations for good, while freed they go back to the OS
+    cpu_mem_arena: bool | None = None
+    mem_pattern: bool | None = None
 
     def __post_init__(self) -> None:
         _check_non_negative(threads=self.threads, inter_op_threads=self.inter_op_threads)
@@ -57,9 +62,14 @@ class OpenVinoOptions:
     # INFERENCE_PRECISION_HINT; "" = what the manifest promises. bf16/f16 on a CPU trade accuracy the
     # host did not validate for speed: set it only after measuring.
     inference_precision: Literal["", "f32", "f16", "bf16"] = ""
+    # CPU_RUNTIME_CACHE_CAPACITY (CPU device only): how many input shapes' compiled kernels the CPU
+    # plugin keeps; None = OpenVINO's default (5000), 0 under a [budgets] memory_mb
+    runtime_cache_capacity: int | None = None
 
     def __post_init__(self) -> None:
         _check_non_negative(threads=self.threads, num_streams=self.num_streams)
+        if self.runtime_cache_capacity is not None and self.runtime_cache_capacity < 0:
+            raise ValueError(f"runtime_cache_capacity must be >= 0 (0: no cache), got {self.runtime_cache_capacity}")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ its request line.
 
 from __future__ import annotations
 
+import errno
 import gc
 import hmac
 import ipaddress
@@ -53,6 +54,10 @@ _STATUS_LINES = {code: f"HTTP/1.1 {code} {_REASONS[code]}\r\nServer: {_SERVER}\r
 _MAX_LINE = 65536
 _OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")  # probes: answered without the bearer token
 _BODY_CHUNK_BYTES = 1 << 20  # a body not all in yet is read (and its budget taken) this much at a time
+# accept() failing for want of descriptors (or kernel memory): the listening socket stays readable,
+# so the accept loop waits before it tries again, from 10 ms doubling up to 0.5 s (shutdown stays prompt)
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_ACCEPT_BACKOFF_S = (0.01, 0.5)
 
 
 class _Headers(dict[str, str]):
@@ -122,6 +127,8 @@ class Transport(ThreadingHTTPServer):
         self._conns: dict[int, _Connection] = {}
         self._conns_lock = threading.Lock()
         self._reaper_stop = threading.Event()
+        self._accept_backoff_s = 0.0  # the wait after the last accept() that found no descriptor
+        self._out_of_fds_logged = 0.0  # time.monotonic() of the last warning about it
         super().__init__((host, port), handler)
         threading.Thread(target=self._reap_slow_headers, name="http-reaper", daemon=True).start()
         # What the agent loaded to get here (SDKs, models, config: ~100k objects) lives as long as the
@@ -146,6 +153,34 @@ class Transport(ThreadingHTTPServer):
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     # -- the connection cap -------------------------------------------------------------
+    def get_request(self) -> tuple[socket.socket, Any]:
+        """``accept()``; when it fails for want of file descriptors, wait before the next try (the
+        pending connection keeps the listening socket readable: without a wait the accept loop
+        spins on a core until a descriptor is free)."""
+        try:
+            got = super().get_request()
+        except OSError as exc:
+            if exc.errno in _OUT_OF_DESCRIPTORS:
+                self._out_of_descriptors(exc)
+            raise  # socketserver drops this accept and goes on
+        self._accept_backoff_s = 0.0
+        return got
+
+    def _out_of_descriptors(self, exc: OSError) -> None:
+        self.count_reject("", "descriptors")
+        low, high = _ACCEPT_BACKOFF_S
+        self._accept_backoff_s = min(high, max(low, self._accept_backoff_s * 2))
+        now = time.monotonic()
+        if now - self._out_of_fds_logged >= 10.0:
+            self._out_of_fds_logged = now
+            log.warning(
+                "cannot accept connections: %s; waiting up to %g s between tries (raise LimitNOFILE / "
+                "ulimit -n, or lower server.max_connections)",
+                exc.strerror or exc,
+                high,
+            )
+        time.sleep(self._accept_backoff_s)
+
     def process_request(self, request: Any, client_address: Any) -> None:
         sock: socket.socket = request
         with self._conns_lock:

@@ -112,24 +112,40 @@ def sample_inputs(model_dir: Path, manifest: Manifest) -> dict[str, np.ndarray]:
     return out
 
 
-def time_interleaved(
+def time_interleaved(calls: Mapping[str, Call], **options: Any) -> dict[str, float]:
+    """Milliseconds per call of each function: the median of its rounds' block medians
+    (``interleaved_rounds``, which takes the same ``options``)."""
+    return {n: statistics.median(v) for n, v in interleaved_rounds(calls, **options).items()}
+
+
+def interleaved_rounds(
     calls: Mapping[str, Call],
     *,
     budget_s: float = 10.0,
     min_rounds: int = 5,
     max_rounds: int = 200,
     block: int = 5,
+    block_ms: float | None = None,
+    max_block: int = 64,
     clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, float]:
-    """Milliseconds per call of each function: the median of its rounds' block medians. Each round
-    calls every function once untimed (the previous one's threads settle) then ``block`` times
+) -> dict[str, list[float]]:
+    """Per function, the median milliseconds of each round's block of calls. Each round
+    calls every function once untimed (the previous one's threads settle) then a block of times
     timed, in a shuffled order (fixed seed); rounds go on until ``budget_s`` is spent, at least
-    ``min_rounds`` and at most ``max_rounds``."""
+    ``min_rounds`` and at most ``max_rounds``. The block is ``block`` calls, or with ``block_ms``
+    as many calls as take about that long by the second warm-up call (1 to ``max_block``): a
+    0.1 ms tail then gets as many timed calls per round as a 100 ms head gets time, and the
+    rounds (the samples the median is taken over) are not spent on repeating the slow ones."""
     if not calls:
         return {}
     names = list(calls)
-    for name in names:  # warm-up: first calls allocate
+    blocks = {}
+    for name in names:  # warm-up: the first call allocates; the second says how long one takes
         calls[name]()
+        t0 = clock()
+        calls[name]()
+        one_ms = (clock() - t0) * 1000.0
+        blocks[name] = block if block_ms is None else max(1, min(max_block, round(block_ms / max(one_ms, 1e-6))))
     rounds: dict[str, list[float]] = {n: [] for n in names}
     shuffle = random.Random(0).shuffle
     start = clock()
@@ -139,15 +155,15 @@ def time_interleaved(
         for name in order:
             fn = calls[name]
             fn()
-            block_ms = []
-            for _ in range(block):
+            block_ms_taken = []
+            for _ in range(blocks[name]):
                 t0 = clock()
                 fn()
-                block_ms.append((clock() - t0) * 1000.0)
-            rounds[name].append(statistics.median(block_ms))
+                block_ms_taken.append((clock() - t0) * 1000.0)
+            rounds[name].append(statistics.median(block_ms_taken))
         if r + 1 >= min_rounds and clock() - start >= budget_s:
             break
-    return {n: statistics.median(v) for n, v in rounds.items()}
+    return rounds
 
 
 def _power(run: Call, given_w: float | None, root: Path | str, seconds: float = 1.0) -> tuple[float, str] | None:

@@ -1,12 +1,21 @@
 """What each cut costs here: head and tail latency under ONNX Runtime (interleaved, medians),
 bytes per sample on the link, and what compressing the cut tensor costs in accuracy.
 
+The full model, every head and every tail are timed as they run, each its own ONNX Runtime
+session, with the timer the device's ``edgekit-agent profile`` uses
+(``device_agents.split.profile.interleaved_rounds``): interleaved rounds in a shuffled order, one
+untimed call before each block (the previous session's pool settles), a block sized to about
+``BLOCK_MS`` so a 0.1 ms tail is timed over many calls while a 100 ms head is not repeated
+needlessly, the median of the rounds' block medians. Host and device times are thus measured
+the same way.
+
 Head and tail composed must give the full model's outputs: checked on every sample before
 anything is timed (``SplitCompositionError`` otherwise).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +25,6 @@ import numpy as np
 from edgekit.errors import ValidationFailedError
 from edgekit.split import compression
 from edgekit.split.graph import CutPoint
-from edgekit.validate.latency import stats_side_by_side
 from edgekit.validate.ort_runner import ort_cpu_runner
 
 Feed = dict[str, np.ndarray]
@@ -24,6 +32,7 @@ Runner = Callable[[Feed], dict[str, np.ndarray]]
 # head∘tail against the full model: FP32 re-association inside ONNX Runtime's fused kernels only
 COMPOSE_RTOL = 1e-3
 COMPOSE_ATOL = 1e-4
+BLOCK_MS = 20.0  # timed calls per block: about this long (1 to 64 calls)
 
 
 class SplitCompositionError(ValidationFailedError):
@@ -61,8 +70,9 @@ class Measurements:
     output_bytes_per_sample: int
     cuts: tuple[CutMeasurement, ...]
     samples: int
-    calls_per_function: int
+    calls_per_function: int  # rounds: block medians each time is the median of
     notes: tuple[str, ...] = field(default_factory=tuple)
+    spread: Mapping[str, float] = field(default_factory=dict)  # "full" / "head:<cut>" / "tail:<cut>": IQR / median
 
 
 def rows(feed: Mapping[str, np.ndarray]) -> int:
@@ -79,8 +89,7 @@ def measure(
     cuts: Sequence[tuple[CutPoint, Path, Path]],
     feeds: Sequence[Feed],
     *,
-    repeats: int = 7,
-    block: int = 3,
+    min_rounds: int = 5,
     budget_s: float = 20.0,
     compress: bool = True,
 ) -> Measurements:
@@ -116,7 +125,10 @@ def measure(
         mid = head(feeds[0])
         fns[f"head:{cut.id}"] = _bind(head, feeds[0])
         fns[f"tail:{cut.id}"] = _bind(tail, mid)
-    stats = stats_side_by_side(fns, repeats=repeats, warmup=1, budget_s=budget_s, min_repeats=3, block=block)
+    from device_agents.split.profile import interleaved_rounds
+
+    rounds = interleaved_rounds(fns, budget_s=budget_s, min_rounds=min_rounds, block_ms=BLOCK_MS)
+    ms = {name: statistics.median(v) for name, v in rounds.items()}
     per_call = rows(feeds[0])
     cut_rows = tuple(
         CutMeasurement(
@@ -125,19 +137,20 @@ def measure(
             tail_path=tail_path,
             bytes_per_sample=sent,
             max_abs_error=worst,
-            head_ms=stats[f"head:{cut.id}"].p50_ms / per_call,
-            tail_ms=stats[f"tail:{cut.id}"].p50_ms / per_call,
+            head_ms=ms[f"head:{cut.id}"] / per_call,
+            tail_ms=ms[f"tail:{cut.id}"] / per_call,
             compression=costs,
         )
         for (cut, head_path, tail_path), (sent, worst, costs) in zip(cuts, checked, strict=True)
     )
     return Measurements(
-        full_ms=stats["full"].p50_ms / per_call,
+        full_ms=ms["full"] / per_call,
         input_bytes_per_sample=sum(per_sample_bytes(f, rows(f)) for f in feeds[:1]),
         output_bytes_per_sample=per_sample_bytes(references[0], rows(feeds[0])),
         cuts=cut_rows,
         samples=n,
-        calls_per_function=stats["full"].calls,
+        calls_per_function=len(rounds["full"]),
+        spread={name: _relative_iqr(v) for name, v in rounds.items()},
     )
 
 
@@ -172,6 +185,12 @@ def _compression_costs(
             )
         )
     return tuple(out)
+
+
+def _relative_iqr(values: Sequence[float]) -> float:
+    q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+    mid = statistics.median(values)
+    return (q3 - q1) / mid if mid > 0 else 0.0
 
 
 def _bind(fn: Runner, feed: Feed) -> Callable[[], object]:

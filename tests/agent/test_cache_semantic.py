@@ -95,6 +95,33 @@ def test_semantic_cache_is_keyed_by_an_embedding_model_served_by_the_agent(
         lc.stop()
 
 
+def test_semantic_cache_never_compares_vectors_of_another_encoder_version(
+    tmp_path: Path, keypair: tuple[Path, Path], bundles: Bundles
+) -> None:
+    model = quadrant_encoder(tmp_path / "emb.onnx")
+    encoders = [make_cpu_bundle(tmp_path / f"emb-{v}.ekb", model, keypair[0], name="emb", version=v) for v in (1, 2)]
+    extra = '[models.tiny.cache]\nmode = "semantic"\nembed_with = "emb"\nmax_distance = 0.001\n'
+    lc = Lifecycle(load_config(_config(tmp_path, keypair[1], extra)))
+    lc.start()
+    try:
+        lc.install(encoders[0])
+        lc.install(bundles.v1)
+        pipeline = Pipeline("tiny", lc.registry, lc.config, lc.metrics, threading.Semaphore(4))  # type: ignore[arg-type]  # what Slots wraps
+
+        def ask(x: np.ndarray) -> str:
+            request = pipeline.run(None, lambda model: Request("tiny", {"input": x}), lambda r: r)
+            return str(request.response_parameters["cache"])
+
+        x = _scene(43, SIZE)
+        assert ask(x) == "miss" and ask(x * np.float32(1.001)) == "hit"  # v1's vectors: near
+        lc.install(encoders[1])  # another encoder version: the vectors stored under v1 are not its own
+        assert ask(x * np.float32(1.002)) == "miss"
+        assert ask(x) == "hit"  # the exact entry does not depend on the encoder
+        assert ask(x * np.float32(1.003)) == "hit"  # v2's own vector, stored by the miss above
+    finally:
+        lc.stop()
+
+
 def test_semantic_cache_without_its_encoder_serves_exact_hits_and_says_so_once(
     tmp_path: Path, keypair: tuple[Path, Path], bundles: Bundles, caplog: pytest.LogCaptureFixture
 ) -> None:

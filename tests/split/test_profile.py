@@ -73,7 +73,7 @@ def test_split_plan_reads_the_agents_profile_for_the_device_side(tmp_path: Path,
 
 def test_time_interleaved_takes_the_median_of_each_rounds_block_median() -> None:
     now = [0.0]
-    rounds_s = [0.5, 0.002, 0.004, 0.5, 0.002, 0.002, 0.5, 0.001, 0.001, 0.5, 0.004, 0.006]
+    rounds_s = [0.0, 0.5, 0.002, 0.004, 0.5, 0.002, 0.002, 0.5, 0.001, 0.001, 0.5, 0.004, 0.006]
     costs = {"a": iter([9.0, *rounds_s]), "b": iter([0.0] * 100)}
 
     def call(name: str) -> object:
@@ -91,3 +91,26 @@ def test_time_interleaved_takes_the_median_of_each_rounds_block_median() -> None
     # a, per round: one untimed call (0.5 s), then a block of two timed ones; the warm-up is not timed
     assert got["b"] == 0.0
     assert got["a"] == pytest.approx(2.5)  # the rounds' block medians 3, 2, 1, 5 ms -> 2.5
+
+
+def test_interleaved_rounds_sizes_each_block_to_about_block_ms() -> None:
+    from device_agents.split.profile import interleaved_rounds
+
+    now = [0.0]
+    calls = {"slow": 0, "fast": 0}
+
+    def run(name: str, cost_s: float) -> None:
+        calls[name] += 1
+        now[0] += cost_s
+
+    rounds = interleaved_rounds(
+        {"slow": lambda: run("slow", 0.050), "fast": lambda: run("fast", 0.0005)},
+        budget_s=0.0,
+        min_rounds=3,
+        max_rounds=3,
+        block_ms=10.0,
+        clock=lambda: now[0],
+    )
+    # 2 warm-up calls, then per round 1 untimed call and a block: 1 call of 50 ms, 20 calls of 0.5 ms
+    assert calls == {"slow": 2 + 3 * (1 + 1), "fast": 2 + 3 * (1 + 20)}
+    assert rounds["slow"] == pytest.approx([50.0] * 3) and rounds["fast"] == pytest.approx([0.5] * 3)

@@ -1,0 +1,61 @@
+"""No process a self-test child starts outlives it, against a real agent: a helper that
+double-forks a sleeper into a session of its own (out of the child's process group and parent
+chain) is killed with the child, in a cgroup of its own and with the subreaper fallback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import pytest
+
+from device_agents.containment import CGROUP_PREFIX, Cgroup
+from tests.agent.conftest import AgentFactory, Bundles, agent_cli, write_config
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _cgroups_here() -> bool:
+    cgroup, _ = Cgroup.create()
+    if cgroup is None:
+        return False
+    cgroup.remove()
+    return True
+
+
+@pytest.mark.parametrize("containment", ["cgroup", "subreaper"])
+def test_selftest_child_leaves_no_double_forked_helper_behind(
+    containment: str, tmp_path: Path, keypair: tuple[Path, Path], bundles: Bundles, agent_factory: AgentFactory
+) -> None:
+    if containment == "cgroup" and not _cgroups_here():
+        pytest.skip("no writable cgroup v2 hierarchy here (needs root or a delegated subtree)")
+    config = write_config(tmp_path / "agent", keypair[1], f'[selftest]\ncontainment = "{containment}"\n')
+    helpers = tmp_path / "helpers.txt"
+    env = {"EDGEKIT_FAULT": "selftest_double_fork", "EDGEKIT_FAULT_PID_FILE": str(helpers)}
+    agent = agent_factory(config, env=env)
+    pids: list[int] = []
+    try:
+        done = agent_cli("install", str(bundles.v1), "--config", str(config))  # the daemon's self-test child
+        assert done.returncode == 0, done.stderr
+        pids = [int(p) for p in helpers.read_text().split()]
+        assert len(pids) == 1  # the helper was started (and the self-test passed with it)
+        assert not _alive(pids[0]), f"the double-forked helper {pids[0]} outlived the self-test"
+        log = agent.log.read_text()
+        if containment == "cgroup":
+            assert "self-test containment: each child runs in a cgroup of its own" in log, log
+            cgroup, _ = Cgroup.create()  # beside the agent's: what the agent's children left there
+            assert cgroup is not None
+            cgroup.remove()
+            assert not list(cgroup.path.parent.glob(f"{CGROUP_PREFIX}{agent.proc.pid}-*"))  # removed after it
+        else:
+            assert "self-test containment: the child is a subreaper of its helpers" in log, log
+        assert agent.stop() == 0
+    finally:
+        for pid in pids:  # an escaped helper must not outlive the test either
+            if _alive(pid):
+                psutil.Process(pid).kill()
