@@ -266,10 +266,6 @@ class SplitConfig:
             raise ValueError("client_cert_file and client_key_file go together")
 
 
-def _planned(path: str) -> str:
-    return f"{path} is planned, not in this agent version; remove it (or upgrade edgekit-agent)"
-
-
 @dataclass(frozen=True)
 class BatchingConfig:
     """``[models.<name>.batching]``: coalesce concurrent requests into one runtime call.
@@ -287,10 +283,24 @@ class BatchingConfig:
     max_wait_ms: float = 2.0
     min_batch_size: int = 1
     preferred_batch_sizes: tuple[int, ...] = ()
+    # while the ``batch`` step of ``[budgets] degrade`` is on: the longest wait for companions
+    # (None: 4 x max_wait_ms: fuller batches, fewer calls, less energy per request) and the batch
+    # size cap (None: max_batch_size; less: smaller batches, lower peak power and memory)
+    budget_max_wait_ms: float | None = None
+    budget_max_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.budget_max_batch_size is not None and not 1 <= self.budget_max_batch_size <= self.max_batch_size:
+            raise ValueError(
+                f"budget_max_batch_size must be between 1 and max_batch_size ({self.max_batch_size}), "
+                f"got {self.budget_max_batch_size}"
+            )
+        if self.budget_max_wait_ms is not None and (
+            not 0 <= self.budget_max_wait_ms <= 10_000 or math.isnan(self.budget_max_wait_ms)
+        ):
+            raise ValueError(f"budget_max_wait_ms must be between 0 and 10000, got {self.budget_max_wait_ms}")
         if not (0 <= self.max_wait_ms <= 10_000) or math.isnan(self.max_wait_ms):
             raise ValueError(f"max_wait_ms must be between 0 and 10000, got {self.max_wait_ms}")
         if not 1 <= self.min_batch_size <= self.max_batch_size:
@@ -303,6 +313,20 @@ class BatchingConfig:
             raise ValueError(
                 f"preferred_batch_sizes: {bad[0]} is not between 1 and max_batch_size ({self.max_batch_size})"
             )
+
+    def degraded(self) -> BatchingConfig:
+        """These settings while the ``batch`` step of ``[budgets] degrade`` is on."""
+        size = self.max_batch_size if self.budget_max_batch_size is None else self.budget_max_batch_size
+        wait = min(10_000.0, 4 * self.max_wait_ms) if self.budget_max_wait_ms is None else self.budget_max_wait_ms
+        return dataclasses.replace(
+            self,
+            max_batch_size=size,
+            max_wait_ms=wait,
+            min_batch_size=min(self.min_batch_size, size),
+            preferred_batch_sizes=tuple(b for b in self.preferred_batch_sizes if b <= size),
+            budget_max_wait_ms=None,
+            budget_max_batch_size=None,
+        )
 
 
 CACHE_MODES = ("exact", "approximate", "semantic")
@@ -453,8 +477,8 @@ class ModelConfig:
                 raise ValueError("variants and route are two kinds of endpoint: set one of them")
 
     def check(self, name: str, manifest: Manifest) -> None:
-        """``ConfigError`` when this table cannot serve ``manifest`` (batching a static batch axis, a
-        stateful model or one whose rows are not independent; caching a stateful model)."""
+        """``ConfigError`` when this table cannot serve ``manifest`` (batching a static batch axis or a
+        stateful model; caching a stateful model)."""
         if self.cache is not None and self.cache.enabled and manifest.stateful:
             raise ConfigError(
                 f"agent.models.{name}.cache: model {manifest.name} v{manifest.version} is stateful (its answer "
@@ -469,12 +493,6 @@ class ModelConfig:
                 f"state between calls), so requests of different clients must not share a batch; remove "
                 f"[models.{name}.batching]"
             )
-        if manifest.rows_independent is False:
-            raise ConfigError(
-                f"agent.models.{name}.batching: model {manifest.name} v{manifest.version} mixes rows (its packager "
-                f"found a row's outputs change when another row shares its batch: rows_independent is false), so "
-                f"requests of different clients must not share a batch; remove [models.{name}.batching]"
-            )
         for spec in manifest.signature.inputs:
             if not spec.shape or isinstance(spec.shape[0], int):
                 raise ConfigError(
@@ -487,8 +505,9 @@ class ModelConfig:
 BUDGET_WHEN_FULL = ("refuse", "unload_idle")
 BUDGET_RELOAD = ("on_request", "retry_after")
 BUDGET_DEGRADE = ("drop", "shed")  # the default steps, in order
-BUDGET_DEGRADE_STEPS = ("variant", "drop", "shed")  # "variant": a variant set answers with its last variant
-_BUDGET_DEGRADE_PLANNED = ("batch",)
+# "variant": a variant set answers with its last variant; "batch": batched models take their
+# budget_max_wait_ms / budget_max_batch_size
+BUDGET_DEGRADE_STEPS = ("variant", "batch", "drop", "shed")
 
 
 @dataclass(frozen=True)
@@ -503,7 +522,9 @@ class BudgetsConfig:
 
     ``power_w`` (average watts over ``power_window_s``) or ``energy_j`` (joules per window) is the
     power budget; over it, the agent degrades through ``degrade`` in order (``variant``: a variant
-    set answers with its last variant; ``drop``: refuse requests whose parameters say
+    set answers with its last variant; ``batch``: batched models wait longer for fuller batches, or
+    take smaller ones, as their ``budget_max_wait_ms`` / ``budget_max_batch_size`` say (models
+    without ``[models.<name>.batching]`` are not changed by it); ``drop``: refuse requests whose parameters say
     ``droppable``; ``shed``: refuse every request with 503 + Retry-After), and it backs off the
     same way ``thermal_margin_c`` before a thermal zone's trip point (or ``thermal_c``). Energy is
     read from the board's sensors; where there is none, ``device_power_w`` models it (busy time x
@@ -552,8 +573,6 @@ class BudgetsConfig:
         if not self.degrade:
             raise ValueError(f"degrade is empty: list the steps, in order, from {', '.join(BUDGET_DEGRADE_STEPS)}")
         for step in self.degrade:
-            if step in _BUDGET_DEGRADE_PLANNED:
-                raise ValueError(_planned(f"degrade step {step!r}"))
             if step not in BUDGET_DEGRADE_STEPS or self.degrade.count(step) > 1:
                 raise ValueError(f"degrade: {step!r} must be one of {', '.join(BUDGET_DEGRADE_STEPS)}, each once")
 
