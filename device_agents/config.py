@@ -477,8 +477,8 @@ class ModelConfig:
                 raise ValueError("variants and route are two kinds of endpoint: set one of them")
 
     def check(self, name: str, manifest: Manifest) -> None:
-        """``ConfigError`` when this table cannot serve ``manifest`` (batching a static batch axis or a
-        stateful model; caching a stateful model)."""
+        """``ConfigError`` when this table cannot serve ``manifest`` (batching a static batch axis, a
+        stateful model or one whose rows are not independent; caching a stateful model)."""
         if self.cache is not None and self.cache.enabled and manifest.stateful:
             raise ConfigError(
                 f"agent.models.{name}.cache: model {manifest.name} v{manifest.version} is stateful (its answer "
@@ -492,6 +492,12 @@ class ModelConfig:
                 f"agent.models.{name}.batching: model {manifest.name} v{manifest.version} is stateful (it keeps "
                 f"state between calls), so requests of different clients must not share a batch; remove "
                 f"[models.{name}.batching]"
+            )
+        if manifest.rows_independent is False:
+            raise ConfigError(
+                f"agent.models.{name}.batching: model {manifest.name} v{manifest.version} mixes rows (its packager "
+                f"found a row's outputs change when another row shares its batch: rows_independent is false), so "
+                f"requests of different clients must not share a batch; remove [models.{name}.batching]"
             )
         for spec in manifest.signature.inputs:
             if not spec.shape or isinstance(spec.shape[0], int):

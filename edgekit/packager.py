@@ -886,6 +886,10 @@ def _validate_and_describe(
             )
         artifact = fn if served_model is not None else None
         golden = _write_golden(ctx.out_dir, run, served, artifact, comparison, outputs)
+        from edgekit.validate.row_independence import check_golden_rows
+
+        rows = check_golden_rows(fn, ctx.out_dir / GOLDEN_FILE, served, golden)
+        run.say(f"[{target}] rows independent: {rows.independent} ({rows.reason})")
     finally:
         if served_model is not None:
             served_model.close()
@@ -938,7 +942,7 @@ def _validate_and_describe(
     prepared = tuple(CompressionStep(kind="prepare", tool="edgekit", notes=step) for step in run.steps)
     result = dataclasses.replace(result, provenance=(*run.compression, *prepared, *result.provenance))
     manifest = _manifest(name, version, target, result, served, source, files, validation, golden, expires, private_key)
-    manifest = dataclasses.replace(manifest, **run.manifest_extras)
+    manifest = dataclasses.replace(manifest, **run.manifest_extras, rows_independent=rows.independent)
     if result.runnable_here and manifest.estimates is None:
         manifest = dataclasses.replace(manifest, estimates=_memory_estimates(ctx.out_dir, manifest, measured_on, run))
     if searched is not None:
