@@ -168,11 +168,12 @@ def _one(
         compress=False,
     )
     errors = [abs(run.measured.full_ms - again.full_ms) / again.full_ms]
+    shares = []  # each segment's time as a share of its own run's full model: the load's level cancels
     for first, second in zip(run.measured.cuts, again.cuts, strict=True):
-        errors += [
-            abs(first.head_ms - second.head_ms) / second.head_ms,
-            abs(first.tail_ms - second.tail_ms) / second.tail_ms,
-        ]
+        for planned_ms, actual_ms in ((first.head_ms, second.head_ms), (first.tail_ms, second.tail_ms)):
+            errors.append(abs(planned_ms - actual_ms) / actual_ms)
+            planned_share, actual_share = planned_ms / run.measured.full_ms, actual_ms / again.full_ms
+            shares.append(abs(planned_share - actual_share) / actual_share)
     remeasured = make_plan(
         replace(again, input_bytes_per_sample=run.measured.input_bytes_per_sample),
         BANDWIDTHS_MBPS,
@@ -186,8 +187,15 @@ def _one(
             "planned", "re-measured", 0.0, 100.0 * statistics.median(errors),
             note=f"{len(errors)} segments (full, heads, tails), two independent interleaved runs of "
             f"{run.measured.calls_per_function} and {again.calls_per_function} rounds on this host "
-            f"(load average {load:.1f} on {os.cpu_count()} CPUs)",
-        )
+            f"(load average {load:.1f} on {os.cpu_count()} CPUs); the full model {run.measured.full_ms:.2f} ms "
+            f"planned, {again.full_ms:.2f} ms re-measured",
+        ),
+        Measurement(
+            name, f"{label}: segment share of the full model", "median |planned - re-measured| / re-measured", "%",
+            "planned", "re-measured", 0.0, 100.0 * statistics.median(shares) if shares else None,
+            note="each head's and tail's time over its own run's full model: what is left when the host's load "
+            "level moves between the runs" if shares else "no cut",
+        ),
     ]  # fmt: skip
     for planned, actual in zip(run.plan.choices, remeasured.choices, strict=True):
         chosen_ms = remeasured.option(planned.best).latency_ms(planned.bandwidth_mbps, RTT_MS)

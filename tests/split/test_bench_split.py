@@ -23,7 +23,8 @@ def test_bench_split_reports_prediction_error_regret_and_gain_and_writes_the_plo
     assert sum("slower: best vs l/r" in c for c in cases) == len(BANDWIDTHS_MBPS)
     shape = [r for r in rows if r.case.startswith("digits: shape")]
     assert len(shape) == 1 and ("allows >= 2x" in shape[0].note or "does not allow 2x" in shape[0].note)
-    for r in rows[1:]:
+    assert cases[1] == "digits: segment share of the full model" and rows[1].b_value is not None
+    for r in rows[2:]:
         if r in shape:
             continue
         assert r.a_value is not None and r.b_value is not None
