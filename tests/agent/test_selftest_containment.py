@@ -59,3 +59,30 @@ def test_selftest_child_leaves_no_double_forked_helper_behind(
         for pid in pids:  # an escaped helper must not outlive the test either
             if _alive(pid):
                 psutil.Process(pid).kill()
+
+
+def test_cgroup_create_removes_only_the_empty_cgroups_of_agents_gone() -> None:
+    import subprocess
+    import sys
+
+    if not _cgroups_here():
+        pytest.skip("no writable cgroup v2 hierarchy here (needs root or a delegated subtree)")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # an agent killed before it removed its cgroup
+    mine, _ = Cgroup.create()
+    assert mine is not None
+    base = mine.path.parent
+    stale = base / f"{CGROUP_PREFIX}{gone.pid}-deadbeef"
+    stale.mkdir()
+    live = base / f"{CGROUP_PREFIX}{mine.path.name.split('-')[2]}-0000feed"  # this process's: just made
+    live.mkdir()
+    try:
+        again, _ = Cgroup.create()
+        assert again is not None
+        again.remove()
+        assert not stale.exists() and live.exists() and mine.path.exists()
+    finally:
+        for path in (stale, live):
+            if path.exists():
+                path.rmdir()
+        mine.remove()
