@@ -134,8 +134,9 @@ class UpdatesConfig:
     reconnect_max_s: float = 60.0
     # The largest MQTT packet taken from the broker: asked of it at CONNECT (MQTT 5 Maximum Packet
     # Size: a compliant broker drops a bigger message for this device), and one that arrives anyway
-    # ends the connection before its payload is read. Desired states and keys documents are a few KB.
-    max_packet_kb: int = 1024
+    # ends the connection before its payload is read. Desired states and keys documents are at most
+    # 64 KiB (updates.protocol.MAX_PAYLOAD_BYTES); packaging/mosquitto's broker caps packets at 128 KiB too.
+    max_packet_kb: int = 128
     health_window_s: float = DEFAULT_HEALTH_WINDOW_S  # a switched-to version must run this long to count as healthy
     crash_loop_boots: int = DEFAULT_CRASH_LOOP_BOOTS  # starts within the health window before a rollback
     # Fleet trust (device_agents.updates.trust): keys of the notice role (sign desired states) and of
@@ -179,6 +180,11 @@ class UpdatesConfig:
         ):
             if number <= 0:
                 raise ValueError(f"{label} must be > 0, got {number}")
+        if self.max_packet_kb < 66:
+            raise ValueError(
+                f"max_packet_kb must be >= 66, got {self.max_packet_kb}: a signed desired state may be 64 KiB, plus "
+                "its topic and packet headers"
+            )
         if self.download_min_bytes_per_s < 0 or self.clock_skew_s < 0:
             raise ValueError("download_min_bytes_per_s and clock_skew_s must be >= 0")
         if not self.notice_keys:
