@@ -510,8 +510,27 @@ class ModelConfig:
                 raise ConfigError(
                     f"agent.models.{name}.batching: model {manifest.name} v{manifest.version} has a static batch "
                     f"(input {spec.name!r} shape {spec.v2_shape}); dynamic batching needs axis 0 dynamic (-1). "
-                    f"Remove [models.{name}.batching] or package the model with a dynamic batch axis"
+                    f"{_static_batch_cause(manifest)}; or remove [models.{name}.batching]"
                 )
+
+
+def _static_batch_cause(manifest: Manifest) -> str:
+    """Why a bundle's batch axis is static, by its target, and how to get one that batches."""
+    if manifest.target == "jetson":
+        return (
+            "This jetson bundle pins its TensorRT engine to one shape (no optimization profile): package it again "
+            "with --batch MIN,OPT,MAX (e.g. 1,4,8) to record a profile the engine is built with"
+        )
+    if manifest.target in ("coral", "apple"):
+        runtime = "LiteRT and the Edge TPU take" if manifest.target == "coral" else "this Core ML model takes"
+        return (
+            f"The {manifest.target} target builds static shapes ({runtime} one input shape): its batch axis was "
+            "frozen when it was packaged; batch on the client, or package the cpu target for batched serving"
+        )
+    return (
+        "The packaged model's own batch axis is fixed: export it with a dynamic batch axis (edgekit export without "
+        "--static-batch, or torch.onnx.export dynamic_axes) and package it again"
+    )
 
 
 BUDGET_WHEN_FULL = ("refuse", "unload_idle")

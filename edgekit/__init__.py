@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 def package(
-    model: str | Path,
+    model: str | Path | Any,
     targets: str | Sequence[str] = ("cpu",),
     precision: str | Mapping[str, str] = "int8",
     calib: str | Path | Mapping[str, Any] | None = None,
@@ -59,6 +59,8 @@ def package(
     train_labels: str | Path | np.ndarray | Sequence[int] | None = None,
     cache: str | None = None,
     false_hit_budget: float = 0.01,
+    allow_small_eval: bool = False,
+    example_inputs: Any = None,
 ) -> PackageResult:
     """Convert, quantize and validate ``model`` (ONNX) for each of ``targets`` and write one signed
     bundle per target into ``out_dir`` (``NAME-TARGET-vVERSION.ekb``).
@@ -92,6 +94,10 @@ def package(
     bad arguments before any conversion, ``PackageValidationError`` when a target misses its gate.
     See ``edgekit.packager.package`` for every detail.
     """
+    if not isinstance(model, (str, Path)):  # a torch.nn.Module: exported to OUT_DIR/NAME.onnx first
+        from edgekit.export import export_for_package
+
+        model, name = export_for_package(model, example_inputs, Path(out_dir), name)
     from edgekit.packager import package as _package
 
     return _package(
@@ -130,6 +136,7 @@ def package(
         train_labels=train_labels,
         cache=cache,
         false_hit_budget=false_hit_budget,
+        allow_small_eval=allow_small_eval,
     )
 
 

@@ -70,6 +70,7 @@ from edgekit.targets.base import static_signature
 from edgekit.targets.options import check_option_targets, resolve_options
 from edgekit.targets.precisions import DEFAULT_PRECISION, choose_precisions
 from edgekit.targets.sdk_output import sdk_output_to
+from edgekit.targets.shape_profile import frozen_axes, profiled_signature, shapes_line
 from edgekit.validate.calib import (
     ArraysLike,
     check_arrays,
@@ -84,6 +85,8 @@ from edgekit.validate.calib import (
     take,
 )
 from edgekit.validate.detections import DETECTION_MIN_F1, MATCH_IOU, boxes_post
+from edgekit.validate.drawn_inputs import drawn_for_validation
+from edgekit.validate.eval_size import check_eval_size
 from edgekit.validate.latency import LatencyStats, call_with, stats_side_by_side
 from edgekit.validate.metrics import (
     MEASURES,
@@ -100,7 +103,7 @@ from edgekit.validate.metrics import (
 )
 from edgekit.validate.ort_runner import ort_cpu_runner
 from edgekit.validate.postprocess import LABELS_FILE, Postprocess, read_labels_file
-from edgekit.validate.preprocess import Preprocess, image_files
+from edgekit.validate.preprocess import Preprocess, describe_steps, image_files
 from edgekit.validate.table import cpu_only_reason, format_table, result_text
 
 GOLDEN_FILE = "golden.npz"
@@ -132,6 +135,7 @@ class Row:
     shipped: str = ""  # the candidate shipped and its runtime ("nncf int8 on openvino"); "" without a search
     timed_on: str = ""  # where the latencies were measured ("this host: x86_64 AVX-512 VNNI", a device profile)
     cpu_only: str = ""  # an accelerator target whose artifact runs on the CPU only, and why
+    shapes: str = ""  # a static-shape target: the axes it froze and to what, or its TensorRT profile
 
     @property
     def passed(self) -> bool:
@@ -175,6 +179,7 @@ class PackageResult:
                     "bundle": None if r.bundle is None else str(r.bundle),
                     "shipped": r.shipped or None,
                     "timed_on": r.timed_on or None,
+                    "shapes": r.shapes or None,
                     "result": result_text(r),
                     "validation": to_data(r.validation),
                 }
@@ -260,6 +265,7 @@ def package(
     train_labels: str | Path | np.ndarray | Sequence[int] | None = None,
     cache: str | None = None,
     false_hit_budget: float = 0.01,
+    allow_small_eval: bool = False,
 ) -> PackageResult:
     """Package ``model`` (ONNX) for ``targets`` and write one signed bundle per target.
 
@@ -286,6 +292,8 @@ def package(
     manifest declares for the agent (``exact`` or ``approximate``); ``approximate`` calibrates its
     distance threshold on the evaluation data with the FP32 source so that the false-hit rate's
     one-sided 95% bound is within ``false_hit_budget`` (``edgekit.validate.cache_calibration``).
+    A gate decided on fewer than 50 held-out samples is an ``EdgekitWarning`` naming the number; on
+    fewer than 10 a ``CalibrationDataError`` unless ``allow_small_eval`` (``edgekit.validate.eval_size``).
 
     Targets with candidates (cpu, intel, jetson, coral, apple) go through the optimisation engine
     (``edgekit.optimize``): ``objective`` (``latency`` or ``size``) orders the candidates within the gate,
@@ -373,7 +381,9 @@ def package(
         work = Path(tmp)
         compression: tuple[CompressionStep, ...] = ()
         if compress:
-            model, compression = _compress_first(model, compress, work, calib, eval, labels, train, train_labels, say)
+            model, compression = _compress_first(
+                model, compress, work, calib, eval, labels, train, train_labels, say, objective=objective, tolerance=tol
+            )
         say(f"preparing {model.name}")
         prepared = prepare_model(model, work / "prepared", say)
         if original != model:
@@ -397,9 +407,14 @@ def package(
             check_tolerance_kind(tolerance, kind, prepared.served)
         if input_shapes:
             check_input_shapes(prepared.served, input_shapes)
+        drawn: tuple[str, ...] = ()
+        if calib is None:  # fp32/fp16 without data: inputs drawn within the declared shapes
+            calib, note = drawn_for_validation(prepared.path, prepared.served, input_shapes)
+            eval, drawn = calib, (note,)
         calib_arrays, eval_arrays, eval_labels = _load_data(
             prepared.served, calib, eval, labels, input_shapes, say, preprocess
         )
+        check_eval_size(sample_count(eval_arrays), held_out=eval is None, allow_small=allow_small_eval)
         fp32 = ort_cpu_runner(original)  # the FP32 source (the original), as the device runtime would open it
         say(f"fp32 reference on {sample_count(eval_arrays)} evaluation samples")
         run = _Run(
@@ -417,9 +432,13 @@ def package(
             manifest_extras=data_manifest_fields(calib_arrays, calib, prepared.served, preprocess),
             compression=compression,
         )
+        if "preprocess" in run.manifest_extras:  # images: the steps they were read with
+            say(f"images read with: {describe_steps(run.manifest_extras['preprocess'])}")
         # each output's gate: --task, else from its shape and the fp32 values (named in the validation notes)
         tasks, gate_notes = output_tasks(prepared.served, run.reference, given_tasks)
-        run = dataclasses.replace(run, kind=kind_of(tasks, prepared.served), tasks=tasks, gate_notes=gate_notes)
+        run = dataclasses.replace(
+            run, kind=kind_of(tasks, prepared.served), tasks=tasks, gate_notes=(*drawn, *gate_notes)
+        )
         engine = dataclasses.replace(engine, tasks=tuple(tasks.items()))
         if cache is not None:
             from edgekit.validate.cache_calibration import cache_policy
@@ -525,7 +544,8 @@ def package(
             if searched is not None:  # written whether or not the bundle is: it says why
                 from edgekit.optimize.report import write_report
 
-                reports[t] = write_report(searched, out_dir / f"{name}-{t}-v{version}", t, comparison.passed)
+                images = describe_steps(run.manifest_extras.get("preprocess", ()))  # "" for arrays
+                reports[t] = write_report(searched, out_dir / f"{name}-{t}-v{version}", t, comparison.passed, images)
                 say(f"[{t}] candidate report {reports[t]}")
             if comparison.passed or allow_failed:
                 dest = out_dir / f"{name}-{t}-v{version}.ekb"
@@ -647,12 +667,18 @@ def _compress_first(
     train: ArraysLike | None,
     train_labels: str | Path | np.ndarray | Sequence[int] | None,
     say: Callable[[str], None],
+    objective: str = "latency",
+    tolerance: Tolerance | None = None,
 ) -> tuple[Path, tuple[CompressionStep, ...]]:
-    """Run the ``--compress`` steps on ``model``; (the compressed model, its provenance)."""
+    """Run the ``--compress`` steps on ``model``; (the compressed model, its provenance).
+    ``--compress auto``: the variant that beats the quantized original, or the original
+    (``edgekit.compress.auto``)."""
+    from edgekit.compress.auto import is_auto
     from edgekit.compress.steps import Data, compress, parse_step
     from edgekit.validate.calib import load_arrays, load_labels, sample_count
 
-    parsed = [parse_step(s) for s in steps]
+    auto = is_auto(steps)
+    parsed = [] if auto else [parse_step(s) for s in steps]
     source = eval if eval is not None else calib
     if source is None or (isinstance(source, (str, Path)) and Path(source).is_dir()):
         raise CalibrationDataError(
@@ -667,6 +693,17 @@ def _compress_first(
     train_y = None
     if train_labels is not None and training is not None:
         train_y = load_labels(train_labels, sample_count(training), "--train-labels")
+    if auto:
+        from edgekit.compress.auto import choose
+
+        usable = calib is not None and not (isinstance(calib, (str, Path)) and Path(calib).is_dir())
+        calib_arrays = load_arrays(calib, "--calib data") if usable else dict(evaluation)  # type: ignore[arg-type]
+        calib_arrays.pop("labels", None)
+        data = Data(evaluation, eval_labels, training, train_y)
+        chosen = choose(
+            model, work / "auto", data, calib_arrays, objective=objective, tolerance=tolerance, progress=say
+        )
+        return chosen.model, chosen.provenance
     out = work / "compressed" / f"{model.stem}.onnx"
     result = compress(model, parsed, out, Data(evaluation, eval_labels, training, train_y), progress=say)
     for o in result.outcomes:
@@ -838,6 +875,7 @@ def _validate_and_describe(
         if path in (GOLDEN_FILE, MANIFEST_NAME, SIGNATURE_NAME):
             raise EdgekitError(f"target {target} wrote {path!r}, a name the packager owns")
     served = static_signature(run.served, static_shapes) if result.static else run.served
+    served = profiled_signature(served, result.target_options)  # a TensorRT profile's fixed axes
     artifact_files = file_entries(ctx.out_dir, result.files)
     size = sum(f.size_bytes for f in artifact_files if f.role == "artifact")
     provisional = _manifest(
@@ -932,6 +970,7 @@ def _validate_and_describe(
             *(f"prepared: {s}" for s in run.steps),
             *run.gate_notes,
             *((f"held-out {comparison.detections}",) if comparison.detections else ()),
+            *(frozen_axes(run.served, static_shapes) if result.static else ()),
             *result.notes,
             *slower_note,
         ),
@@ -961,6 +1000,7 @@ def _validate_and_describe(
         own_fp32=_own_fp32(searched, validation),
         shipped=f"{searched.chosen.name} on {manifest.compatibility.runtime}" if searched is not None else "",
         timed_on=_timed_on(searched, validation), cpu_only=cpu_only_reason(manifest),
+        shapes=shapes_line(target, run.served, static_shapes, result.static, result.target_options),
     )  # fmt: skip
     return manifest, comparison, row
 

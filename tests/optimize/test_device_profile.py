@@ -11,8 +11,8 @@ import pytest
 
 from edgekit.cli import main
 from edgekit.errors import ConfigError
-from edgekit.packager import package
 from tests.factories import confident_inputs, tiny_classifier
+from tests.factories import package_small_data as package
 
 CPU = {"cpu": {"openvino": False, "activations": "uint8"}}  # three ORT INT8 layouts, no OpenVINO
 

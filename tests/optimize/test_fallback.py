@@ -15,8 +15,9 @@ from edgekit.optimize.candidates import CandidatePlan
 from edgekit.optimize.data import search_data
 from edgekit.optimize.engine import search
 from edgekit.optimize.margin import selection_margin, wilson_lower
-from edgekit.packager import PackageValidationError, package
+from edgekit.packager import PackageValidationError
 from edgekit.validate.metrics import compare
+from tests.factories import package_small_data as package
 from tests.factories import tiny_dense
 from tests.optimize.test_search import SERVED, _exact, _untimed
 

@@ -11,9 +11,10 @@ import pytest
 
 from edgekit.bundle.manifest import Signature, TensorSpec, Tolerance
 from edgekit.errors import ConfigError
-from edgekit.packager import PackageValidationError, package
+from edgekit.packager import PackageValidationError
 from edgekit.validate.metrics import compare, kind_of, output_tasks, parse_tasks
 from tests.factories import _save
+from tests.factories import package_small_data as package
 
 
 def _signature(*shapes: tuple[object, ...]) -> Signature:

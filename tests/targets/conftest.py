@@ -14,8 +14,9 @@ import pytest
 
 from edgekit.bundle import TrustStore, extract, read_verified_manifest
 from edgekit.bundle.manifest import Manifest
-from edgekit.packager import PackageResult, package
+from edgekit.packager import PackageResult
 from tests.factories import confident_inputs, tiny_classifier
+from tests.factories import package_small_data as package
 
 
 @pytest.fixture(scope="session")
