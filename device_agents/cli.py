@@ -124,6 +124,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     config.check_exposure()  # off loopback only with a bearer token
+    if log.isEnabledFor(logging.DEBUG):  # -v: what the agent runs with, defaults included
+        from device_agents.effective_settings import effective_settings
+
+        log.debug("config %s; effective settings follow", args.config)
+        for line in effective_settings(config):
+            log.debug("setting %s", line)
     raise_nofile_limit(config.server.max_connections)
     log_usable_cpus()
     # wait while a one-shot `install` holds the lock; refuse at once when another daemon does

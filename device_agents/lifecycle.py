@@ -53,6 +53,7 @@ from device_agents.metrics import AgentMetrics
 from device_agents.platforms.compatibility import check_compatible
 from device_agents.registry import Loaded, Registry
 from device_agents.runtimes import ServedModel, load_model
+from device_agents.runtimes.runs_on import runs_on
 from device_agents.selftest import REPORT_NAME, SelfTestReport, latency_verdict, run_selftest
 from device_agents.store import ModelState, Slot, StateUnreadableError, Store, atomic_write
 from device_agents.threads import NamedThread
@@ -701,9 +702,9 @@ class Lifecycle:
                 options = options_for_load(options, self.budgets.memory.room(m), m.name)
             return load_model(self.store.model_dir(slot), m, options)
 
-        if self.budgets.memory is None:
-            return load()
-        return self.budgets.memory.load(m, load, on_demand=on_demand)
+        model = load() if self.budgets.memory is None else self.budgets.memory.load(m, load, on_demand=on_demand)
+        log.info("%s: v%d runs on %s", m.name, m.version, runs_on(model.runner.describe()))
+        return model
 
     # -- reporting ----------------------------------------------------------------------
     def selftest_report(self, name: str, which: str = "active") -> SelfTestReport | None:

@@ -495,3 +495,54 @@ def test_cli_package_static_targets_say_which_axis_they_froze_and_the_agent_says
         "one static shape (--input-shape NAME=8x3x224x224)\n",
     )
 
+
+# -- the agent says what it runs with, and on what --------------------------------------------
+
+
+def test_agent_logs_what_each_model_runs_on_at_install_and_start_and_its_settings_with_v(
+    capsys, caplog, ws, tmp_path: Path
+) -> None:
+    import logging
+
+    import onnxruntime as ort
+
+    from tests.agent.conftest import start_agent
+
+    config = tmp_path / "agent.toml"
+    config.write_text(f'store = "store"\ntrusted_keys = ["{ws["pub"]}"]\n[server]\nmax_connections = 64\n')
+    runs_on = f"m: v1 runs on onnxruntime {ort.__version__} on CPUExecutionProvider"
+    with caplog.at_level(logging.INFO, logger="edgekit.agent"):
+        code, _, _ = _agent(capsys, "install", ws["bundle"], "--config", config)
+    assert code == 0 and runs_on in caplog.messages  # at install
+    agent = start_agent(config, args=("-v",))
+    try:
+        assert agent.stop() == 0
+        log = agent.log.read_text()
+    finally:
+        if agent.proc.poll() is None:
+            agent.proc.kill()
+    assert f"edgekit.agent: {runs_on}\n" in log  # at start
+    assert f"edgekit.agent: setting store = {tmp_path / 'store'}\n" in log
+    assert "edgekit.agent: setting server.max_connections = 64\n" in log  # set in the file
+    assert "edgekit.agent: setting listen = '127.0.0.1:8500' (default)\n" in log
+    quiet = start_agent(config)  # without -v: no settings (the log file is appended to)
+    assert quiet.stop() == 0 and "setting store" not in quiet.log.read_text()[len(log) :]
+
+
+def test_runs_on_names_the_delegate_provider_or_device_of_each_runtime() -> None:
+    from device_agents.runtimes.runs_on import runs_on
+
+    assert runs_on({"runtime": "litert", "version": "2.3", "delegate": "xnnpack (cpu)"}) == (
+        "litert 2.3 with the xnnpack (cpu) delegate"
+    )
+    assert runs_on({"runtime": "openvino", "version": "2026.4", "device": "AUTO", "execution_devices": ["CPU"]}) == (
+        "openvino 2026.4 on AUTO (execution devices: CPU)"
+    )
+    trt = {"runtime": "tensorrt", "version": "10.3", "device": "Orin", "compute_capability": "8.7"}
+    assert runs_on({**trt, "builder_flags": ["int8", "fp16"]}) == (
+        "tensorrt 10.3 on Orin (compute capability 8.7), builder flags int8, fp16"
+    )
+    fallback = {"runtime": "tensorrt", "version": "onnxruntime 1.32", "fallback": "ort-trt"}
+    assert runs_on({**fallback, "providers": ["TensorrtExecutionProvider", "CUDAExecutionProvider"]}) == (
+        "tensorrt onnxruntime 1.32 (fallback ort-trt) on TensorrtExecutionProvider (then CUDAExecutionProvider)"
+    )
