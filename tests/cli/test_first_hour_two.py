@@ -260,6 +260,7 @@ def test_cli_coral_without_the_edge_tpu_compiler_says_cpu_only_everywhere(capsys
     code, out, _ = _cli(capsys, *argv, "--input-shape", "input=1x3x16x16", "-q", "--json")
     (row,) = json.loads(out)["rows"]
     assert code == 0 and row["result"].startswith("passed (LiteRT CPU only: not compiled for the Edge TPU)")
+    assert row["shapes"] == "static shapes: input 'input' axis 0 (batch) frozen to 1"  # the table's line, too
     code, out, _ = _cli(capsys, "inspect", tmp_path / "tiny-coral-v1.ekb")
     assert out.splitlines()[0].endswith("  (LiteRT CPU only: not compiled for the Edge TPU)")
 
@@ -546,3 +547,37 @@ def test_runs_on_names_the_delegate_provider_or_device_of_each_runtime() -> None
     assert runs_on({**fallback, "providers": ["TensorrtExecutionProvider", "CUDAExecutionProvider"]}) == (
         "tensorrt onnxruntime 1.32 (fallback ort-trt) on TensorrtExecutionProvider (then CUDAExecutionProvider)"
     )
+
+
+def test_shape_profile_ranges_dynamic_axes_and_refuses_what_the_model_or_data_rule_out() -> None:
+    from edgekit.bundle.manifest import Signature, TensorSpec
+    from edgekit.errors import ConfigError
+    from edgekit.targets.shape_profile import ShapeRange, optimization_profile, parse_batch
+
+    served = Signature(
+        inputs=(TensorSpec("images", "float32", ("batch", 3, "height", "width")),),
+        outputs=(TensorSpec("out", "float32", ("batch", 10)),),
+    )
+    static = {"images": (1, 3, 320, 320)}
+    assert optimization_profile(served, static) is None  # nothing asked: the shape stays pinned
+    assert optimization_profile(served, static, parse_batch("1,4,8")) == {
+        "images": ShapeRange((1, 3, 320, 320), (4, 3, 320, 320), (8, 3, 320, 320))
+    }
+    hw = ("images=1x3x256x256:4x3x480x480:8x3x640x640",)
+    assert optimization_profile(served, static, (), hw)["images"].text() == "1x3x256x256 / 4x3x480x480 / 8x3x640x640"
+    assert parse_batch("8") == (1, 8, 8)
+    refusals = {
+        "--batch 4,2,8: expected MIN,OPT,MAX with 1 <= MIN <= OPT <= MAX, such as 1,4,8": lambda: parse_batch("4,2,8"),
+        "targets.jetson.profile_shapes images=1x3x256x256:4x3x480x480:8x4x640x640: axis 1 is fixed to 3 by the "
+        "model; give 3 in min, opt and max": lambda: optimization_profile(
+            served, static, (), ("images=1x3x256x256:4x3x480x480:8x4x640x640",)
+        ),
+        "targets.jetson: input 'images' is validated at 1x3x320x320 (--input-shape or the calibration data), outside "
+        "its profile 2x3x320x320 / 4x3x320x320 / 8x3x320x320; widen the range to include it": lambda: (
+            optimization_profile(served, static, (2, 4, 8))
+        ),
+    }
+    for message, call in refusals.items():
+        with pytest.raises(ConfigError) as refused:
+            call()
+        assert str(refused.value) == message
