@@ -652,12 +652,26 @@ class ServerConfig:
     # send; required when listen is not a loopback address
     auth_token_file: Path | None = None
     metrics_loopback_only: bool = False  # /metrics and the stats routes answer loopback clients only
+    # HTTPS: this certificate chain and its key (PEM); with client_ca_file, mutual TLS: clients not
+    # on loopback must present a certificate that CA signed (the other way off loopback, besides the token)
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    client_ca_file: Path | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             number = getattr(self, f.name)
             if isinstance(number, int | float) and not isinstance(number, bool) and number <= 0:
                 raise ValueError(f"{f.name} must be > 0, got {number}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both (PEM) or neither")
+        if self.client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("client_ca_file needs tls_cert_file and tls_key_file: client certificates come with TLS")
+
+    @property
+    def mutual_tls(self) -> bool:
+        """Clients not on loopback may prove who they are with a certificate (``client_ca_file``)."""
+        return self.client_ca_file is not None
 
     @property
     def max_request_bytes(self) -> int:
@@ -722,12 +736,14 @@ class AgentConfig:
         return parse_listen(self.listen)[0]
 
     def check_exposure(self) -> None:
-        """``ConfigError`` (one line saying how) when ``listen`` is off loopback without a bearer token:
-        the agent daemon does not serve the network unauthenticated."""
-        if self.server.auth_token_file is None and not _is_loopback_host(self.listen_host):
+        """``ConfigError`` (one line saying how) when ``listen`` is off loopback without a bearer token
+        or mutual TLS: the agent daemon does not serve the network unauthenticated."""
+        exposed = not _is_loopback_host(self.listen_host)
+        if exposed and self.server.auth_token_file is None and not self.server.mutual_tls:
             raise ConfigError(
                 f"listen {self.listen!r} is not loopback: set [server] auth_token_file (a file holding the token "
-                "clients send as Authorization: Bearer ...) or listen on 127.0.0.1"
+                "clients send as Authorization: Bearer ...), or tls_cert_file, tls_key_file and client_ca_file "
+                "(mutual TLS: clients present a certificate that CA signed), or listen on 127.0.0.1"
             )
 
     @property

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
+from device_agents.serving.tls import local_context_for
 from examples.agent_process import pinned
 from tests.agent.bundles import rebundle, reshape_model, tamper
 from tests.factories import make_cpu_bundle, sample_inputs
@@ -171,7 +172,7 @@ def start_agent(config: Path, env: dict[str, str] | None = None, args: tuple[str
             raise RuntimeError(f"agent exited {proc.returncode}:\n{log.read_text()}")
         try:
             url = json.loads(info.read_text())["url"]
-            with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2) as r:
+            with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2, context=local_context_for(url)) as r:
                 if r.status == 200:
                     return RunningAgent(proc, url, config, log)
         except (OSError, ValueError, KeyError):
