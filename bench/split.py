@@ -4,15 +4,17 @@ network with an early strong bottleneck, at 1-1000 Mbit/s.
 
 For each model: ``edgekit split plan`` (host times measured here with ONNX Runtime, interleaved;
 the server assumed 10x faster than this host; RTT 20 ms), its table and its latency-vs-bandwidth
-PNG; then every head and tail timed AGAIN in a second independent interleaved run:
+PNG; then every head and tail timed AGAIN in a second independent interleaved run (both runs: CPU
+time of one-thread sessions, ``--timing cpu``, the planner's default):
 
 - prediction error: per segment, |planned - re-measured| / re-measured, median over segments;
 - regret: per bandwidth, the planned choice's end-to-end latency under the re-measured times
   against the best option's under them (0% = the plan chose the best);
 - split gain: per bandwidth, with the device slowed by a factor MEASURED here (the model's full
-  run timed in and out of a cgroup CPU quota of a tenth of one core, interleaved; where no
-  cgroup v1 ``cpu`` controller is writable, ``DEVICE_SLOWDOWN`` is assumed and the note says so),
-  the best option against the better of all-local and all-remote;
+  run in a one-thread session, its wall-clock time under a cgroup CPU quota of a tenth of one
+  core against its CPU time, interleaved; where no cgroup v1 ``cpu`` controller is writable,
+  ``DEVICE_SLOWDOWN`` is assumed and the note says so), the best option against the better of
+  all-local and all-remote;
 - shape: why the model allows a >= 2x gain over both or not. Against all-remote a cut saves at
   most the input's bytes over the cut's (``bytes ratio`` = cut / input); against all-local at
   most the device's compute after the cut (``head share`` = head / full). Only a cut with both
@@ -74,14 +76,14 @@ def _models(work: Path) -> list[tuple[str, Path, dict[str, tuple[int, ...]], str
             "bottleneck-stem-256",
             bottleneck_convnet(work / "bottleneck.onnx"),
             {},
-            "synthetic: an 8x8/8 stem to 4 channels (1/48 of the input's bytes), then six 96-channel 3x3 convs "
+            "synthetic: an 8x8/8 stem to 4 channels (1/48 of the input's bytes), then eight 192-channel 3x3 convs "
             "(random weights: latency does not depend on them)",
         )
     )
     return models
 
 
-def bottleneck_convnet(path: Path, *, size: int = 256, width: int = 96, depth: int = 6, seed: int = 0) -> Path:
+def bottleneck_convnet(path: Path, *, size: int = 256, width: int = 192, depth: int = 8, seed: int = 0) -> Path:
     """A network with an early strong bottleneck: Conv(3->4, k8 s8) Relu to 4 x size/8 x size/8,
     ``depth`` ``width``-channel 3x3 convs at that size (nearly all the compute), then GAP,
     Gemm(width->10), Softmax."""
@@ -141,7 +143,7 @@ def _one(
     from edgekit.split.plan import make_plan
     from edgekit.split.planner import plan_model, sample_feeds
     from edgekit.split.plot import plot
-    from edgekit.validate.ort_runner import ort_cpu_runner
+    from edgekit.validate.ort_runner import ort_open
 
     work = ctx.workdir / f"split-{label}"
     run = plan_model(
@@ -187,8 +189,8 @@ def _one(
             "planned", "re-measured", 0.0, 100.0 * statistics.median(errors),
             note=f"{len(errors)} segments (full, heads, tails), two independent interleaved runs of "
             f"{run.measured.calls_per_function} and {again.calls_per_function} rounds on this host "
-            f"(load average {load:.1f} on {os.cpu_count()} CPUs); the full model {run.measured.full_ms:.2f} ms "
-            f"planned, {again.full_ms:.2f} ms re-measured",
+            f"(CPU time of one-thread sessions; load average {load:.1f} on {os.cpu_count()} CPUs); the full "
+            f"model {run.measured.full_ms:.2f} ms planned, {again.full_ms:.2f} ms re-measured",
         ),
         Measurement(
             name, f"{label}: segment share of the full model", "median |planned - re-measured| / re-measured", "%",
@@ -207,7 +209,7 @@ def _one(
                 note=f"regret {100.0 * (chosen_ms / actual.best_ms - 1):.1f}%; network time computed from the bytes",
             )
         )  # fmt: skip
-    full = ort_cpu_runner(work / "model.onnx")
+    full = ort_open(work / "model.onnx")(1)  # one thread, as the segments were timed
     factor, how = measured_slowdown(lambda: full(feeds[0]))
     ctx.progress(f"{name}: {label}: the slower device runs it {factor:.2f}x slower ({how})")
     rows += _slow_device_rows(name, label, run, factor, how)
@@ -280,9 +282,10 @@ def _slow_device_rows(name: str, label: str, run: Any, factor: float, how: str) 
 def measured_slowdown(
     run_once: Callable[[], object], *, share: float = DEVICE_CPU_SHARE, rounds: int = 3, calls: int = 2
 ) -> tuple[float, str]:
-    """How many times slower ``run_once`` runs in this process under a cgroup v1 CPU quota of
-    ``share`` of one core than without, timed in and out of the quota in turn (the process moves
-    between the groups); the median of the rounds' ratios. Without a writable ``cpu`` controller:
+    """How many times longer ``run_once`` (one thread) takes in this process under a cgroup v1 CPU
+    quota of ``share`` of one core (wall-clock) than the CPU time it needs (``time.thread_time``,
+    as the segments are timed), in and out of the quota in turn (the process moves between the
+    groups); the median of the rounds' ratios. Without a writable ``cpu`` controller:
     ``DEVICE_SLOWDOWN``, said to be assumed."""
     if not (CGROUP_CPU / "cpu.cfs_quota_us").is_file() or not os.access(CGROUP_CPU, os.W_OK):
         return DEVICE_SLOWDOWN, f"ASSUMED {DEVICE_SLOWDOWN:g}x: no writable cgroup v1 cpu controller here"
@@ -291,15 +294,17 @@ def measured_slowdown(
     group.mkdir(exist_ok=True)
     pid = str(os.getpid())
     try:
-        (group / "cpu.cfs_period_us").write_text("20000")
-        (group / "cpu.cfs_quota_us").write_text(str(int(20000 * share)))
+        # a 10 ms period (1 ms of CPU per period at a tenth): throttled finely; a call shorter than
+        # the quota may still run unthrottled, as on a quota-limited device
+        (group / "cpu.cfs_period_us").write_text("10000")
+        (group / "cpu.cfs_quota_us").write_text(str(max(1000, int(10000 * share))))
         run_once()
         ratios = []
         for _ in range(rounds):
-            free = _median_ms(run_once, calls)
+            free = _median_ms(run_once, calls, time.thread_time)
             (group / "cgroup.procs").write_text(pid)
             try:
-                quota = _median_ms(run_once, calls)
+                quota = _median_ms(run_once, calls, time.perf_counter)
             finally:
                 (home / "cgroup.procs").write_text(pid)
             ratios.append(quota / free)
@@ -307,8 +312,8 @@ def measured_slowdown(
         (home / "cgroup.procs").write_text(pid)
         group.rmdir()
     return statistics.median(ratios), (
-        f"measured: the full model in this process under a cgroup CPU quota of {share:g} of one core against "
-        f"without, {rounds} interleaved rounds"
+        f"measured: the full model's wall-clock time in this process under a cgroup CPU quota of {share:g} of one "
+        f"core against its CPU time, {rounds} interleaved rounds"
     )
 
 
@@ -320,12 +325,12 @@ def _own_cpu_group() -> str:
     return "/"
 
 
-def _median_ms(fn: Callable[[], object], calls: int) -> float:
+def _median_ms(fn: Callable[[], object], calls: int, clock: Callable[[], float]) -> float:
     times = []
     for _ in range(calls):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append((time.perf_counter() - t0) * 1000.0)
+        times.append((clock() - t0) * 1000.0)
     return statistics.median(times)
 
 
