@@ -237,8 +237,9 @@ class Transport(ThreadingHTTPServer):
 
     def _handshake(self, sock: socket.socket) -> ssl.SSLSocket | None:
         """The TLS handshake of a new connection, in its own thread (never the accept loop's), due
-        like headers: ``header_timeout_s`` after the connection came (the reaper closes it then,
-        and the cap may evict it); None (closed) when it fails."""
+        like headers ``header_timeout_s`` after the connection came (the socket timeout bounds the
+        whole handshake, not each read; meanwhile it counts as reading headers for the reaper and
+        the connection cap); None (closed) when it fails."""
         if self.tls is None:
             return None
         fd = sock.fileno()

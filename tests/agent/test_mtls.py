@@ -192,3 +192,39 @@ def test_tls_files_that_do_not_load_stop_the_start_with_what_to_give(
     done = agent_cli("run", "--config", str(write_config(tmp_path / "a", keypair[1], bad)), timeout=60)
     assert done.returncode != 0
     assert "server.tls_cert_file" in done.stderr and "give a PEM certificate chain" in done.stderr, done.stderr
+
+
+def test_a_tls_handshake_trickled_a_byte_at_a_time_is_closed_after_header_timeout_s(
+    tmp_path: Path, keypair: tuple[Path, Path], pki: dict[str, Path]
+) -> None:
+    import select
+    import socket
+    import time
+
+    extra = MTLS.format(d=pki["ca.crt"].parent) + "header_timeout_s = 1.0\nidle_timeout_s = 30.0\n"
+    agent = start_agent(write_config(tmp_path / "a", keypair[1], extra))
+    try:
+        host, port = agent.url.removeprefix("https://").split(":")
+        slow = socket.create_connection((host, int(port)), timeout=10)
+        hello = b"\x16\x03\x01\x02\x00" + b"\x01" * 512  # a TLS record header announcing 512 bytes, then them
+        sent, closed = 0, False
+        try:
+            # a byte every 0.4 s: each read waits less than header_timeout_s, the whole handshake longer
+            while sent < 40 and not closed:
+                slow.send(hello[sent : sent + 1])
+                sent += 1
+                if select.select([slow], [], [], 0.4)[0]:
+                    closed = slow.recv(1) == b""
+                else:
+                    time.sleep(0)
+        except (ConnectionResetError, BrokenPipeError):
+            closed = True
+        finally:
+            slow.close()
+        # closed after about 1 s (a few bytes), long before 40 bytes (16 s), which the connection's
+        # idle_timeout_s (30 s) would have let through
+        assert closed and sent < 40, sent
+        status, _ = _request("127.0.0.1", int(port), _client_context(pki, None), "GET", "/v2/health/ready")
+        assert status == 200
+    finally:
+        assert agent.stop() == 0
