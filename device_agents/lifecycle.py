@@ -335,13 +335,13 @@ class Lifecycle:
         log.error("%s: %s", name, why)
         self._record(name, lambda s: replace(s, status="failed", error=why), lock=True)
 
-    def apply_trust(self, trust: TrustStore) -> list[str]:
+    def apply_trust(self, trust: TrustStore) -> list[tuple[str, str]]:
         """Take ``trust`` (a keys document was accepted: keys added, narrowed or revoked) and stop
         serving, at once, every installed model whose served slot it no longer accepts (the
         signature is checked, not the files: that is quick). Its requests are refused meanwhile,
         saying why; then, off the caller's thread, each such model is rolled back to its previous
-        slot where that one verifies with ``trust``, else recorded as failed. Returns one line per
-        model stopped."""
+        slot where that one verifies with ``trust``, else recorded as failed. Returns (model, why)
+        for each model stopped."""
         self.trust = trust
         stopped: list[tuple[str, Slot, str, Loaded | None, bool]] = []
         for name, ms in sorted(self.store.load_state().models.items()):
@@ -364,7 +364,7 @@ class Lifecycle:
             stopped.append((name, slot, why, dropped, not unloaded))
         if stopped:
             NamedThread(target=self._after_revocation, args=(stopped,), name="edgekit-revoked", daemon=True).start()
-        return [f"{name}: {why}" for name, _, why, _, _ in stopped]
+        return [(name, why) for name, _, why, _, _ in stopped]
 
     def _after_revocation(self, stopped: list[tuple[str, Slot, str, Loaded | None, bool]]) -> None:
         """``apply_trust``'s second half: close what it dropped, roll back where a previous slot

@@ -273,7 +273,7 @@ class UpdateClient:
         if doc is None:
             return
         # models signed by a key revoked now stop serving before this returns (then roll back)
-        self.lifecycle.apply_trust(self.trust.bundle_trust())
+        stopped = self.lifecycle.apply_trust(self.trust.bundle_trust())
         log.warning(
             "updates: keys document v%d accepted: %d notice key(s), %d bundle key(s) added; revoked: %s",
             doc.version,
@@ -281,6 +281,12 @@ class UpdateClient:
             len(doc.bundle_keys),
             ", ".join(doc.revoked) or "none",
         )
+        for name, why in stopped:  # the fleet sees it: its bundle is refused now
+            report = self._make_report("rejected", name=name, error=f"keys document v{doc.version}: {why}")
+            with self._report_lock:
+                self._report = report
+            log.info("updates: reported rejected (%s: %s)", name, report.error)
+            self._publish_report()
         with self._cond:  # states signed by a key revoked now no longer count
             self._dirty = True
             self._cond.notify_all()
