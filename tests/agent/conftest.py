@@ -153,15 +153,18 @@ class RunningAgent:
         return self.proc.wait(timeout=30)
 
 
-def start_agent(config: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> RunningAgent:
-    """Start `edgekit-agent run` (with ``args`` after the subcommand) and wait until it answers /v2/health/ready."""
+def start_agent(
+    config: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = (), prefix: tuple[str, ...] = ()
+) -> RunningAgent:
+    """Start `edgekit-agent run` (with ``args`` after the subcommand, the whole command after ``prefix``,
+    e.g. an ``unshare`` wrapper) and wait until it answers /v2/health/ready."""
     store = config.parent / "store"
     info = store / "daemon.json"
     info.unlink(missing_ok=True)
     log = config.parent / "agent.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "device_agents.cli", "run", "--config", str(config), *args],
+            [*prefix, sys.executable, "-m", "device_agents.cli", "run", "--config", str(config), *args],
             stdout=out,
             stderr=out,
             env={**os.environ, **(env or {})},
