@@ -581,3 +581,45 @@ def test_shape_profile_ranges_dynamic_axes_and_refuses_what_the_model_or_data_ru
         with pytest.raises(ConfigError) as refused:
             call()
         assert str(refused.value) == message
+
+
+def test_cli_package_jetson_profile_ranges_height_and_width_where_the_model_has_them(capsys, ws, tmp_path) -> None:
+    from device_agents.runtimes.tensorrt import engine_profile
+    from edgekit.bundle.archive import read_unverified_manifest
+
+    model = tiny_classifier(tmp_path / "dyn.onnx", dynamic_size=True)
+    ranges = '["input=1x3x16x16:2x3x24x24:4x3x32x32"]'
+    code, out, err = _cli(
+        capsys, "package", model, "--key", ws["key"], "-o", tmp_path, "--calib", ws["calib"], "--target", "jetson",
+        "--precision", "fp32", "-q", "--option", f"jetson.profile_shapes={ranges}",
+    )  # fmt: skip
+    assert (code, err) == (0, "")
+    assert out.splitlines()[3] == (
+        "jetson TensorRT optimization profile (min / opt / max): 'input' 1x3x16x16 / 2x3x24x24 / 4x3x32x32"
+    )
+    manifest, _ = read_unverified_manifest(tmp_path / "dyn-jetson-v1.ekb")
+    source = tuple(manifest.signature.inputs[0].shape)
+    assert source[1] == 3 and all(isinstance(d, str) for d in (source[0], source[2], source[3]))  # all three ranged
+    assert engine_profile(manifest)["input"] == ((1, 3, 16, 16), (2, 3, 24, 24), (4, 3, 32, 32))
+
+
+def test_tensorrt_runtime_refuses_a_shape_outside_its_profile_and_splits_a_batch_above_it() -> None:
+    from device_agents.runtimes.tensorrt import check_in_profile, split_over_profile
+    from edgekit.errors import InferenceInputError
+
+    ranged = ((1, 3, 16, 16), (4, 3, 16, 16), (8, 3, 16, 16))
+    check_in_profile("input", (20, 3, 16, 16), ranged)  # above the maximum batch: run in parts of 8
+    with pytest.raises(InferenceInputError) as refused:
+        check_in_profile("input", (2, 3, 32, 32), ranged)
+    assert str(refused.value) == (
+        "input 'input': shape [2, 3, 32, 32]; this TensorRT engine takes [1, 3, 16, 16] to [8, 3, 16, 16] (its "
+        "optimization profile)"
+    )
+    pinned = ((1, 3, 16, 16),) * 3
+    with pytest.raises(InferenceInputError, match=r"takes \[1, 3, 16, 16\]$"):
+        check_in_profile("input", (4, 3, 16, 16), pinned, ranged=False)  # no profile: the one shape only
+    two_to_eight = ((2, 3, 16, 16), (4, 3, 16, 16), (8, 3, 16, 16))
+    with pytest.raises(InferenceInputError):
+        check_in_profile("input", (9, 3, 16, 16), two_to_eight)  # 8 + 1: the last part is below the minimum 2
+    parts = split_over_profile({"input": np.zeros((10, 3, 16, 16), np.float32)}, {"input": two_to_eight})
+    assert [p["input"].shape[0] for p in parts] == [8, 2]
