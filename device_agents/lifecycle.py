@@ -367,23 +367,25 @@ class Lifecycle:
         return [(name, why) for name, _, why, _, _ in stopped]
 
     def _after_revocation(self, stopped: list[tuple[str, Slot, str, Loaded | None, bool]]) -> None:
-        """``apply_trust``'s second half: close what it dropped, roll back where a previous slot
-        verifies, record the rest as failed."""
+        """``apply_trust``'s second half: roll back where a previous slot verifies, record the rest
+        as failed, then close what it dropped (once its running calls end)."""
         for name, slot, why, dropped, may_roll_back in stopped:
-            if dropped is not None:
-                self.registry.retire(dropped)
             prev = self.store.model_state(name).previous
+            rolled = False
             if may_roll_back and prev is not None and prev != slot and check_slot(self.store, prev, self.trust).ok:
                 try:
                     self.rollback(name, f"{why}; rolled back to v{prev.version}", only_if_active=slot)
-                    continue
+                    rolled = True
                 except Exception as exc:  # a runtime may raise anything; the model stays unserved
                     why = f"{why}; rollback to v{prev.version} failed ({exc})"
-            self.registry.end_probation(name)
-            self.metrics.model_version.labels(name).set(0)
-            failed = f"{why}; no longer served: install a version signed by a trusted key"
-            log.error("%s: %s", name, failed)
-            self._record(name, lambda s, why=failed: replace(s, status="failed", error=why), lock=True)  # type: ignore[misc]  # bound now (B023)
+            if not rolled:
+                self.registry.end_probation(name)
+                self.metrics.model_version.labels(name).set(0)
+                failed = f"{why}; no longer served: install a version signed by a trusted key"
+                log.error("%s: %s", name, failed)
+                self._record(name, lambda s, why=failed: replace(s, status="failed", error=why), lock=True)  # type: ignore[misc]  # bound now (B023)
+            if dropped is not None:
+                self.registry.retire(dropped)
 
     def _record(self, name: str, fn: Callable[[ModelState], ModelState], *, lock: bool = False) -> None:
         """A bookkeeping write to the store: logged when it fails, and serving goes on."""
