@@ -927,7 +927,7 @@ def _validate_and_describe(
         from edgekit.validate.row_independence import check_golden_rows
 
         rows = check_golden_rows(fn, ctx.out_dir / GOLDEN_FILE, served, golden)
-        run.say(f"[{target}] rows independent: {rows.independent} ({rows.reason})")
+        run.say(f"[{target}] {rows.line()}")
     finally:
         if served_model is not None:
             served_model.close()

@@ -30,6 +30,14 @@ class RowCheck:
     independent: bool | None
     reason: str
 
+    def line(self) -> str:
+        """One progress line: what was found, and what the agent will do with it."""
+        if self.independent is None:
+            return f"rows not checked: {self.reason}"
+        if self.independent:
+            return f"rows independent: {self.reason}"
+        return f"rows NOT independent: {self.reason}; agents will refuse to batch this model"
+
 
 def check_rows(fn: RunFn, inputs: Mapping[str, np.ndarray], served: Signature, golden: Golden) -> RowCheck:
     """Run ``inputs``' first two rows as one batch of 2 and each alone with ``fn``; compare."""

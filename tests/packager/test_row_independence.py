@@ -81,6 +81,7 @@ def test_check_rows_finds_a_model_that_mixes_rows_across_the_batch(tmp_path: Pat
     assert (
         "output 'y' of row 0 changes by up to" in check.reason and "when another row shares its batch" in check.reason
     )
+    assert check.line().endswith("; agents will refuse to batch this model")
 
 
 def test_check_rows_passes_a_per_row_model(tmp_path: Path) -> None:
