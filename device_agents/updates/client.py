@@ -6,9 +6,12 @@ topics and (with ``root_keys``) the fleet's keys topic, re-made on every connect
 broker re-sends the retained messages (one received just before a crash is not lost). It
 reconnects with full-jitter exponential backoff up to ``reconnect_max_s``. Every message is
 checked by ``trust.FleetTrust`` first (signature by a notice key, binding, clock skew, replay);
-a refused one is logged in one line and changes nothing. A dispatcher thread hands each model
-of the fresh desired states to a worker thread of its own, so that one slow download never
-holds up another model's update::
+a refused one is logged in one line and changes nothing. No packet over ``max_packet_kb`` is
+taken: the cap is asked of the broker at CONNECT, and one that arrives anyway ends the
+connection unread (``connection.new_client``). A keys document that revokes a bundle key stops
+the models it signed at once (``Lifecycle.apply_trust``), each reported ``rejected``. A dispatcher thread
+hands each model of the fresh desired states to a worker thread of its own, so that one slow
+download never holds up another model's update::
 
     notice -> policy.decide -> download (resumable, capped, deadline, minimum rate) -> check the
     bundle is the one announced -> lifecycle.install (verify, stage, child self-test, switch; one at
