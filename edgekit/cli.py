@@ -192,13 +192,14 @@ def _register_package(sub: Any) -> None:
         "--calib",
         metavar="DATA",
         help="calibration data: .npz (one array per input, samples on axis 0), .npy (one-input models), or a "
-        "folder / glob of images read with --preprocess; not needed when every target builds fp32/fp16",
+        "folder / glob of images read with --preprocess; not needed when every target builds fp32/fp16 (with no "
+        "data at all, inputs drawn within the model's shapes validate them)",
     )
     p.add_argument(
         "--eval",
         metavar="DATA",
         help="held-out data, same kinds as --calib; an .npz may hold a 'labels' array (default: every 5th calib "
-        "sample)",
+        "sample); 50 or more samples, else a warning (fewer than 10: refused unless --allow-small-eval)",
     )
     p.add_argument("--labels", type=Path, metavar="LABELS.npy", help="class index per evaluation sample")
     p.add_argument(
@@ -351,8 +352,15 @@ def _register_package(sub: Any) -> None:
         "--batch",
         metavar="MIN,OPT,MAX",
         help="jetson: the TensorRT optimization profile of the dynamic batch axis (1,4,8: from 1 to 8, tuned for 4), "
-        "recorded in the manifest; the device builds its engine with it (other axes: --option "
-        "jetson.profile_shapes=...)",
+        "recorded in the manifest; the device builds its engine with it (other axes: --profile-shape)",
+    )
+    p.add_argument(
+        "--profile-shape",
+        action="append",
+        default=[],
+        metavar="NAME=MIN:OPT:MAX",
+        help="jetson: a TensorRT optimization profile for any dynamic axes of input NAME, as trtexec's "
+        "--minShapes/--optShapes/--maxShapes (images=1x3x320x320:4x3x480x480:8x3x640x640); repeat per input",
     )
     p.add_argument(
         "--expires-days",
@@ -467,10 +475,12 @@ def _package_or_raise(args: argparse.Namespace) -> int:
         _require_accelerator(targets, args.option)
     if args.calib and not args.preprocess:
         _note_default_preprocess(args.model, args.calib)
-    if args.batch:
-        from edgekit.targets.shape_profile import batch_option
+    if args.batch or args.profile_shape:
+        from edgekit.targets.shape_profile import batch_option, profile_shapes_option
 
-        args.option = [*args.option, batch_option(args.batch, targets)]
+        batch = [batch_option(args.batch, targets)] if args.batch else []
+        ranged = [profile_shapes_option(args.profile_shape, targets)] if args.profile_shape else []
+        args.option = [*args.option, *batch, *ranged]
     _fill_first_try_defaults(args)
     if args.split:
         from edgekit.split.commands import check_package_split

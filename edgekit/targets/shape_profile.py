@@ -67,6 +67,20 @@ def batch_option(text: str, targets: Sequence[str]) -> str:
     return f"jetson.batch=[{values[0]},{values[1]},{values[2]}]"
 
 
+def profile_shapes_option(items: Sequence[str], targets: Sequence[str]) -> str:
+    """``--profile-shape NAME=MIN:OPT:MAX`` (repeated) as the ``--option`` it stands for."""
+    import json
+
+    if "jetson" not in targets:
+        raise ConfigError(
+            f"--profile-shape {items[0]}: ranges the jetson target's TensorRT optimization profile, and jetson is "
+            f"not being packaged (packaging: {', '.join(targets)})"
+        )
+    for item in items:
+        _parse_profile_shape(item, f"--profile-shape {item}")
+    return f"jetson.profile_shapes={json.dumps(list(items))}"
+
+
 def optimization_profile(
     served: Signature,
     static_shapes: Mapping[str, Sequence[int]],
@@ -93,7 +107,7 @@ def optimization_profile(
             r = ranges[s.name]
             ranges[s.name] = ShapeRange((lo, *r.min[1:]), (opt, *r.opt[1:]), (hi, *r.max[1:]))
     for item in profile_shapes:
-        name, r = _parse_profile_shape(item, where)
+        name, r = _parse_profile_shape(item, f"{where}.profile_shapes {item}")
         spec = specs.get(name)
         if spec is None:
             raise ConfigError(
@@ -181,7 +195,7 @@ def _batch_values(batch: Sequence[int], where: str) -> tuple[int, int, int]:
     return values[0], values[1], values[2]
 
 
-def _parse_profile_shape(item: str, where: str) -> tuple[str, ShapeRange]:
+def _parse_profile_shape(item: str, what: str) -> tuple[str, ShapeRange]:
     name, sep, rest = item.partition("=")
     parts = rest.split(":")
     try:
@@ -190,7 +204,7 @@ def _parse_profile_shape(item: str, where: str) -> tuple[str, ShapeRange]:
         shapes = []
     if not sep or not name or len(shapes) != 3 or len({len(s) for s in shapes}) != 1:
         raise ConfigError(
-            f"{where}.profile_shapes {item}: expected NAME=MIN:OPT:MAX such as "
+            f"{what}: expected NAME=MIN:OPT:MAX such as "
             "images=1x3x320x320:4x3x480x480:8x3x640x640"
         )
     return name.strip(), ShapeRange(shapes[0], shapes[1], shapes[2])

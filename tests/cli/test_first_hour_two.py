@@ -588,10 +588,9 @@ def test_cli_package_jetson_profile_ranges_height_and_width_where_the_model_has_
     from edgekit.bundle.archive import read_unverified_manifest
 
     model = tiny_classifier(tmp_path / "dyn.onnx", dynamic_size=True)
-    ranges = '["input=1x3x16x16:2x3x24x24:4x3x32x32"]'
     code, out, err = _cli(
         capsys, "package", model, "--key", ws["key"], "-o", tmp_path, "--calib", ws["calib"], "--target", "jetson",
-        "--precision", "fp32", "-q", "--option", f"jetson.profile_shapes={ranges}",
+        "--precision", "fp32", "-q", "--profile-shape", "input=1x3x16x16:2x3x24x24:4x3x32x32",
     )  # fmt: skip
     assert (code, err) == (0, "")
     assert out.splitlines()[3] == (
@@ -601,6 +600,12 @@ def test_cli_package_jetson_profile_ranges_height_and_width_where_the_model_has_
     source = tuple(manifest.signature.inputs[0].shape)
     assert source[1] == 3 and all(isinstance(d, str) for d in (source[0], source[2], source[3]))  # all three ranged
     assert engine_profile(manifest)["input"] == ((1, 3, 16, 16), (2, 3, 24, 24), (4, 3, 32, 32))
+    code, _, err = _cli(capsys, "package", model, "--target", "jetson", "--profile-shape", "input=1x3x16x16")
+    assert (code, err) == (
+        2,
+        "edgekit: error: --profile-shape input=1x3x16x16: expected NAME=MIN:OPT:MAX such as "
+        "images=1x3x320x320:4x3x480x480:8x3x640x640\n",
+    )
 
 
 def test_tensorrt_runtime_refuses_a_shape_outside_its_profile_and_splits_a_batch_above_it() -> None:
