@@ -289,10 +289,11 @@ class BatchingConfig:
     max_wait_ms: float = 2.0
     min_batch_size: int = 1
     preferred_batch_sizes: tuple[int, ...] = ()
-    # while the ``batch`` step of ``[budgets] degrade`` is on: the longest wait for companions
-    # (None: 4 x max_wait_ms: fuller batches, fewer calls, less energy per request) and the batch
-    # size cap (None: max_batch_size; less: smaller batches, lower peak power and memory)
+    # the longest wait for companions while the ``batch`` step of ``[budgets] degrade`` is on
+    # (None: 4 x max_wait_ms): fuller batches, fewer calls, less energy per request
     budget_max_wait_ms: float | None = None
+    # the batch size cap while the ``batch`` step is on (None: max_batch_size): smaller batches,
+    # lower peak power and memory
     budget_max_batch_size: int | None = None
 
     def __post_init__(self) -> None:
