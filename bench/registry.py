@@ -180,8 +180,9 @@ BENCHMARKS: tuple[Entry, ...] = (
     Entry(
         "split.plan",
         "bench.split:run",
-        "split planning on the digits example, the example detector and PP-OCRv4's detector at 1-1000 Mbit/s: "
-        "segment times planned vs re-measured, the planned cut's regret, best vs local/remote on a slower device",
+        "split planning on the digits example, the example detector, PP-OCRv4's detector and a network with an early "
+        "bottleneck at 1-1000 Mbit/s: segment times planned vs re-measured, the planned cut's regret, best vs "
+        "local/remote on a device slowed by a measured cgroup CPU quota, and why each model's shape allows 2x or not",
     ),
 )
 

@@ -40,6 +40,7 @@ from device_agents.config import AgentConfig, load_config
 from device_agents.cpus import usable_cores
 from device_agents.errors import StoreError
 from device_agents.platforms import systemd
+from device_agents.serving.tls import local_context_for, server_context
 from device_agents.store import Store, atomic_write, flock
 from device_agents.threads import NamedThread
 from edgekit.bundle.command_line import Parser, os_error_message, os_error_parts, reader_gone
@@ -89,7 +90,7 @@ def daemon_url(store: Path) -> str:
         try:
             info = json.loads((store / DAEMON_INFO).read_text())
             url = str(info["url"])
-            with urllib.request.urlopen(f"{url}/v2/health/live", timeout=2):
+            with urllib.request.urlopen(f"{url}/v2/health/live", timeout=2, context=local_context_for(url)):
                 return url
         except (OSError, ValueError, KeyError):
             if time.monotonic() >= deadline:
@@ -124,7 +125,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from device_agents.serving.http import AgentServer
 
     config = load_config(args.config)
-    config.check_exposure()  # off loopback only with a bearer token
+    config.check_exposure()  # off loopback only with a bearer token or mutual TLS
+    server_context(config.server)  # the TLS files load (ConfigError saying what to give) before any model does
+    if log.isEnabledFor(logging.DEBUG):  # -v: what the agent runs with, defaults included
+        from device_agents.effective_settings import effective_settings
+
+        log.debug("config %s; effective settings follow", args.config)
+        for line in effective_settings(config):
+            log.debug("setting %s", line)
     raise_nofile_limit(config.server.max_connections)
     log_usable_cpus()
     # wait while a one-shot `install` holds the lock; refuse at once when another daemon does
@@ -349,7 +357,7 @@ def _post_to_daemon(url: str, doc: dict[str, Any], what: str) -> dict[str, Any]:
     body = json.dumps(doc).encode()
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=3600) as resp:
+        with urllib.request.urlopen(req, timeout=3600, context=local_context_for(url)) as resp:
             answer: dict[str, Any] = json.loads(resp.read())
             return answer
     except urllib.error.HTTPError as exc:
@@ -464,7 +472,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     def scrape() -> Any:
         try:
-            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10, context=local_context_for(url)) as resp:
                 texts[:] = [resp.read().decode()]
                 return snapshot(text_string_to_metric_families(texts[0]))
         except (OSError, ValueError) as exc:

@@ -135,8 +135,9 @@ class UpdatesConfig:
     reconnect_max_s: float = 60.0
     # The largest MQTT packet taken from the broker: asked of it at CONNECT (MQTT 5 Maximum Packet
     # Size: a compliant broker drops a bigger message for this device), and one that arrives anyway
-    # ends the connection before its payload is read. Desired states and keys documents are a few KB.
-    max_packet_kb: int = 1024
+    # ends the connection before its payload is read. Desired states and keys documents are at most
+    # 64 KiB (updates.protocol.MAX_PAYLOAD_BYTES); packaging/mosquitto's broker caps packets at 128 KiB too.
+    max_packet_kb: int = 128
     health_window_s: float = DEFAULT_HEALTH_WINDOW_S  # a switched-to version must run this long to count as healthy
     crash_loop_boots: int = DEFAULT_CRASH_LOOP_BOOTS  # starts within the health window before a rollback
     # Fleet trust (device_agents.updates.trust): keys of the notice role (sign desired states) and of
@@ -180,6 +181,11 @@ class UpdatesConfig:
         ):
             if number <= 0:
                 raise ValueError(f"{label} must be > 0, got {number}")
+        if self.max_packet_kb < 66:
+            raise ValueError(
+                f"max_packet_kb must be >= 66, got {self.max_packet_kb}: a signed desired state may be 64 KiB, plus "
+                "its topic and packet headers"
+            )
         if self.download_min_bytes_per_s < 0 or self.clock_skew_s < 0:
             raise ValueError("download_min_bytes_per_s and clock_skew_s must be >= 0")
         if not self.notice_keys:
@@ -267,10 +273,6 @@ class SplitConfig:
             raise ValueError("client_cert_file and client_key_file go together")
 
 
-def _planned(path: str) -> str:
-    return f"{path} is planned, not in this agent version; remove it (or upgrade edgekit-agent)"
-
-
 @dataclass(frozen=True)
 class BatchingConfig:
     """``[models.<name>.batching]``: coalesce concurrent requests into one runtime call.
@@ -288,10 +290,25 @@ class BatchingConfig:
     max_wait_ms: float = 2.0
     min_batch_size: int = 1
     preferred_batch_sizes: tuple[int, ...] = ()
+    # the longest wait for companions while the ``batch`` step of ``[budgets] degrade`` is on
+    # (None: 4 x max_wait_ms): fuller batches, fewer calls, less energy per request
+    budget_max_wait_ms: float | None = None
+    # the batch size cap while the ``batch`` step is on (None: max_batch_size): smaller batches,
+    # lower peak power and memory
+    budget_max_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.budget_max_batch_size is not None and not 1 <= self.budget_max_batch_size <= self.max_batch_size:
+            raise ValueError(
+                f"budget_max_batch_size must be between 1 and max_batch_size ({self.max_batch_size}), "
+                f"got {self.budget_max_batch_size}"
+            )
+        if self.budget_max_wait_ms is not None and (
+            not 0 <= self.budget_max_wait_ms <= 10_000 or math.isnan(self.budget_max_wait_ms)
+        ):
+            raise ValueError(f"budget_max_wait_ms must be between 0 and 10000, got {self.budget_max_wait_ms}")
         if not (0 <= self.max_wait_ms <= 10_000) or math.isnan(self.max_wait_ms):
             raise ValueError(f"max_wait_ms must be between 0 and 10000, got {self.max_wait_ms}")
         if not 1 <= self.min_batch_size <= self.max_batch_size:
@@ -304,6 +321,20 @@ class BatchingConfig:
             raise ValueError(
                 f"preferred_batch_sizes: {bad[0]} is not between 1 and max_batch_size ({self.max_batch_size})"
             )
+
+    def degraded(self) -> BatchingConfig:
+        """These settings while the ``batch`` step of ``[budgets] degrade`` is on."""
+        size = self.max_batch_size if self.budget_max_batch_size is None else self.budget_max_batch_size
+        wait = min(10_000.0, 4 * self.max_wait_ms) if self.budget_max_wait_ms is None else self.budget_max_wait_ms
+        return dataclasses.replace(
+            self,
+            max_batch_size=size,
+            max_wait_ms=wait,
+            min_batch_size=min(self.min_batch_size, size),
+            preferred_batch_sizes=tuple(b for b in self.preferred_batch_sizes if b <= size),
+            budget_max_wait_ms=None,
+            budget_max_batch_size=None,
+        )
 
 
 CACHE_MODES = ("exact", "approximate", "semantic")
@@ -454,8 +485,8 @@ class ModelConfig:
                 raise ValueError("variants and route are two kinds of endpoint: set one of them")
 
     def check(self, name: str, manifest: Manifest) -> None:
-        """``ConfigError`` when this table cannot serve ``manifest`` (batching a static batch axis or a
-        stateful model; caching a stateful model)."""
+        """``ConfigError`` when this table cannot serve ``manifest`` (batching a static batch axis, a
+        stateful model or one whose rows are not independent; caching a stateful model)."""
         if self.cache is not None and self.cache.enabled and manifest.stateful:
             raise ConfigError(
                 f"agent.models.{name}.cache: model {manifest.name} v{manifest.version} is stateful (its answer "
@@ -470,20 +501,46 @@ class ModelConfig:
                 f"state between calls), so requests of different clients must not share a batch; remove "
                 f"[models.{name}.batching]"
             )
+        if manifest.rows_independent is False:
+            raise ConfigError(
+                f"agent.models.{name}.batching: model {manifest.name} v{manifest.version} mixes rows (its packager "
+                f"found a row's outputs change when another row shares its batch: rows_independent is false), so "
+                f"requests of different clients must not share a batch; remove [models.{name}.batching]"
+            )
         for spec in manifest.signature.inputs:
             if not spec.shape or isinstance(spec.shape[0], int):
                 raise ConfigError(
                     f"agent.models.{name}.batching: model {manifest.name} v{manifest.version} has a static batch "
                     f"(input {spec.name!r} shape {spec.v2_shape}); dynamic batching needs axis 0 dynamic (-1). "
-                    f"Remove [models.{name}.batching] or package the model with a dynamic batch axis"
+                    f"{_static_batch_cause(manifest)}; or remove [models.{name}.batching]"
                 )
+
+
+def _static_batch_cause(manifest: Manifest) -> str:
+    """Why a bundle's batch axis is static, by its target, and how to get one that batches."""
+    if manifest.target == "jetson":
+        return (
+            "This jetson bundle pins its TensorRT engine to one shape (no optimization profile): package it again "
+            "with --batch MIN,OPT,MAX (e.g. 1,4,8) to record a profile the engine is built with"
+        )
+    if manifest.target in ("coral", "apple"):
+        runtime = "LiteRT and the Edge TPU take" if manifest.target == "coral" else "this Core ML model takes"
+        return (
+            f"The {manifest.target} target builds static shapes ({runtime} one input shape): its batch axis was "
+            "frozen when it was packaged; batch on the client, or package the cpu target for batched serving"
+        )
+    return (
+        "The packaged model's own batch axis is fixed: export it with a dynamic batch axis (edgekit export without "
+        "--static-batch, or torch.onnx.export dynamic_axes) and package it again"
+    )
 
 
 BUDGET_WHEN_FULL = ("refuse", "unload_idle")
 BUDGET_RELOAD = ("on_request", "retry_after")
 BUDGET_DEGRADE = ("drop", "shed")  # the default steps, in order
-BUDGET_DEGRADE_STEPS = ("variant", "drop", "shed")  # "variant": a variant set answers with its last variant
-_BUDGET_DEGRADE_PLANNED = ("batch",)
+# "variant": a variant set answers with its last variant; "batch": batched models take their
+# budget_max_wait_ms / budget_max_batch_size
+BUDGET_DEGRADE_STEPS = ("variant", "batch", "drop", "shed")
 
 
 @dataclass(frozen=True)
@@ -498,7 +555,9 @@ class BudgetsConfig:
 
     ``power_w`` (average watts over ``power_window_s``) or ``energy_j`` (joules per window) is the
     power budget; over it, the agent degrades through ``degrade`` in order (``variant``: a variant
-    set answers with its last variant; ``drop``: refuse requests whose parameters say
+    set answers with its last variant; ``batch``: batched models wait longer for fuller batches, or
+    take smaller ones, as their ``budget_max_wait_ms`` / ``budget_max_batch_size`` say (models
+    without ``[models.<name>.batching]`` are not changed by it); ``drop``: refuse requests whose parameters say
     ``droppable``; ``shed``: refuse every request with 503 + Retry-After), and it backs off the
     same way ``thermal_margin_c`` before a thermal zone's trip point (or ``thermal_c``). Energy is
     read from the board's sensors; where there is none, ``device_power_w`` models it (busy time x
@@ -547,8 +606,6 @@ class BudgetsConfig:
         if not self.degrade:
             raise ValueError(f"degrade is empty: list the steps, in order, from {', '.join(BUDGET_DEGRADE_STEPS)}")
         for step in self.degrade:
-            if step in _BUDGET_DEGRADE_PLANNED:
-                raise ValueError(_planned(f"degrade step {step!r}"))
             if step not in BUDGET_DEGRADE_STEPS or self.degrade.count(step) > 1:
                 raise ValueError(f"degrade: {step!r} must be one of {', '.join(BUDGET_DEGRADE_STEPS)}, each once")
 
@@ -597,12 +654,26 @@ class ServerConfig:
     # send; required when listen is not a loopback address
     auth_token_file: Path | None = None
     metrics_loopback_only: bool = False  # /metrics and the stats routes answer loopback clients only
+    # HTTPS: this certificate chain and its key (PEM); with client_ca_file, mutual TLS: clients not
+    # on loopback must present a certificate that CA signed (the other way off loopback, besides the token)
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    client_ca_file: Path | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             number = getattr(self, f.name)
             if isinstance(number, int | float) and not isinstance(number, bool) and number <= 0:
                 raise ValueError(f"{f.name} must be > 0, got {number}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both (PEM) or neither")
+        if self.client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("client_ca_file needs tls_cert_file and tls_key_file: client certificates come with TLS")
+
+    @property
+    def mutual_tls(self) -> bool:
+        """Clients not on loopback may prove who they are with a certificate (``client_ca_file``)."""
+        return self.client_ca_file is not None
 
     @property
     def max_request_bytes(self) -> int:
@@ -667,12 +738,14 @@ class AgentConfig:
         return parse_listen(self.listen)[0]
 
     def check_exposure(self) -> None:
-        """``ConfigError`` (one line saying how) when ``listen`` is off loopback without a bearer token:
-        the agent daemon does not serve the network unauthenticated."""
-        if self.server.auth_token_file is None and not _is_loopback_host(self.listen_host):
+        """``ConfigError`` (one line saying how) when ``listen`` is off loopback without a bearer token
+        or mutual TLS: the agent daemon does not serve the network unauthenticated."""
+        exposed = not _is_loopback_host(self.listen_host)
+        if exposed and self.server.auth_token_file is None and not self.server.mutual_tls:
             raise ConfigError(
                 f"listen {self.listen!r} is not loopback: set [server] auth_token_file (a file holding the token "
-                "clients send as Authorization: Bearer ...) or listen on 127.0.0.1"
+                "clients send as Authorization: Bearer ...), or tls_cert_file, tls_key_file and client_ca_file "
+                "(mutual TLS: clients present a certificate that CA signed), or listen on 127.0.0.1"
             )
 
     @property

@@ -127,12 +127,25 @@ class Cgroup:
 
 
 def _remove_stale(base: Path) -> None:
-    """Remove empty ``edgekit-selftest-*`` cgroups an agent killed before cleaning up left behind
-    (rmdir refuses one that still holds a process: another agent's running self-test)."""
+    """Remove the empty ``edgekit-selftest-<pid>-*`` cgroups of agents no longer running (killed
+    before they cleaned up); a running agent's are left alone, even empty (one just made, its
+    child not in it yet), and rmdir refuses one that still holds a process."""
     with contextlib.suppress(OSError):
         for old in base.glob(f"{CGROUP_PREFIX}*"):
-            with contextlib.suppress(OSError):
-                old.rmdir()
+            owner = old.name.removeprefix(CGROUP_PREFIX).split("-", 1)[0]
+            if owner.isdigit() and not _running(int(owner)):
+                with contextlib.suppress(OSError):
+                    old.rmdir()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 def become_subreaper() -> bool:

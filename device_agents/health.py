@@ -195,6 +195,11 @@ class HealthWindows:
                     self.healthy(name)
                 except EdgekitError as exc:
                     log.error("%s: cannot record v%d as healthy: %s", name, version, exc)
+                except OSError as exc:  # no descriptor left (EMFILE), an I/O error: the window stays open
+                    log.warning("%s: cannot record v%d as healthy yet (%s); trying again", name, version, exc)
+                    if self._stop.wait(self.poll_s):
+                        break
+                    continue
                 self._end(window, Verdict(name, version, "healthy"))
                 return
         self._end(window, Verdict(name, version, "stopped"))

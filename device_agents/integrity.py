@@ -12,6 +12,7 @@ version by itself). The lifecycle runs it at start and every ``verify_interval_s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -58,13 +59,19 @@ def rebuild_state(store: Store, trust: TrustStore) -> tuple[State, list[str]]:
     newest previous. Returns the state and one line per slot on what was done with it.
 
     What the lost file knew and the disk does not is noted in each model's ``error``: the
-    anti-rollback counter restarts at the active version, and its health is taken as confirmed
-    (it is the newest version that was verified, so the crash-loop guard has nothing to go back to
-    that is known better)."""
+    anti-rollback counter restarts at the highest version a trusted key signed for the model on
+    disk (a slot whose files changed still has its signed manifest: an older version is not let
+    back in by the loss), and the active version's health is taken as confirmed (it is the newest
+    that verifies, so the crash-loop guard has nothing known better to go back to)."""
     found: dict[str, list[Slot]] = {}
+    signed: dict[str, int] = {}  # model -> highest version with a valid signature, files or not
     notes = []
     for slot in store.slot_dirs():
         name = Path(slot.path).parent.name
+        with contextlib.suppress(BundleError, ManifestError, OSError):
+            store.verify_slot_signature(slot, trust)
+            if store.manifest_of(slot).name == name:
+                signed[name] = max(signed.get(name, 0), slot.version)
         check = check_slot(store, slot, trust)
         if not check.ok:
             notes.append(f"{slot.path}: left out, it does not verify ({check.why})")
@@ -79,13 +86,14 @@ def rebuild_state(store: Store, trust: TrustStore) -> tuple[State, list[str]]:
         newest = sorted(slots, key=lambda s: s.version, reverse=True)
         active = newest[0]
         previous = next((s for s in newest[1:] if s.version < active.version), None)
+        counter = max(active.version, signed.get(name, 0))
         why = (
             f"state rebuilt from the verified slots on disk: v{active.version} active"
             + (f", v{previous.version} previous" if previous else "")
-            + "; the anti-rollback counter restarts at the active version"
+            + f"; the anti-rollback counter restarts at v{counter}, the highest version signed for it on disk"
         )
         models[name] = ModelState(
-            max_version=active.version, active=active, previous=previous, status="rebuilt", error=why,
+            max_version=counter, active=active, previous=previous, status="rebuilt", error=why,
             updated=utc_now(), active_healthy=True,
         )  # fmt: skip
         notes.append(f"{name}: {why}")

@@ -54,6 +54,7 @@ from device_agents.metrics import AgentMetrics
 from device_agents.platforms.compatibility import check_compatible
 from device_agents.registry import Loaded, Registry
 from device_agents.runtimes import ServedModel, load_model
+from device_agents.runtimes.runs_on import runs_on
 from device_agents.selftest import REPORT_NAME, SelfTestReport, latency_verdict, run_selftest
 from device_agents.store import ModelState, Slot, StateUnreadableError, Store, atomic_write
 from device_agents.threads import NamedThread
@@ -328,13 +329,13 @@ class Lifecycle:
         log.error("%s: %s", name, why)
         self._record(name, lambda s: replace(s, status="failed", error=why), lock=True)
 
-    def apply_trust(self, trust: TrustStore) -> list[str]:
+    def apply_trust(self, trust: TrustStore) -> list[tuple[str, str]]:
         """Take ``trust`` (a keys document was accepted: keys added, narrowed or revoked) and stop
         serving, at once, every installed model whose served slot it no longer accepts (the
         signature is checked, not the files: that is quick). Its requests are refused meanwhile,
         saying why; then, off the caller's thread, each such model is rolled back to its previous
-        slot where that one verifies with ``trust``, else recorded as failed. Returns one line per
-        model stopped."""
+        slot where that one verifies with ``trust``, else recorded as failed. Returns (model, why)
+        for each model stopped."""
         self.trust = trust
         stopped: list[tuple[str, Slot, str, Loaded | None, bool]] = []
         for name, ms in sorted(self.store.load_state().models.items()):
@@ -357,26 +358,28 @@ class Lifecycle:
             stopped.append((name, slot, why, dropped, not unloaded))
         if stopped:
             NamedThread(target=self._after_revocation, args=(stopped,), name="edgekit-revoked", daemon=True).start()
-        return [f"{name}: {why}" for name, _, why, _, _ in stopped]
+        return [(name, why) for name, _, why, _, _ in stopped]
 
     def _after_revocation(self, stopped: list[tuple[str, Slot, str, Loaded | None, bool]]) -> None:
-        """``apply_trust``'s second half: close what it dropped, roll back where a previous slot
-        verifies, record the rest as failed."""
+        """``apply_trust``'s second half: roll back where a previous slot verifies, record the rest
+        as failed, then close what it dropped (once its running calls end)."""
         for name, slot, why, dropped, may_roll_back in stopped:
-            if dropped is not None:
-                self.registry.retire(dropped)
             prev = self.store.model_state(name).previous
+            rolled = False
             if may_roll_back and prev is not None and prev != slot and check_slot(self.store, prev, self.trust).ok:
                 try:
                     self.rollback(name, f"{why}; rolled back to v{prev.version}", only_if_active=slot)
-                    continue
+                    rolled = True
                 except Exception as exc:  # a runtime may raise anything; the model stays unserved
                     why = f"{why}; rollback to v{prev.version} failed ({exc})"
-            self.registry.end_probation(name)
-            self.metrics.model_version.labels(name).set(0)
-            failed = f"{why}; no longer served: install a version signed by a trusted key"
-            log.error("%s: %s", name, failed)
-            self._record(name, lambda s, why=failed: replace(s, status="failed", error=why), lock=True)  # type: ignore[misc]  # bound now (B023)
+            if not rolled:
+                self.registry.end_probation(name)
+                self.metrics.model_version.labels(name).set(0)
+                failed = f"{why}; no longer served: install a version signed by a trusted key"
+                log.error("%s: %s", name, failed)
+                self._record(name, lambda s, why=failed: replace(s, status="failed", error=why), lock=True)  # type: ignore[misc]  # bound now (B023)
+            if dropped is not None:
+                self.registry.retire(dropped)
 
     def _record(self, name: str, fn: Callable[[ModelState], ModelState], *, lock: bool = False) -> None:
         """A bookkeeping write to the store: logged when it fails, and serving goes on."""
@@ -695,9 +698,9 @@ class Lifecycle:
                 options = options_for_load(options, self.budgets.memory.room(m), m.name)
             return load_model(self.store.model_dir(slot), m, options)
 
-        if self.budgets.memory is None:
-            return load()
-        return self.budgets.memory.load(m, load, on_demand=on_demand)
+        model = load() if self.budgets.memory is None else self.budgets.memory.load(m, load, on_demand=on_demand)
+        log.info("%s: v%d runs on %s", m.name, m.version, runs_on(model.runner.describe()))
+        return model
 
     # -- reporting ----------------------------------------------------------------------
     def selftest_report(self, name: str, which: str = "active") -> SelfTestReport | None:

@@ -9,22 +9,23 @@ parser; ``edgekit.fleet.commands.register`` adds ``publish`` and ``fleet``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
 import tempfile
+import warnings
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from edgekit import __version__
 from edgekit import package_defaults as defaults
-from edgekit.bundle.codec import to_data
 from edgekit.bundle.command_line import Parser, os_error_message, reader_gone
-from edgekit.errors import ConfigError, EdgekitError, InferenceInputError
+from edgekit.errors import ConfigError, EdgekitError, EdgekitWarning, InferenceInputError
 
 PROG = "edgekit"
 EXIT_CODES = """exit codes:
@@ -40,9 +41,28 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        return _main(argv)
+        with warnings_to_stderr():
+            return _main(argv)
     except BrokenPipeError:  # `edgekit inspect X | head`: the reader has what it wanted
         return reader_gone()
+
+
+@contextlib.contextmanager
+def warnings_to_stderr() -> Iterator[None]:
+    """``EdgekitWarning``s as ``warning: TEXT`` lines on stderr, each time one is raised; other
+    warnings as Python shows them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", EdgekitWarning)
+        python_shows = warnings.showwarning
+
+        def show(message: Any, category: type[Warning], *rest: Any, **kw: Any) -> None:
+            if issubclass(category, EdgekitWarning):
+                print(f"warning: {message}", file=sys.stderr)
+            else:
+                python_shows(message, category, *rest, **kw)
+
+        warnings.showwarning = show
+        yield
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -173,13 +193,14 @@ def _register_package(sub: Any) -> None:
         "--calib",
         metavar="DATA",
         help="calibration data: .npz (one array per input, samples on axis 0), .npy (one-input models), or a "
-        "folder / glob of images read with --preprocess; not needed when every target builds fp32/fp16",
+        "folder / glob of images read with --preprocess; not needed when every target builds fp32/fp16 (with no "
+        "data at all, inputs drawn within the model's shapes validate them)",
     )
     p.add_argument(
         "--eval",
         metavar="DATA",
         help="held-out data, same kinds as --calib; an .npz may hold a 'labels' array (default: every 5th calib "
-        "sample)",
+        "sample); 50 or more samples, else a warning (fewer than 10: refused unless --allow-small-eval)",
     )
     p.add_argument("--labels", type=Path, metavar="LABELS.npy", help="class index per evaluation sample")
     p.add_argument(
@@ -319,11 +340,30 @@ def _register_package(sub: Any) -> None:
         "(coral without the Edge TPU compiler)",
     )
     p.add_argument(
+        "--allow-small-eval",
+        action="store_true",
+        help="let the validation gate be decided on fewer than 10 held-out samples (fewer than 50 is a warning)",
+    )
+    p.add_argument(
         "--allow-failed",
         action="store_true",
         help="also write bundles that fail validation (marked failed in the manifest; exit code 3 all the same)",
     )
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME=1x3x224x224")
+    p.add_argument(
+        "--batch",
+        metavar="MIN,OPT,MAX",
+        help="jetson: the TensorRT optimization profile of the dynamic batch axis (1,4,8: from 1 to 8, tuned for 4), "
+        "recorded in the manifest; the device builds its engine with it (other axes: --profile-shape)",
+    )
+    p.add_argument(
+        "--profile-shape",
+        action="append",
+        default=[],
+        metavar="NAME=MIN:OPT:MAX",
+        help="jetson: a TensorRT optimization profile for any dynamic axes of input NAME, as trtexec's "
+        "--minShapes/--optShapes/--maxShapes (images=1x3x320x320:4x3x480x480:8x3x640x640); repeat per input",
+    )
     p.add_argument(
         "--expires-days",
         type=float,
@@ -438,6 +478,12 @@ def _package_or_raise(args: argparse.Namespace) -> int:
         _require_accelerator(targets, args.option)
     if args.calib and not args.preprocess:
         _note_default_preprocess(args.model, args.calib)
+    if args.batch or args.profile_shape:
+        from edgekit.targets.shape_profile import batch_option, profile_shapes_option
+
+        batch = [batch_option(args.batch, targets)] if args.batch else []
+        ranged = [profile_shapes_option(args.profile_shape, targets)] if args.profile_shape else []
+        args.option = [*args.option, *batch, *ranged]
     _fill_first_try_defaults(args)
     if args.split:
         from edgekit.split.commands import check_package_split
@@ -484,6 +530,7 @@ def _package_or_raise(args: argparse.Namespace) -> int:
             train_labels=args.train_labels,
             cache=args.cache,
             false_hit_budget=args.false_hit_budget,
+            allow_small_eval=args.allow_small_eval,
         )
         result: PackageResult = package(request)
     except PackageValidationError as exc:
@@ -649,13 +696,9 @@ def describe_manifest(m: Any, signed_by: str) -> list[str]:
 
 
 def _step(step: Any) -> str:
-    def value(k: str, v: Any) -> str:
-        if isinstance(v, list):
-            return ("x" if k == "size" else "/").join(f"{x:g}" if isinstance(x, float) else str(x) for x in v)
-        return f"{v:g}" if isinstance(v, float) else str(v)
+    from edgekit.validate.preprocess import describe_steps
 
-    shown = {k: v for k, v in to_data(step).items() if k not in ("op", "tensor") and v not in ([], None)}
-    return " ".join([step.op, *(f"{k}={value(k, v)}" for k, v in shown.items())])
+    return describe_steps((step,))
 
 
 def _spec(s: Any) -> str:

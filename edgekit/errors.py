@@ -12,6 +12,7 @@ __all__ = [
     *_shared,
     "AcceleratorMissingError",
     "CalibrationDataError",
+    "EdgekitWarning",
     "ModelFormatError",
     "UnsupportedOpError",
     "ValidationFailedError",
@@ -46,3 +47,8 @@ class UnsupportedOpError(EdgekitError):
     """A target cannot take an op of the model."""
 
     exit_code = 2
+
+
+class EdgekitWarning(UserWarning):
+    """Something the user should know that does not stop the work (a gate on few samples, drawn
+    inputs); the CLI prints it as ``warning: ...`` on stderr."""

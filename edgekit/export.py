@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import sys
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,8 +127,10 @@ def export_onnx(
     output_names: str | None = None,
     dynamic_batch: bool = True,
     opset: int = DEFAULT_OPSET,
+    examples: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
-    """Export ``module`` on zero inputs of ``shapes`` to ``out`` and check it with ONNX Runtime."""
+    """Export ``module`` on seeded random float32 inputs of ``shapes`` (or on ``examples``, arrays of
+    any dtype) to ``out`` and check it with ONNX Runtime on the same inputs."""
     try:
         import torch
     except ImportError as exc:
@@ -139,7 +142,9 @@ def export_onnx(
         raise ConfigError(f"the factory returned a {type(module).__name__}, not a torch.nn.Module")
     module.eval()
     rng = np.random.default_rng(0)
-    examples = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    if examples is None:
+        examples = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    examples = [np.ascontiguousarray(x) for x in examples]
     with torch.no_grad():
         expected = module(*(torch.from_numpy(x) for x in examples))
     expected_list = [expected] if isinstance(expected, torch.Tensor) else list(expected)
@@ -168,3 +173,36 @@ def export_onnx(
         for t in group
     ]
     return {"tensors": tensors, "max_abs_error": error}
+
+
+def export_for_package(module: Any, example_inputs: Any, out_dir: Path, name: str | None) -> tuple[Path, str]:
+    """``edgekit.package(model=torch_module, example_inputs=...)``: export the module to
+    ``OUT_DIR/NAME.onnx`` (replaced on each call; NAME defaults to the module's class name,
+    lower-cased) with a dynamic batch axis, checked like ``edgekit export``. ``example_inputs``:
+    a tensor or array, a sequence of them (inputs ``input0``, ``input1``, ...), or a mapping
+    input name -> tensor. Returns (the ONNX path, the bundle name)."""
+    if example_inputs is None:
+        raise ConfigError(
+            f"model is a {type(module).__name__}, not an ONNX file: give example_inputs (a tensor, a tuple of "
+            "tensors or a mapping input name -> tensor) to export it with"
+        )
+    if isinstance(example_inputs, Mapping):
+        names, values = [str(k) for k in example_inputs], list(example_inputs.values())
+    else:
+        values = list(example_inputs) if isinstance(example_inputs, (list, tuple)) else [example_inputs]
+        names = _names(None, "input", len(values), "example_inputs")
+    arrays = [_as_array(v) for v in values]
+    name = name or type(module).__name__.lower()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"{name}.onnx"
+    export_onnx(module, [a.shape for a in arrays], out, input_names=names, examples=arrays)
+    return out, name
+
+
+def _as_array(value: Any) -> Any:
+    import numpy as np
+
+    if hasattr(value, "detach"):  # a torch tensor
+        return value.detach().cpu().numpy()
+    return np.asarray(value)

@@ -13,7 +13,7 @@ the source model, the calibration data and other targets' sessions in memory.
 from __future__ import annotations
 
 import json
-import resource
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,19 +23,43 @@ from edgekit.bundle.manifest import Manifest
 _TIMEOUT_S = 300.0
 
 
+def _reset_peak() -> bool:
+    """Reset this process's resident high-water mark (``VmHWM``; Linux 4.0+); whether it was."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return _peak_bytes() is not None
+
+
+def _peak_bytes() -> int | None:
+    """``VmHWM`` of ``/proc/self/status``: the most this process held resident since the reset."""
+    try:
+        m = re.search(r"^VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        return None
+    return int(m.group(1)) * 1024 if m else None
+
+
 def measure(model_dir: Path, manifest: Manifest) -> dict[str, float]:
     """In this process: load ``manifest``'s model from ``model_dir``, run it once on zeros, and
-    return the RSS increase and the peak (ru_maxrss) above what it was before the load."""
-    from device_agents.budgets.memory import current_rss_bytes, first_inference, return_freed_memory
+    return the RSS increase and the peak over them above what it was before the load.
+
+    The peak is the high-water mark reset just before the load where Linux allows it, else RSS
+    polled every 2 ms. Not ``ru_maxrss``: it outlives ``exec``, so a child started by a
+    packager holding hundreds of MB reported that as the peak of a model of a few MB."""
+    from device_agents.budgets.memory import PeakRss, current_rss_bytes, first_inference, return_freed_memory
     from device_agents.runtimes import load_model, runner_class
 
     runner_class(manifest.compatibility.runtime)  # the SDK's import is the process's, not the model's
     return_freed_memory()
+    reset = _reset_peak()
     before = current_rss_bytes()
-    model = load_model(model_dir, manifest)
-    first_inference(model)
+    with PeakRss(current_rss_bytes) as polled:
+        model = load_model(model_dir, manifest)
+        first_inference(model)
     after = current_rss_bytes()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+    peak = max(polled.bytes, (_peak_bytes() or 0) if reset else 0)
     model.close()
     mb = 1024 * 1024
     return {

@@ -25,7 +25,7 @@ from device_agents.budgets.nvpmodel import NvpModel, PowerMode, PowerModeError
 from device_agents.budgets.power import Degradation, EnergyBucket, thermal_pressure
 from device_agents.budgets.power_supply import PowerSupplyReader
 from device_agents.budgets.thermal import ThermalReader, ThermalReading
-from device_agents.config import BudgetsConfig
+from device_agents.config import AgentConfig, BudgetsConfig
 
 log = logging.getLogger("edgekit.agent")
 
@@ -283,6 +283,16 @@ _live: dict[Path, Budgets] = {}
 def budgets_for(store: Path) -> Budgets | None:
     """The budgets of the agent serving ``store`` in this process, if one was built."""
     return _live.get(Path(store))
+
+
+def batch_step(config: AgentConfig) -> Callable[[], bool] | None:
+    """Whether the ``batch`` step of ``[budgets] degrade`` is on now, as a function a batcher calls
+    once per batch; None where the step is not configured (or no agent owns this store's budgets)."""
+    budgets = budgets_for(config.store)
+    at = budgets.step("batch") if budgets is not None else 0
+    if budgets is None or not at:
+        return None
+    return lambda: budgets.level >= at
 
 
 class _BudgetCollector(Collector):

@@ -8,11 +8,13 @@ repeat. TinyLFU (Einziger et al., "TinyLFU: A Highly Efficient Cache Admission P
 puts a *doorkeeper* in front of its frequency sketch for this: an item seen once is remembered by
 its hash only, and admitted at its second sighting. Ours is that doorkeeper alone:
 
-- ``Doorkeeper``: a direct-mapped table of 64-bit fingerprints (the first 8 bytes of the key's
-  xxh3-128 index), ``slots`` of them (64 K: 512 KB). A probe is one index and one compare; a
+- ``Doorkeeper``: a direct-mapped table of 64-bit fingerprints (the key's sketch: the xxh3-64 of
+  its header and a sample of its bytes, ``device_agents.cache.key``, so a first sighting costs no
+  hash of the whole input), ``slots`` of them (64 K: 512 KB). A probe is one index and one compare; a
   fingerprint that lands on an occupied slot replaces it, so the table remembers the latest
-  sightings (a key seen again after many others may need a third sighting) and never says "seen"
-  of a key it was not shown (64 bits compared, not a Bloom filter's few).
+  sightings (a key seen again after many others may need a third sighting) and says "seen" of a
+  key it was not shown only when their sketches are equal (64 bits compared, not a Bloom filter's
+  few): that key is then stored at its first sighting, which costs a copy, never a wrong answer.
 - Admission gates only what would evict: while the memory tier has room for an entry, it is
   taken at its first sighting (a fresh agent caches the first answer, so the first repeat hits).
 
@@ -40,10 +42,10 @@ class Doorkeeper:
         self._table = array("Q", bytes(8 * slots))
         self._mask = slots - 1
 
-    def seen_before(self, digest: bytes) -> bool:
-        """True if ``digest`` (a key's index) was shown since its slot last changed hands; it is
-        remembered either way."""
-        fingerprint = int.from_bytes(digest[:8], "little") | 1  # never 0, an empty slot's value
+    def seen_before(self, fingerprint: int) -> bool:
+        """True if ``fingerprint`` (a key's 64-bit sketch) was shown since its slot last changed
+        hands; it is remembered either way."""
+        fingerprint |= 1  # never 0, an empty slot's value
         slot = (fingerprint >> 1) & self._mask
         if self._table[slot] == fingerprint:
             return True

@@ -1,7 +1,8 @@
 """The result cache's two tiers: a hot in-memory LRU (bounded by bytes) in front of a durable
 SQLite file (``<store>/cache/results.db``, WAL, ``synchronous=NORMAL``).
 
-    get(key)  memory tier, else the file; the stored key is compared byte for byte (``CacheKey.matches``)
+    get(key)  memory tier, else the file; the stored key is compared byte for byte (``CacheKey.matches``);
+              a key whose sketch (``CacheKey.sketch``) no entry has is a miss without hashing the whole key
     put(...)  into memory now; into the file by one writer thread, several entries per transaction
               (``disk_on_hit``: into the file once it is hit, so an answer that never repeats, and
               the input bytes its key holds, never costs a disk write)
@@ -59,20 +60,26 @@ _SCHEMA = (
     " digest BLOB NOT NULL UNIQUE, model TEXT NOT NULL, version INTEGER NOT NULL,"
     " key BLOB NOT NULL, value BLOB NOT NULL, size_bytes INTEGER NOT NULL,"
     " created_s REAL NOT NULL, expires_s REAL NOT NULL, cost_s REAL NOT NULL,"
-    " context BLOB, signature BLOB)",
+    " context BLOB, signature BLOB, sketch INTEGER)",
     "CREATE INDEX IF NOT EXISTS entries_created ON entries(created_s)",
     "CREATE INDEX IF NOT EXISTS entries_model ON entries(model, created_s)",
 )
 # user_version -> the statements that bring such a file to the next version
 _MIGRATIONS = {
     # 2: the approximate and semantic modes' signatures, so their hits survive a restart
-    1: ("ALTER TABLE entries ADD COLUMN context BLOB", "ALTER TABLE entries ADD COLUMN signature BLOB"),
+    # (and each key's sketch: entries without one, as format 1 wrote them, are looked up by full hash)
+    1: (
+        "ALTER TABLE entries ADD COLUMN context BLOB",
+        "ALTER TABLE entries ADD COLUMN signature BLOB",
+        "ALTER TABLE entries ADD COLUMN sketch INTEGER",
+    ),
 }
 # SQLite primary result codes (the low byte of ``sqlite_errorcode``)
 _SQLITE_IOERR, _SQLITE_CORRUPT, _SQLITE_FULL, _SQLITE_NOTADB = 10, 11, 13, 26
 _LOW_SPACE_BYTES = 1 << 20  # an I/O error with less free than this is a full disk
 _EXPIRED_SWEEP_S = 60.0  # expired entries are deleted from the file at most this often
 _SPARE_SIZES, _SPARES_PER_SIZE = 4, 2  # evicted key buffers kept for reuse
+_SKETCH_SLACK = 4096  # sketches of entries gone, at most twice those held plus this, before a rebuild
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +96,7 @@ class Hit:
 class _Entry:
     __slots__ = (
         "context", "cost_s", "created_s", "expires_s", "key", "model", "on_disk", "outputs", "signature", "size",
-        "version",
+        "sketch", "version",
     )  # fmt: skip
 
     def __init__(
@@ -102,22 +109,23 @@ class _Entry:
         self.created_s = 0.0
         self.context: bytes | None = None  # approximate/semantic: the signature's context (the key's header)
         self.signature: bytes | None = None  # and the signature (float32 bytes)
+        self.sketch: int | None = None  # CacheKey.sketch (None: an entry format 1 wrote)
 
 
 class _Write:
     __slots__ = (
         "context", "cost_s", "created_s", "digest", "done", "expires_s", "key", "model", "ok", "signature", "size",
-        "value", "version",
+        "sketch", "value", "version",
     )  # fmt: skip
 
     def __init__(
         self, digest: bytes, model: str, version: int, key: bytes | bytearray, value: bytes, created_s: float,
         expires_s: float, cost_s: float, done: threading.Event | None, context: bytes | None = None,
-        signature: bytes | None = None,
+        signature: bytes | None = None, sketch: int | None = None,
     ) -> None:  # fmt: skip
         self.digest, self.model, self.version, self.key, self.value = digest, model, version, key, value
         self.created_s, self.expires_s, self.cost_s, self.done = created_s, expires_s, cost_s, done
-        self.context, self.signature = context, signature
+        self.context, self.signature, self.sketch = context, signature, sketch
         self.ok = False
         self.size = len(key) + len(value)
 
@@ -169,6 +177,14 @@ class ResultCache:
         self._writer: sqlite3.Connection | None = None
         self._disk_bytes: dict[str, int] = {}
         self._disk_entries = 0
+        # 64-bit fingerprints of the digests in the file: a miss in memory reads the file only when
+        # its digest may be there (an all-miss stream then never waits on SQLite). A fingerprint is
+        # added before its write commits and dropped after its delete did: in doubt, a read too many.
+        self._filed: set[int] = set()
+        # the sketches of every entry in memory, in the file or queued for it (and, until the next
+        # rebuild, of some that are gone: in doubt, a full hash too many); None: the file holds
+        # entries without one, so every look-up hashes in full
+        self._sketches: set[int] | None = set()
         self.state = "off"  # "ok", "paused" (a full disk: writes wait for retry_at), "off" (no file)
         self.pause_reason = ""
         self._retry_at = 0.0
@@ -185,6 +201,9 @@ class ResultCache:
     # -- the API --------------------------------------------------------------------------
     def get(self, key: CacheKey, model: str) -> Hit | None:
         """The cached answer of ``key``, or None (absent, expired, another key with its hash)."""
+        sketches = self._sketches
+        if sketches is not None and key.sketch not in sketches:
+            return None  # nothing held has its sketch: a miss, known without hashing the whole key
         now = self.clock()
         digest = key.digest
         with self._hot_lock:
@@ -219,6 +238,8 @@ class ResultCache:
             if promote:
                 self._queue_write(digest, entry, None)
             return Hit(entry.outputs, entry.version, entry.cost_s, "memory")
+        if _fingerprint(digest) not in self._filed:
+            return None
         rows = self._read(
             "SELECT value, version, expires_s, cost_s FROM entries WHERE digest = ? AND model = ?", (digest, model)
         )
@@ -259,7 +280,7 @@ class ResultCache:
         if (
             admit == "second"
             and self._hot_bytes + key.nbytes > self.memory_max_bytes
-            and not self._doorkeeper.seen_before(key.digest)
+            and not self._doorkeeper.seen_before(key.sketch)
         ):
             self.series.deferred()
             return False
@@ -270,13 +291,19 @@ class ResultCache:
         entry = _Entry(full, decoded, len(full) + len(value), now + ttl_s, model, version, cost_s)
         entry.created_s = now
         entry.on_disk = not disk_on_hit
+        entry.sketch = key.sketch
         if signature is not None:
             entry.context = signature[0]
             entry.signature = np.asarray(signature[1], "<f4").tobytes()
-        if self._put_hot(key.digest, entry) and disk_on_hit:
-            return True
-        entry.on_disk = True
-        return self._queue_write(key.digest, entry, value, wait)
+        try:
+            if self._put_hot(key.digest, entry) and disk_on_hit:
+                return True
+            entry.on_disk = True
+            return self._queue_write(key.digest, entry, value, wait)
+        finally:  # once the entry is in memory or queued: a rebuild of the set finds it there
+            with self._hot_lock:
+                if self._sketches is not None:
+                    self._sketches.add(entry.sketch)
 
     def _copy_key(self, key: CacheKey) -> bytearray:
         """``key.full()`` copied into a buffer of an entry the memory tier evicted unwritten, where one
@@ -306,7 +333,7 @@ class ResultCache:
             value = encode_tensors(entry.outputs)
         write = _Write(
             digest, entry.model, entry.version, entry.key, value, entry.created_s or now, entry.expires_s,
-            entry.cost_s, threading.Event() if wait else None, entry.context, entry.signature,
+            entry.cost_s, threading.Event() if wait else None, entry.context, entry.signature, entry.sketch,
         )  # fmt: skip
         with self._cond:
             if len(self._pending) >= self.max_pending:
@@ -431,10 +458,14 @@ class ResultCache:
             return []
 
     def _get_disk(self, key: CacheKey, model: str, now: float) -> Hit | None:
-        rows = self._read("SELECT key, value, version, expires_s, cost_s FROM entries WHERE digest = ?", (key.digest,))
+        if _fingerprint(key.digest) not in self._filed:
+            return None
+        rows = self._read(
+            "SELECT key, value, version, expires_s, cost_s, sketch FROM entries WHERE digest = ?", (key.digest,)
+        )
         if not rows:
             return None
-        stored, value, version, expires_s, cost_s = rows[0]
+        stored, value, version, expires_s, cost_s, sketch = rows[0]
         if expires_s <= now or not key.matches(stored):
             return None
         try:
@@ -444,6 +475,7 @@ class ResultCache:
             return None
         entry = _Entry(stored, outputs, len(stored) + len(value), expires_s, model, version, cost_s)
         entry.on_disk = True
+        entry.sketch = None if sketch is None else int(sketch)
         self._put_hot(key.digest, entry)
         return Hit(outputs, int(version), float(cost_s), "disk")
 
@@ -513,6 +545,8 @@ class ResultCache:
             for model, size in writer.execute("SELECT model, sum(size_bytes) FROM entries GROUP BY model")
         }
         self._disk_entries = int(writer.execute("SELECT count(*) FROM entries").fetchone()[0])
+        self._filed = {_fingerprint(bytes(d)) for (d,) in writer.execute("SELECT digest FROM entries")}
+        self._sketches = _stored_sketches(writer)
         reader = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5.0)
         reader.execute("PRAGMA synchronous=NORMAL")
         self._reader = reader
@@ -540,6 +574,9 @@ class ResultCache:
                 except OSError:
                     src.unlink(missing_ok=True)
         self._disk_bytes, self._disk_entries = {}, 0
+        self._filed = set()
+        with self._hot_lock:  # what memory holds keeps its sketches
+            self._sketches = {e.sketch for e in self._hot.values() if e.sketch is not None}
 
     def _reopen_fresh(self, why: str) -> None:
         self._close_connections()
@@ -581,18 +618,20 @@ class ResultCache:
         sizes = dict(self._disk_bytes)
         entries = self._disk_entries
         evicted = 0
+        filed: dict[int, bool] = {}  # fingerprint -> in the file once this transaction commits (last change wins)
         try:
             self._fault.hit()
             db.execute("BEGIN IMMEDIATE")
             for item in batch:
                 if isinstance(item, _Sweep):
                     gone = db.execute(
-                        "SELECT count(*), coalesce(sum(size_bytes), 0) FROM entries WHERE model = ? AND version != ?",
+                        "SELECT digest, size_bytes FROM entries WHERE model = ? AND version != ?",
                         (item.model, item.version),
-                    ).fetchone()
+                    ).fetchall()
                     db.execute("DELETE FROM entries WHERE model = ? AND version != ?", (item.model, item.version))
-                    entries -= int(gone[0])
-                    sizes[item.model] = sizes.get(item.model, 0) - int(gone[1])
+                    entries -= len(gone)
+                    sizes[item.model] = sizes.get(item.model, 0) - sum(int(size) for _, size in gone)
+                    filed.update((_fingerprint(bytes(digest)), False) for digest, _ in gone)
                     self._fault.hit()
                     continue
                 old = db.execute("SELECT model, size_bytes FROM entries WHERE digest = ?", (item.digest,)).fetchone()
@@ -601,27 +640,31 @@ class ResultCache:
                     entries -= 1
                 db.execute(
                     "INSERT OR REPLACE INTO entries (digest, model, version, key, value, size_bytes, created_s,"
-                    " expires_s, cost_s, context, signature) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " expires_s, cost_s, context, signature, sketch) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         item.digest, item.model, item.version, item.key, item.value, item.size,
                         item.created_s, item.expires_s, item.cost_s, item.context, item.signature,
+                        None if item.sketch is None else _signed(item.sketch),
                     ),
                 )  # fmt: skip
                 sizes[item.model] = sizes.get(item.model, 0) + item.size
                 entries += 1
+                fingerprint = _fingerprint(item.digest)
+                self._filed.add(fingerprint)
+                filed[fingerprint] = True
                 self._fault.hit()
             if now - self._last_expiry_sweep > _EXPIRED_SWEEP_S:
-                entries, evicted = self._delete(db, "expires_s <= ?", (now,), sizes, entries, 1 << 62)
+                entries, evicted = self._delete(db, "expires_s <= ?", (now,), sizes, entries, 1 << 62, filed)
                 self._fault.hit()
             for model in {i.model for i in batch if isinstance(i, _Write)}:
                 budget = self._budget(model)
                 if sizes.get(model, 0) > budget:
-                    entries, n = self._delete(db, "model = ?", (model,), sizes, entries, sizes[model] - budget)
+                    entries, n = self._delete(db, "model = ?", (model,), sizes, entries, sizes[model] - budget, filed)
                     evicted += n
                     self._fault.hit()
             total = sum(sizes.values())
             if total > self.max_bytes:
-                entries, n = self._delete(db, "1", (), sizes, entries, total - self.max_bytes)
+                entries, n = self._delete(db, "1", (), sizes, entries, total - self.max_bytes, filed)
                 evicted += n
                 self._fault.hit()
             db.execute("COMMIT")
@@ -637,6 +680,14 @@ class ResultCache:
         if now - self._last_expiry_sweep > _EXPIRED_SWEEP_S:
             self._last_expiry_sweep = now
         self._disk_bytes, self._disk_entries = {m: s for m, s in sizes.items() if s > 0}, entries
+        for fingerprint, present in filed.items():
+            if not present:
+                self._filed.discard(fingerprint)
+        sketches = self._sketches
+        if (sketches is None and evicted) or (
+            sketches is not None and len(sketches) > 2 * (len(self._hot) + entries) + _SKETCH_SLACK
+        ):  # too many, or entries without a sketch may be gone now
+            self._rebuild_sketches(db)
         if evicted:
             self.series.evicted("disk", evicted)
         for item in batch:
@@ -647,6 +698,21 @@ class ResultCache:
             self.series.paused(False)
             log.warning("result cache: writing to %s again", self.path)
 
+    def _rebuild_sketches(self, db: sqlite3.Connection) -> None:
+        """The sketch set again from what is held (it only grows between rebuilds). Runs in the
+        writer thread after a commit, so the file cannot change meanwhile; memory and the queue
+        are read under their locks, so a put's sketch is in the new set."""
+        try:
+            held = _stored_sketches(db)
+        except sqlite3.Error:
+            return  # kept as it is: too big is only slower
+        with self._hot_lock:
+            if held is not None:
+                held.update(e.sketch for e in self._hot.values() if e.sketch is not None)
+                with self._cond:
+                    held.update(w.sketch for w in self._pending if isinstance(w, _Write) and w.sketch is not None)
+            self._sketches = held
+
     def _delete(
         self,
         db: sqlite3.Connection,
@@ -655,19 +721,22 @@ class ResultCache:
         sizes: dict[str, int],
         entries: int,
         free_bytes: int,
+        filed: dict[int, bool],
     ) -> tuple[int, int]:
-        """Delete the oldest entries matching ``where`` until ``free_bytes`` are freed; (entries, deleted)."""
+        """Delete the oldest entries matching ``where`` until ``free_bytes`` are freed (noting each
+        in ``filed``); (entries, deleted)."""
         freed = deleted = 0
         while freed < free_bytes:
             rows = db.execute(
-                f"SELECT rowid, model, size_bytes FROM entries WHERE {where} ORDER BY created_s LIMIT 64", args
+                f"SELECT rowid, model, size_bytes, digest FROM entries WHERE {where} ORDER BY created_s LIMIT 64", args
             ).fetchall()
             if not rows:
                 break
-            for rowid, model, size in rows:
+            for rowid, model, size, digest in rows:
                 if freed >= free_bytes:
                     break
                 db.execute("DELETE FROM entries WHERE rowid = ?", (rowid,))
+                filed[_fingerprint(bytes(digest))] = False
                 sizes[model] = sizes.get(model, 0) - int(size)
                 freed += int(size)
                 deleted += 1
@@ -721,6 +790,22 @@ def _code(exc: sqlite3.Error) -> int:
     if isinstance(exc, sqlite3.DatabaseError) and "not a database" in str(exc):
         return _SQLITE_NOTADB
     return -1
+
+
+def _fingerprint(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "little")
+
+
+def _signed(sketch: int) -> int:
+    """A 64-bit sketch as SQLite's signed INTEGER."""
+    return sketch - (1 << 64) if sketch >= 1 << 63 else sketch
+
+
+def _stored_sketches(db: sqlite3.Connection) -> set[int] | None:
+    """The sketches of the file's entries (unsigned); None when one has none (format 1 wrote it)."""
+    if db.execute("SELECT 1 FROM entries WHERE sketch IS NULL LIMIT 1").fetchone() is not None:
+        return None
+    return {s & 0xFFFF_FFFF_FFFF_FFFF for (s,) in db.execute("SELECT sketch FROM entries")}
 
 
 def _free_bytes(path: Path) -> int:

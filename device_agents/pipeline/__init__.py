@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from device_agents.budgets.state import batch_step
 from device_agents.config import AgentConfig
 from device_agents.errors import AnsweredError, RuntimeFailure, UnavailableError
 from device_agents.metrics import AgentMetrics
@@ -91,6 +92,7 @@ class Pipeline:
             on_hung=self._hung,
             on_failure=self._failed,
             on_stopped=lambda how: metrics.hung_call_stops.labels(name, how).inc(),
+            degraded=batch_step(config),
         )
 
     def run(self, version: int | None, decode: Callable[[ServedModel], Request], encode: Callable[[Request], T]) -> T:

@@ -113,10 +113,15 @@ class Batcher:
         on_hung: Callable[[ServedModel], None] = lambda model: None,
         on_failure: Callable[[int, Job | None], None] = lambda version, job: None,
         on_stopped: Callable[[str], None] = lambda how: None,
+        degraded: Callable[[], bool] | None = None,
     ) -> None:
         self.name = name
         self.lease = lease
         self.batching = batching
+        # whether the power budget's ``batch`` step is on (read once per batch): then batches form
+        # by ``batching.degraded()`` (a longer wait, or smaller batches)
+        self.degraded = degraded
+        self._degraded_batching = batching.degraded() if batching is not None and degraded is not None else None
         self.queue_size = queue_size
         self.hung_call_s = hung_call_s
         self.retry_after_s = retry_after_s
@@ -367,6 +372,8 @@ class Batcher:
                 self._release()
             batch, rows = [head], head.rows
             cfg = self.batching
+            if self._degraded_batching is not None and self.degraded is not None and self.degraded():
+                cfg = self._degraded_batching
             if cfg is not None:
                 # the wait for companions counts from now, when the model can take this batch: a
                 # head queued behind a running call waited for the model, not for companions

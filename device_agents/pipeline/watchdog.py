@@ -89,14 +89,19 @@ class Watchdog:
         except Exception:  # the callers must still hear of the hang
             log.exception("%s: could not terminate the hung call", self.name)
             terminated = False
+        runtime = call.model.manifest.compatibility.runtime
+        if terminated:
+            what = "it was terminated"
+        elif getattr(call.model.runner, "terminate", None) is not None:
+            what = f"its thread was not inside {runtime} (nothing to terminate) and is left running"
+        else:
+            what = f"{runtime} cannot stop a call: its thread is left running"
         log.error(
             "%s: a runtime call has run %.1f s (over server.hung_call_s = %g); %s; reloading the model",
             self.name,
             now - call.started,
             self.hung_call_s,
-            "it was terminated"
-            if terminated
-            else f"{call.model.manifest.compatibility.runtime} cannot stop a call: its thread is left running",
+            what,
         )
         try:
             self.on_stopped("terminated" if terminated else "abandoned")

@@ -113,9 +113,13 @@ class SystemdNotifier:
 def http_alive(url: str, timeout_s: float = _PROBE_TIMEOUT_S) -> Callable[[], bool]:
     """A probe that is true when the agent at ``url`` answers ``GET /v2/health/live`` with 200."""
 
+    from device_agents.serving.tls import local_context_for
+
+    context = local_context_for(url)
+
     def alive() -> bool:
         try:
-            with urllib.request.urlopen(f"{url}/v2/health/live", timeout=timeout_s) as resp:
+            with urllib.request.urlopen(f"{url}/v2/health/live", timeout=timeout_s, context=context) as resp:
                 return bool(resp.status == 200)
         except OSError:
             return False

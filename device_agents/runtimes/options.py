@@ -40,10 +40,11 @@ class OnnxRuntimeOptions:
     # each) and cost latency at 1 client (p50 2.11-2.26 ms vs 1.55-1.68 in two of three runs: the
     # threads are woken for every run).
     spin_between_runs: bool = True
-    # SessionOptions.enable_cpu_mem_arena / enable_mem_pattern; None = ONNX Runtime's default (on),
-    # off under a [budgets] memory_mb (device_agents.budgets.knobs): the arena keeps a large
-    # batch's activations for good, while freed they go back to the OS
+    # SessionOptions.enable_cpu_mem_arena; None = ONNX Runtime's default (on), off under a [budgets]
+    # memory_mb (device_agents.budgets.knobs): the arena keeps a large batch's activations for good
     cpu_mem_arena: bool | None = None
+    # SessionOptions.enable_mem_pattern (one block per input shape, planned ahead); None = ONNX
+    # Runtime's default (on), off under a [budgets] memory_mb
     mem_pattern: bool | None = None
 
     def __post_init__(self) -> None:

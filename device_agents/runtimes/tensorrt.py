@@ -2,11 +2,13 @@
 
 The bundle carries ONNX (FP32, or explicit-quantization Q/DQ for INT8) and the builder flags in
 ``target_options.builder_flags``. On first load the engine is built with the TensorRT Python API
-(ONNX parser, workspace bounded by ``[runtimes.tensorrt] workspace_mb`` and the memory budget, an
-optimization profile pinned to the manifest's static input shapes) and cached in
+(ONNX parser, workspace bounded by ``[runtimes.tensorrt] workspace_mb`` and the memory budget, and
+an optimization profile: the manifest's ``target_options.optimization_profile`` (min/opt/max per
+input, ``edgekit package --batch 1,4,8``), else pinned to its static input shapes) and cached in
 ``cache_dir``, keyed by GPU name, compute capability, TensorRT version, builder
-flags, shapes and the artifact's sha256: engines are not portable, so a change of any of these
-builds a new one. Inference uses ``execute_async_v3`` with tensor addresses of torch CUDA tensors.
+flags, shapes, profile and the artifact's sha256: engines are not portable, so a change of any of these
+builds a new one. Inference uses ``execute_async_v3`` with tensor addresses of torch CUDA tensors;
+under a profile each call sets its input shapes, and a batch above the profile's maximum runs in parts.
 
 Without the ``tensorrt`` package, ``[runtimes.tensorrt] fallback`` = ``ort-trt`` or
 ``ort-cuda`` runs the same ONNX with ONNX Runtime's TensorRT or CUDA execution provider.
@@ -31,6 +33,8 @@ from edgekit.bundle.manifest import Manifest, Precision
 
 FALLBACKS = {"ort-trt": "TensorrtExecutionProvider", "ort-cuda": "CUDAExecutionProvider"}
 DEFAULT_WORKSPACE_MB = 1024
+PROFILE_KEY = "optimization_profile"  # edgekit.targets.shape_profile writes it
+ShapeRange = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # (min, opt, max)
 ENGINE_SUFFIX = ".engine"
 
 
@@ -47,6 +51,7 @@ class EngineKey:
     tensorrt_version: str
     builder_flags: tuple[str, ...]
     input_shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    profile: tuple[tuple[str, ShapeRange], ...] = ()  # the recorded optimization profile, () when pinned
 
     @property
     def digest(self) -> str:
@@ -160,6 +165,33 @@ def static_input_shapes(manifest: Manifest) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def engine_profile(manifest: Manifest) -> dict[str, ShapeRange]:
+    """Per artifact input, the (min, opt, max) shapes its engine's optimization profile is built
+    with: the manifest's recorded profile (``target_options.optimization_profile``), else its static
+    shapes (min = opt = max). A malformed profile is a ``BundleError``."""
+    recorded = manifest.target_options.get(PROFILE_KEY)
+    if not recorded:
+        return {name: (shape, shape, shape) for name, shape in static_input_shapes(manifest).items()}
+    if not isinstance(recorded, dict):
+        raise BundleError(f"target_options.{PROFILE_KEY} is not a table of inputs; package the bundle again")
+    out: dict[str, ShapeRange] = {}
+    for spec in manifest.artifact_signature.inputs:
+        where = f"target_options.{PROFILE_KEY}.{spec.name}"
+        entry: Any = recorded.get(spec.name)
+        try:
+            lo, opt, hi = (tuple(int(d) for d in entry[k]) for k in ("min", "opt", "max"))
+        except (TypeError, KeyError, ValueError) as exc:
+            raise BundleError(f"{where}: expected min, opt and max shapes; package the bundle again") from exc
+        for axis, dim in enumerate(spec.shape):
+            sizes = (lo[axis], opt[axis], hi[axis]) if len(lo) == len(opt) == len(hi) == len(spec.shape) else ()
+            if not sizes or not 1 <= sizes[0] <= sizes[1] <= sizes[2] or (isinstance(dim, int) and set(sizes) != {dim}):
+                raise BundleError(
+                    f"{where}: {list(lo)} / {list(opt)} / {list(hi)} does not fit input {spec.name!r} {spec.v2_shape}"
+                )
+        out[spec.name] = (lo, opt, hi)
+    return out
+
+
 def onnx_artifact(model_dir: Path, manifest: Manifest) -> tuple[Path, str]:
     found = [f for f in manifest.artifact_files() if f.path.endswith(".onnx")]
     if len(found) != 1:
@@ -210,7 +242,9 @@ class _TrtEngine:
         onnx_path, sha = onnx_artifact(model_dir, manifest)
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         self.flags = builder_flags(manifest)
-        shapes = static_input_shapes(manifest)
+        self.profile = engine_profile(manifest)
+        shapes = {name: r[1] for name, r in self.profile.items()}  # opt: the shape a call starts from
+        self.ranged = bool(manifest.target_options.get(PROFILE_KEY))
         self.workspace_mb = workspace_bound_mb(options, manifest)
         self.key = EngineKey(
             artifact_sha256=sha,
@@ -219,12 +253,13 @@ class _TrtEngine:
             tensorrt_version=trt.__version__,
             builder_flags=self.flags,
             input_shapes=tuple(sorted(shapes.items())),
+            profile=tuple(sorted(self.profile.items())) if self.ranged else (),
         )
         self.logger = trt.Logger(trt.Logger.WARNING)
         cache = EngineCache(options.cache_dir)
 
         def build() -> bytes:
-            return build_engine(trt, self.logger, onnx_path, self.flags, shapes, self.workspace_mb)
+            return build_engine(trt, self.logger, onnx_path, self.flags, self.profile, self.workspace_mb)
 
         plan, self.cache_status = cache.load_or_build(self.key, build)
         runtime = trt.Runtime(self.logger)
@@ -257,15 +292,22 @@ class _TrtEngine:
         )
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        arrays = {name: np.ascontiguousarray(inputs[name], dtype=dtype) for name, (dtype, _) in self.inputs.items()}
+        for name, arr in arrays.items():
+            check_in_profile(name, arr.shape, self.profile[name], self.ranged)
+        parts = split_over_profile(arrays, self.profile) if self.ranged else [arrays]
+        if len(parts) == 1:
+            return self._run_once(arrays)
+        done = [self._run_once(part) for part in parts]
+        return {name: np.concatenate([d[name] for d in done]) for name in done[0]}
+
+    def _run_once(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         torch = self.torch
         held = []  # device buffers must outlive the asynchronous execution
         with torch.cuda.stream(self.stream):
-            for name, (dtype, shape) in self.inputs.items():
-                arr = np.ascontiguousarray(inputs[name], dtype=dtype)
-                if arr.shape != shape:
-                    raise InferenceInputError(
-                        f"input {name!r}: shape {list(arr.shape)}; this TensorRT engine takes {list(shape)}"
-                    )
+            for name, arr in arrays.items():
+                if self.ranged:
+                    self.context.set_input_shape(name, arr.shape)
                 buf = torch.from_numpy(arr).to("cuda", non_blocking=True)
                 held.append(buf)
                 self.context.set_tensor_address(name, buf.data_ptr())
@@ -289,6 +331,7 @@ class _TrtEngine:
             "compute_capability": self.key.compute_capability,
             "builder_flags": list(self.flags),
             "workspace_mb": self.workspace_mb,
+            "optimization_profile": {n: [list(s) for s in r] for n, r in self.profile.items()},
             "engine_cache": self.cache_status,
             "engine_key": self.key.digest,
             "layers": len(layers),
@@ -304,10 +347,11 @@ def build_engine(
     logger: Any,
     onnx_path: Path,
     flags: tuple[str, ...],
-    shapes: Mapping[str, tuple[int, ...]],
+    profile: Mapping[str, ShapeRange],
     workspace_mb: int,
 ) -> bytes:
-    """Parse ``onnx_path`` and build a serialized engine (TensorRT Python API)."""
+    """Parse ``onnx_path`` and build a serialized engine (TensorRT Python API), its dynamic inputs
+    under one optimization profile: ``profile`` (``engine_profile``), input -> (min, opt, max)."""
     builder = trt.Builder(logger)
     network = builder.create_network(0)  # TensorRT 10: explicit batch is the only mode
     parser = trt.OnnxParser(network, logger)
@@ -323,11 +367,11 @@ def build_engine(
     config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED  # for the layer report
     dynamic = [network.get_input(i) for i in range(network.num_inputs) if -1 in tuple(network.get_input(i).shape)]
     if dynamic:
-        profile = builder.create_optimization_profile()
+        ranges = builder.create_optimization_profile()
         for tensor in dynamic:
-            shape = shapes[tensor.name]
-            profile.set_shape(tensor.name, shape, shape, shape)
-        config.add_optimization_profile(profile)
+            lo, opt, hi = profile[tensor.name]
+            ranges.set_shape(tensor.name, lo, opt, hi)
+        config.add_optimization_profile(ranges)
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise IncompatibleError(
@@ -367,6 +411,8 @@ class _OrtFallback:
             }
             if options.cache_dir is not None:
                 trt_options |= {"trt_engine_cache_enable": True, "trt_engine_cache_path": str(options.cache_dir)}
+            if manifest.target_options.get(PROFILE_KEY):  # the same profile through ONNX Runtime's TensorRT EP
+                trt_options |= ort_trt_profile_options(engine_profile(manifest))
             providers = [(self.provider, trt_options), "CUDAExecutionProvider"]
         else:
             providers = [self.provider]
@@ -398,6 +444,41 @@ class _OrtFallback:
 
     def close(self) -> None:
         self.session = None  # released; the runner is not used again
+
+
+def ort_trt_profile_options(profile: Mapping[str, ShapeRange]) -> dict[str, str]:
+    """ONNX Runtime TensorRT EP options for an optimization profile (``trt_profile_min_shapes`` and
+    friends take ``name:1x3x224x224,other:...``)."""
+    keys = ("trt_profile_min_shapes", "trt_profile_opt_shapes", "trt_profile_max_shapes")
+    return {
+        key: ",".join(f"{name}:{'x'.join(map(str, r[i]))}" for name, r in profile.items()) for i, key in enumerate(keys)
+    }
+
+
+def check_in_profile(name: str, shape: tuple[int, ...], r: ShapeRange, ranged: bool = True) -> None:
+    """``InferenceInputError`` (a 400) for a request shape the engine cannot take. Under a recorded
+    profile axis 0 may exceed its maximum batch (``split_over_profile`` runs the call in parts)."""
+    lo, _, hi = r
+    fits = len(shape) == len(lo) and all(
+        a <= s and (s <= b or (ranged and axis == 0)) for axis, (a, s, b) in enumerate(zip(lo, shape, hi, strict=True))
+    )
+    if fits and ranged and shape and shape[0] > hi[0] and 0 < shape[0] % hi[0] < lo[0]:
+        fits = False  # the last part would be smaller than the profile's minimum batch
+    if not fits:
+        fixed = lo == hi
+        takes = list(lo) if fixed else f"{list(lo)} to {list(hi)} (its optimization profile)"
+        raise InferenceInputError(f"input {name!r}: shape {list(shape)}; this TensorRT engine takes {takes}")
+
+
+def split_over_profile(
+    arrays: Mapping[str, np.ndarray], profile: Mapping[str, ShapeRange]
+) -> list[dict[str, np.ndarray]]:
+    """``arrays`` cut along axis 0 into parts no larger than the profile's maximum batch."""
+    limit = min(r[2][0] for r in profile.values()) if profile else 0
+    total = next(iter(arrays.values())).shape[0] if arrays else 0
+    if not limit or total <= limit:
+        return [dict(arrays)]
+    return [{n: a[start : start + limit] for n, a in arrays.items()} for start in range(0, total, limit)]
 
 
 def _torch_cuda() -> Any:

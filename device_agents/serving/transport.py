@@ -25,6 +25,7 @@ import ipaddress
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from device_agents import __version__
 from device_agents.config import ServerConfig
 from device_agents.errors import RequestTooLargeError, ServingError
 from device_agents.serving.bodies import ByteBudget, Reservation, inflate
+from device_agents.serving.tls import server_context
 from device_agents.threads import set_os_name
 from edgekit.bundle.errors import ConfigError, EdgekitError, InferenceInputError
 
@@ -119,6 +121,9 @@ class Transport(ThreadingHTTPServer):
         self.auth_token: bytes | None = None
         if self.limits.auth_token_file is not None:
             self.auth_token = _read_token(self.limits.auth_token_file)
+        self.tls = server_context(self.limits)  # HTTPS (and client certificates) where configured
+        # clients off loopback must show the token or a verified client certificate
+        self.guarded = self.auth_token is not None or self.limits.mutual_tls
         self.budget = ByteBudget(self.limits.max_buffered_bytes)  # bodies as received
         self.inflate_budget = ByteBudget(self.limits.max_buffered_bytes)  # what gzip/deflate bodies inflate to
         self.request_queue_size = min(max(128, self.limits.max_connections), socket.SOMAXCONN)
@@ -150,7 +155,8 @@ class Transport(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = str(self.server_address[0]), self.server_address[1]
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
     # -- the connection cap -------------------------------------------------------------
     def get_request(self) -> tuple[socket.socket, Any]:
@@ -223,7 +229,43 @@ class Transport(ThreadingHTTPServer):
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         set_os_name("http-conn")  # a connection's thread, to top -H (device_agents.threads)
+        if self.tls is not None:
+            request = self._handshake(request)
+            if request is None:
+                return
         super().process_request_thread(request, client_address)
+
+    def _handshake(self, sock: socket.socket) -> ssl.SSLSocket | None:
+        """The TLS handshake of a new connection, in its own thread (never the accept loop's), due
+        like headers ``header_timeout_s`` after the connection came (the socket timeout bounds the
+        whole handshake, not each read; meanwhile it counts as reading headers for the reaper and
+        the connection cap); None (closed) when it fails."""
+        if self.tls is None:
+            return None
+        fd = sock.fileno()
+        with self._conns_lock:
+            conn = self._conns.get(fd)
+            if conn is not None:
+                conn.head_since = time.perf_counter()
+        try:
+            tls_sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        except OSError:
+            self.shutdown_request(sock)
+            return None
+        with self._conns_lock:
+            if conn is not None and self._conns.get(fd) is conn:
+                conn.sock = tls_sock  # the plain socket object gave its descriptor to this one
+        try:
+            tls_sock.settimeout(self.limits.header_timeout_s)
+            tls_sock.do_handshake()
+        except OSError as exc:  # ssl.SSLError included: no TLS, a certificate that does not verify, too slow
+            self.count_reject("", "tls")
+            log.debug("TLS handshake failed: %s", exc)
+            self.shutdown_request(tls_sock)
+            return None
+        if conn is not None:
+            conn.head_since = 0.0
+        return tls_sock
 
     def connection(self, sock: socket.socket) -> _Connection | None:
         with self._conns_lock:
@@ -277,8 +319,12 @@ class RequestHandler(BaseHTTPRequestHandler):
         limits = self.server.limits
         self.loopback = (
             is_loopback(self.client_address[0])
-            if self.server.auth_token is not None or limits.metrics_loopback_only
+            if self.server.guarded or limits.metrics_loopback_only
             else True  # (not asked: no one checks)
+        )
+        # a client certificate that verified against server.client_ca_file
+        self.certified = (
+            limits.mutual_tls and isinstance(self.connection, ssl.SSLSocket) and bool(self.connection.getpeercert())
         )
 
     # -- plumbing -----------------------------------------------------------------------
@@ -308,7 +354,8 @@ class RequestHandler(BaseHTTPRequestHandler):
             conn.head_since = 0.0
         if (
             not self.loopback
-            and self.server.auth_token is not None
+            and self.server.guarded
+            and not self.certified
             and self.path not in _OPEN_PATHS
             and not self._authorized()
         ):
@@ -453,18 +500,23 @@ class RequestHandler(BaseHTTPRequestHandler):
         return True
 
     def _authorized(self) -> bool:
-        """Whether the request carries the bearer token (compared in constant time); else a 401."""
-        headers: dict[str, str] = self.headers  # type: ignore[assignment]  # a _Headers
-        given = (dict.get(headers, "authorization") or "").encode("latin-1")
-        token = self.server.auth_token or b""
-        if given.startswith(b"Bearer ") and hmac.compare_digest(given[7:].strip(), token):
-            return True
+        """Whether the request carries the bearer token (compared in constant time); else a 401
+        (a 403 where only a client certificate would do)."""
+        token = self.server.auth_token
+        if token is not None:
+            headers: dict[str, str] = self.headers  # type: ignore[assignment]  # a _Headers
+            given = (dict.get(headers, "authorization") or "").encode("latin-1")
+            if given.startswith(b"Bearer ") and hmac.compare_digest(given[7:].strip(), token):
+                return True
         self.close_connection = True  # any body stays unread
-        self._send_json(
-            401,
-            {"error": "this agent takes requests from off the device with Authorization: Bearer <token>"},
-            (("WWW-Authenticate", "Bearer"),),
-        )
+        ways = ["Authorization: Bearer <token>"] if token is not None else []
+        if self.server.limits.mutual_tls:
+            ways.append("a client certificate signed by the CA in server.client_ca_file")
+        error = {"error": f"this agent takes requests from off the device with {' or '.join(ways)}"}
+        if token is not None:
+            self._send_json(401, error, (("WWW-Authenticate", "Bearer"),))
+        else:
+            self._send_json(403, error)
         return False
 
     def log_message(self, format: str, *args: Any) -> None:  # stdlib signature

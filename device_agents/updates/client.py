@@ -6,9 +6,12 @@ topics and (with ``root_keys``) the fleet's keys topic, re-made on every connect
 broker re-sends the retained messages (one received just before a crash is not lost). It
 reconnects with full-jitter exponential backoff up to ``reconnect_max_s``. Every message is
 checked by ``trust.FleetTrust`` first (signature by a notice key, binding, clock skew, replay);
-a refused one is logged in one line and changes nothing. A dispatcher thread hands each model
-of the fresh desired states to a worker thread of its own, so that one slow download never
-holds up another model's update::
+a refused one is logged in one line and changes nothing. No packet over ``max_packet_kb`` is
+taken: the cap is asked of the broker at CONNECT, and one that arrives anyway ends the
+connection unread (``connection.new_client``). A keys document that revokes a bundle key stops
+the models it signed at once (``Lifecycle.apply_trust``), each reported ``rejected``. A dispatcher thread
+hands each model of the fresh desired states to a worker thread of its own, so that one slow
+download never holds up another model's update::
 
     notice -> policy.decide -> download (resumable, capped, deadline, minimum rate) -> check the
     bundle is the one announced -> lifecycle.install (verify, stage, child self-test, switch; one at
@@ -274,7 +277,7 @@ class UpdateClient:
         if doc is None:
             return
         # models signed by a key revoked now stop serving before this returns (then roll back)
-        self.lifecycle.apply_trust(self.trust.bundle_trust())
+        stopped = self.lifecycle.apply_trust(self.trust.bundle_trust())
         log.warning(
             "updates: keys document v%d accepted: %d notice key(s), %d bundle key(s) added; revoked: %s",
             doc.version,
@@ -282,6 +285,12 @@ class UpdateClient:
             len(doc.bundle_keys),
             ", ".join(doc.revoked) or "none",
         )
+        for name, why in stopped:  # the fleet sees it: its bundle is refused now
+            report = self._make_report("rejected", name=name, error=f"keys document v{doc.version}: {why}")
+            with self._report_lock:
+                self._report = report
+            log.info("updates: reported rejected (%s: %s)", name, report.error)
+            self._publish_report()
         with self._cond:  # states signed by a key revoked now no longer count
             self._dirty = True
             self._cond.notify_all()

@@ -480,6 +480,10 @@ class Manifest:
     calibration: CalibrationData | None = None
     provenance: tuple[CompressionStep, ...] = ()
     candidates: CandidateReport | None = None
+    # whether each row's outputs depend on that row alone (golden rows run as a batch of 2 and
+    # alone, same runtime, within the golden tolerance): false, an agent refuses to batch the
+    # model (other clients' rows would change an answer); absent, not checked
+    rows_independent: bool | None = None
 
     def __post_init__(self) -> None:
         if self.schema_version != SCHEMA_VERSION:

@@ -50,7 +50,7 @@ def outcome_data(o: Outcome) -> dict[str, Any]:
     }
 
 
-def report_data(result: SearchResult, target: str, gate_passed: bool) -> dict[str, Any]:
+def report_data(result: SearchResult, target: str, gate_passed: bool, preprocess: str = "") -> dict[str, Any]:
     ref = result.reference_latency.p50_ms if result.reference_latency else None
     base = result.baseline
     return {
@@ -72,14 +72,17 @@ def report_data(result: SearchResult, target: str, gate_passed: bool) -> dict[st
         "calibration": {"samples": len(next(iter(result.data.calib.values()))), "of": result.data.calib_total,
                         "sha256": result.data.calib_sha256},
         "elapsed_s": round(result.elapsed_s, 1),
+        # the pre-processing images were read with (calibration and evaluation), "" for arrays
+        "preprocess": preprocess or None,
         "notes": list(result.notes),
         "candidates": [outcome_data(o) for o in result.outcomes],
     }  # fmt: skip
 
 
-def write_report(result: SearchResult, stem: Path, target: str, gate_passed: bool) -> Path:
-    """Write ``stem.report.{json,md,png}``; returns the ``.md`` path."""
-    data = report_data(result, target, gate_passed)
+def write_report(result: SearchResult, stem: Path, target: str, gate_passed: bool, preprocess: str = "") -> Path:
+    """Write ``stem.report.{json,md,png}``; returns the ``.md`` path. ``preprocess``: the steps
+    images were read with (``validate.preprocess.describe_steps``), shown beside the calibration."""
+    data = report_data(result, target, gate_passed, preprocess)
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     json_path = stem.with_name(stem.name + ".report.json")
@@ -103,6 +106,7 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         + ".",
         f"Calibration: {data['calibration']['samples']} of {data['calibration']['of']} samples, "
         f"sha256 `{data['calibration']['sha256'][:16]}`. Search took {data['elapsed_s']} s.",
+        *([f"Images read with: {data['preprocess']}."] if data.get("preprocess") else []),
         "",
         *_speed_lines(data),
         "",

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from edgekit.bundle.manifest import CompressionStep, Signature
+from edgekit.bundle.manifest import CompressionStep, Signature, Tolerance
 from edgekit.errors import CalibrationDataError, ConfigError
 from edgekit.package_checks import shape_flags
 from edgekit.validate.calib import (
@@ -104,12 +104,18 @@ def compress_first(
     train: ArraysLike | None,
     train_labels: str | Path | np.ndarray | Sequence[int] | None,
     say: Callable[[str], None],
+    objective: str = "latency",
+    tolerance: Tolerance | None = None,
 ) -> tuple[Path, tuple[CompressionStep, ...]]:
-    """Run the ``--compress`` steps on ``model``; (the compressed model, its provenance)."""
+    """Run the ``--compress`` steps on ``model``; (the compressed model, its provenance).
+    ``--compress auto``: the variant that beats the quantized original, or the original
+    (``edgekit.compress.auto``)."""
+    from edgekit.compress.auto import is_auto
     from edgekit.compress.steps import Data, compress, parse_step
     from edgekit.validate.calib import load_arrays, load_labels, sample_count
 
-    parsed = [parse_step(s) for s in steps]
+    auto = is_auto(steps)
+    parsed = [] if auto else [parse_step(s) for s in steps]
     source = eval if eval is not None else calib
     if source is None or (isinstance(source, (str, Path)) and Path(source).is_dir()):
         raise CalibrationDataError(
@@ -124,6 +130,17 @@ def compress_first(
     train_y = None
     if train_labels is not None and training is not None:
         train_y = load_labels(train_labels, sample_count(training), "--train-labels")
+    if auto:
+        from edgekit.compress.auto import choose
+
+        usable = calib is not None and not (isinstance(calib, (str, Path)) and Path(calib).is_dir())
+        calib_arrays = load_arrays(calib, "--calib data") if usable else dict(evaluation)  # type: ignore[arg-type]
+        calib_arrays.pop("labels", None)
+        data = Data(evaluation, eval_labels, training, train_y)
+        chosen = choose(
+            model, work / "auto", data, calib_arrays, objective=objective, tolerance=tolerance, progress=say
+        )
+        return chosen.model, chosen.provenance
     out = work / "compressed" / f"{model.stem}.onnx"
     result = compress(model, parsed, out, Data(evaluation, eval_labels, training, train_y), progress=say)
     for o in result.outcomes:

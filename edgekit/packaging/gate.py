@@ -34,6 +34,7 @@ from edgekit.packaging.result import Row
 from edgekit.packaging.shared import GOLDEN_FILE, SharedRun, eval_batch
 from edgekit.targets import BuildContext, BuildResult
 from edgekit.targets.base import static_signature
+from edgekit.targets.shape_profile import frozen_axes, profiled_signature, shapes_line
 from edgekit.validate.calib import fixed_batch, pad_samples, sample_count, take
 from edgekit.validate.latency import LatencyStats, call_with, stats_side_by_side
 from edgekit.validate.metrics import MEASURES, Comparison, RunFn, compare, run_all
@@ -72,6 +73,7 @@ def validate_and_describe(
         if path in (GOLDEN_FILE, MANIFEST_NAME, SIGNATURE_NAME):
             raise EdgekitError(f"target {target} wrote {path!r}, a name the packager owns")
     served = static_signature(run.served, static_shapes) if result.static else run.served
+    served = profiled_signature(served, result.target_options)  # a TensorRT profile's fixed axes
     artifact_files = file_entries(ctx.out_dir, result.files)
     size = sum(f.size_bytes for f in artifact_files if f.role == "artifact")
     provisional = assemble_manifest(
@@ -120,6 +122,10 @@ def validate_and_describe(
             )
         artifact = fn if served_model is not None else None
         golden = write_golden(ctx.out_dir, run, served, artifact, comparison, outputs)
+        from edgekit.validate.row_independence import check_golden_rows
+
+        rows = check_golden_rows(fn, ctx.out_dir / GOLDEN_FILE, served, golden)
+        run.say(f"[{target}] {rows.line()}")
     finally:
         if served_model is not None:
             served_model.close()
@@ -162,6 +168,7 @@ def validate_and_describe(
             *(f"prepared: {s}" for s in run.steps),
             *run.gate_notes,
             *((f"held-out {comparison.detections}",) if comparison.detections else ()),
+            *(frozen_axes(run.served, static_shapes) if result.static else ()),
             *result.notes,
             *slower_note,
         ),
@@ -174,7 +181,7 @@ def validate_and_describe(
     manifest = assemble_manifest(
         name, version, target, result, served, source, files, validation, golden, expires, private_key
     )
-    manifest = dataclasses.replace(manifest, **run.manifest_extras)
+    manifest = dataclasses.replace(manifest, **run.manifest_extras, rows_independent=rows.independent)
     if result.runnable_here and manifest.estimates is None:
         manifest = dataclasses.replace(manifest, estimates=memory_estimates(ctx.out_dir, manifest, measured_on, run))
     if searched is not None:
@@ -193,6 +200,7 @@ def validate_and_describe(
         own_fp32=_own_fp32(searched, validation),
         shipped=f"{searched.chosen.name} on {manifest.compatibility.runtime}" if searched is not None else "",
         timed_on=_timed_on(searched, validation), cpu_only=cpu_only_reason(manifest),
+        shapes=shapes_line(target, run.served, static_shapes, result.static, result.target_options),
     )  # fmt: skip
     return manifest, comparison, row
 

@@ -59,6 +59,8 @@ from edgekit.targets.options import check_option_targets, resolve_options
 from edgekit.targets.precisions import choose_precisions
 from edgekit.targets.sdk_output import sdk_output_to
 from edgekit.validate.calib import data_manifest_fields, sample_count
+from edgekit.validate.drawn_inputs import drawn_for_validation
+from edgekit.validate.eval_size import check_eval_size
 from edgekit.validate.metrics import (
     Comparison,
     kind_of,
@@ -70,7 +72,7 @@ from edgekit.validate.metrics import (
 )
 from edgekit.validate.ort_runner import ort_cpu_runner
 from edgekit.validate.postprocess import Postprocess, read_labels_file
-from edgekit.validate.preprocess import Preprocess
+from edgekit.validate.preprocess import Preprocess, describe_steps
 
 FLOAT_PRECISIONS = ("fp32", "fp16")  # a target's float candidates: the last resort of its fallback chain
 
@@ -90,6 +92,10 @@ def package(request: PackageRequest) -> PackageResult:
         request.model, request.calib, request.eval, request.preprocess, request.postprocess
     )  # fmt: skip
     name, out_dir = request.name, request.out_dir
+    if not isinstance(model, (str, Path)):  # a torch.nn.Module: exported to OUT_DIR/NAME.onnx first
+        from edgekit.export import export_for_package
+
+        model, name = export_for_package(model, request.example_inputs, Path(out_dir), name)
     say = request.progress or (lambda _msg: None)
     started = time.perf_counter()
     names = (
@@ -159,8 +165,9 @@ def package(request: PackageRequest) -> PackageResult:
         compression: tuple[CompressionStep, ...] = ()
         if request.compress:
             model, compression = compress_first(
-                model, request.compress, work, calib, eval, request.labels, request.train, request.train_labels, say
-            )
+                model, request.compress, work, calib, eval, request.labels, request.train, request.train_labels, say,
+                objective=request.objective, tolerance=tol,
+            )  # fmt: skip
         say(f"preparing {model.name}")
         prepared = prepare_model(model, work / "prepared", say)
         if original != model:
@@ -188,9 +195,14 @@ def package(request: PackageRequest) -> PackageResult:
             check_tolerance_kind(request.tolerance, kind, prepared.served)
         if request.input_shapes:
             check_input_shapes(prepared.served, request.input_shapes)
+        drawn: tuple[str, ...] = ()
+        if calib is None:  # fp32/fp16 without data: inputs drawn within the declared shapes
+            calib, note = drawn_for_validation(prepared.path, prepared.served, request.input_shapes)
+            eval, drawn = calib, (note,)
         calib_arrays, eval_arrays, eval_labels = load_calib_and_eval(
             prepared.served, calib, eval, request.labels, request.input_shapes, say, preprocess
         )
+        check_eval_size(sample_count(eval_arrays), held_out=eval is None, allow_small=request.allow_small_eval)
         fp32 = ort_cpu_runner(original)  # the FP32 source (the original), as the device runtime would open it
         say(f"fp32 reference on {sample_count(eval_arrays)} evaluation samples")
         run = SharedRun(
@@ -208,9 +220,13 @@ def package(request: PackageRequest) -> PackageResult:
             manifest_extras=data_manifest_fields(calib_arrays, calib, prepared.served, preprocess),
             compression=compression,
         )
+        if "preprocess" in run.manifest_extras:  # images: the steps they were read with
+            say(f"images read with: {describe_steps(run.manifest_extras['preprocess'])}")
         # each output's gate: --task, else from its shape and the fp32 values (named in the validation notes)
         tasks, gate_notes = output_tasks(prepared.served, run.reference, given_tasks)
-        run = dataclasses.replace(run, kind=kind_of(tasks, prepared.served), tasks=tasks, gate_notes=gate_notes)
+        run = dataclasses.replace(
+            run, kind=kind_of(tasks, prepared.served), tasks=tasks, gate_notes=(*drawn, *gate_notes)
+        )
         engine = dataclasses.replace(engine, tasks=tuple(tasks.items()))
         if request.cache is not None:
             from edgekit.validate.cache_calibration import cache_policy
@@ -322,7 +338,10 @@ def package(request: PackageRequest) -> PackageResult:
             if searched is not None:  # written whether or not the bundle is: it says why
                 from edgekit.optimize.report import write_report
 
-                reports[t] = write_report(searched, out_dir / f"{name}-{t}-v{request.version}", t, comparison.passed)
+                images = describe_steps(run.manifest_extras.get("preprocess", ()))  # "" for arrays
+                reports[t] = write_report(
+                    searched, out_dir / f"{name}-{t}-v{request.version}", t, comparison.passed, images
+                )
                 say(f"[{t}] candidate report {reports[t]}")
             if comparison.passed or request.allow_failed:
                 dest = out_dir / f"{name}-{t}-v{request.version}.ekb"

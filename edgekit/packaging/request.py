@@ -86,9 +86,13 @@ class PackageRequest:
     shapes first; ``labels_file``: one class name per line, carried in the bundle for the
     post-processing's ``labels`` output. ``task``: how outputs are judged (``classify``,
     ``regress``, ``embed``, ``detect``, ``segment``, or ``{output: task}``).
+    A gate decided on fewer than 50 held-out samples is an ``EdgekitWarning`` naming the number; on
+    fewer than 10 a ``CalibrationDataError`` unless ``allow_small_eval`` (``edgekit.validate.eval_size``).
+    ``model`` may also be a ``torch.nn.Module``: it is exported to ``OUT_DIR/NAME.onnx`` first, called
+    on ``example_inputs`` (``edgekit.export.export_for_package``).
     """
 
-    model: str | Path
+    model: str | Path | Any  # Any: a torch.nn.Module, exported first
     _: KW_ONLY
     targets: str | Sequence[str] = DEFAULT_TARGETS
     precision: str | Mapping[str, str] = DEFAULT_PRECISION
@@ -124,6 +128,8 @@ class PackageRequest:
     train_labels: Labels | None = None
     cache: str | None = None
     false_hit_budget: float = DEFAULT_FALSE_HIT_BUDGET
+    allow_small_eval: bool = False
+    example_inputs: Any = None  # a torch model's example inputs, for its export
 
 
 P = ParamSpec("P")

@@ -31,6 +31,7 @@ class Row:
     shipped: str = ""  # the candidate shipped and its runtime ("nncf int8 on openvino"); "" without a search
     timed_on: str = ""  # where the latencies were measured ("this host: x86_64 AVX-512 VNNI", a device profile)
     cpu_only: str = ""  # an accelerator target whose artifact runs on the CPU only, and why
+    shapes: str = ""  # a static-shape target: the axes it froze and to what, or its TensorRT profile
 
     @property
     def passed(self) -> bool:
@@ -74,6 +75,7 @@ class PackageResult:
                     "bundle": None if r.bundle is None else str(r.bundle),
                     "shipped": r.shipped or None,
                     "timed_on": r.timed_on or None,
+                    "shapes": r.shapes or None,
                     "result": result_text(r),
                     "validation": to_data(r.validation),
                 }

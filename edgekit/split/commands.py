@@ -91,6 +91,13 @@ def _plan_arguments(plan: argparse.ArgumentParser) -> None:
     )
     plan.add_argument("--max-tensors", type=int, default=1, help="most tensors allowed to cross a cut (default 1)")
     plan.add_argument("--budget-s", type=float, default=20.0, help="time spent timing the segments")
+    plan.add_argument(
+        "--timing",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="host times: cpu = CPU time of one-thread sessions (a core to itself, whatever else runs here; "
+        "default), wall = wall-clock with ONNX Runtime's default thread pool under this host's load",
+    )
     plan.add_argument("--output-dir", "-o", type=Path, help="where to write (default: MODEL's stem + '-split')")
     plan.add_argument("--save-profile", type=Path, metavar="P.json", help="write this host's times as a profile")
     plan.add_argument("--no-plot", action="store_true", help="skip latency.png")
@@ -156,6 +163,7 @@ def _run_plan(args: Any) -> Any:
         device_power_w=args.device_power_w,
         radio_power_w=args.radio_power_w,
         idle_power_w=args.idle_power_w,
+        timing=args.timing,
     )
 
 

@@ -9,6 +9,12 @@ untimed call before each block (the previous session's pool settles), a block si
 needlessly, the median of the rounds' block medians. Host and device times are thus measured
 the same way.
 
+``timing``: ``cpu`` (the default) runs every session with one intra-op thread and times the
+calling thread's CPU time (``time.thread_time``): what the segment costs one core that has it to
+itself, whatever else this host runs meanwhile (two runs on a 2-core host under a load average of
+8 agreed within about 1%, where wall-clock medians differed by 12-30%); ``wall`` uses ONNX
+Runtime's default thread pool and wall-clock time, as this host runs it under its current load.
+
 Head and tail composed must give the full model's outputs: checked on every sample before
 anything is timed (``SplitCompositionError`` otherwise).
 """
@@ -25,7 +31,7 @@ import numpy as np
 from edgekit.errors import ValidationFailedError
 from edgekit.split import compression
 from edgekit.split.graph import CutPoint
-from edgekit.validate.ort_runner import ort_cpu_runner
+from edgekit.validate.ort_runner import ort_open
 
 Feed = dict[str, np.ndarray]
 Runner = Callable[[Feed], dict[str, np.ndarray]]
@@ -33,6 +39,14 @@ Runner = Callable[[Feed], dict[str, np.ndarray]]
 COMPOSE_RTOL = 1e-3
 COMPOSE_ATOL = 1e-4
 BLOCK_MS = 20.0  # timed calls per block: about this long (1 to 64 calls)
+TIMINGS = ("cpu", "wall")
+
+
+TIMING_NOTES = {
+    "cpu": "host times: CPU time of one-thread ONNX Runtime sessions (a core to itself; this host's other load "
+    "left out; --timing wall for wall-clock with the default thread pool)",
+    "wall": "host times: wall-clock with ONNX Runtime's default thread pool, under this host's current load",
+}
 
 
 class SplitCompositionError(ValidationFailedError):
@@ -92,16 +106,28 @@ def measure(
     min_rounds: int = 5,
     budget_s: float = 20.0,
     compress: bool = True,
+    timing: str = "cpu",
 ) -> Measurements:
     """Check every head∘tail against the full model on ``feeds``, then time the full model and
     every head and tail side by side on the first feed."""
-    full = ort_cpu_runner(full_path)
+    import time
+
+    from edgekit.errors import ConfigError
+
+    if timing not in TIMINGS:
+        raise ConfigError(f"--timing {timing!r}: expected one of {', '.join(TIMINGS)}")
+    threads = 1 if timing == "cpu" else 0  # 0: ONNX Runtime's default pool
+
+    def open_(path: Path) -> Runner:
+        return ort_open(path)(threads)
+
+    full = open_(full_path)
     references = [full(f) for f in feeds]
     n = sum(rows(f) for f in feeds)
     runners: list[tuple[CutPoint, Runner, Runner]] = []
     checked: list[tuple[int, float, tuple[CompressionCost, ...]]] = []
     for cut, head_path, tail_path in cuts:
-        head, tail = ort_cpu_runner(head_path), ort_cpu_runner(tail_path)
+        head, tail = open_(head_path), open_(tail_path)
         runners.append((cut, head, tail))
         worst, sent = 0.0, 0
         mids: list[dict[str, np.ndarray]] = []
@@ -127,7 +153,8 @@ def measure(
         fns[f"tail:{cut.id}"] = _bind(tail, mid)
     from device_agents.split.profile import interleaved_rounds
 
-    rounds = interleaved_rounds(fns, budget_s=budget_s, min_rounds=min_rounds, block_ms=BLOCK_MS)
+    clock = time.thread_time if timing == "cpu" else time.perf_counter
+    rounds = interleaved_rounds(fns, budget_s=budget_s, min_rounds=min_rounds, block_ms=BLOCK_MS, clock=clock)
     ms = {name: statistics.median(v) for name, v in rounds.items()}
     per_call = rows(feeds[0])
     cut_rows = tuple(
@@ -151,6 +178,7 @@ def measure(
         samples=n,
         calls_per_function=len(rounds["full"]),
         spread={name: _relative_iqr(v) for name, v in rounds.items()},
+        notes=(TIMING_NOTES[timing],),
     )
 
 

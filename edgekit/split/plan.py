@@ -139,6 +139,7 @@ def build_options(
         notes.append("device times: measured on this host with ONNX Runtime (no --device-profile)")
     else:
         notes.append(f"device times: {device.source}")
+    notes.extend(measured.notes)
     if server is None:
         notes.append(
             f"server times: ASSUMED {server_speedup:g}x faster than this host (no --server-profile; "

@@ -57,6 +57,7 @@ def plan_model(
     device_power_w: float | None = None,
     radio_power_w: float | None = None,
     idle_power_w: float | None = None,
+    timing: str = "cpu",
 ) -> PlanRun:
     if target not in TARGETS:
         raise ConfigError(
@@ -83,7 +84,7 @@ def plan_model(
             )
         )
     feeds, source = sample_feeds(model, calib, samples)
-    measured = measure(full_path, files, feeds, budget_s=budget_s, compress=True)
+    measured = measure(full_path, files, feeds, budget_s=budget_s, compress=True, timing=timing)
     device = read_profile(device_profile) if device_profile else None
     server = read_profile(server_profile) if server_profile else None
     plan = make_plan(

@@ -43,6 +43,7 @@ from edgekit.errors import MissingSDKError
 from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, Refinement
 from edgekit.targets.base import BuildContext, BuildResult
 from edgekit.targets.op_support import UnsupportedNode, raise_unsupported
+from edgekit.targets.shape_profile import PROFILE_KEY, optimization_profile, profile_data, profiled_signature
 from edgekit.validate.ort_runner import ort_cpu_runner
 
 ARTIFACT = "model.onnx"
@@ -92,6 +93,10 @@ class JetsonOptions:
     int8_fp16_fallback: bool = True  # let layers left in float run in FP16 (builder flags int8 + fp16)
     max_calib_samples: int = 256
     calibration_table_trt_version: str = "10.0.0"  # version written in the calibration cache header
+    # the TensorRT optimization profile (edgekit.targets.shape_profile; --batch): [MIN, OPT, MAX] of the
+    # dynamic batch axis, and NAME=MIN:OPT:MAX shapes (1x3x320x320:4x3x480x480:8x3x640x640) for other axes
+    batch: tuple[int, ...] = ()
+    profile_shapes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.workspace_mb < 16:
@@ -102,6 +107,8 @@ class JetsonOptions:
             raise ValueError(f"max_calib_samples must be >= 1, got {self.max_calib_samples}")
         if not self.quantize_op_types:
             raise ValueError("quantize_op_types must name at least one op type")
+        if self.batch and (len(self.batch) != 3 or not 1 <= self.batch[0] <= self.batch[1] <= self.batch[2]):
+            raise ValueError(f"batch must be [MIN, OPT, MAX] with 1 <= MIN <= OPT <= MAX, got {list(self.batch)}")
 
 
 class JetsonTarget:
@@ -132,6 +139,7 @@ class JetsonTarget:
     # -- candidates ---------------------------------------------------------------------------
     def candidates(self, ctx: BuildContext) -> CandidatePlan:
         opts: JetsonOptions = ctx.options
+        optimization_profile(ctx.served, ctx.static_shapes, opts.batch, opts.profile_shapes)  # refused before builds
         want = ctx.precision
         auto = want == "auto"
         prepared = ctx.model_path
@@ -177,6 +185,9 @@ class JetsonTarget:
             "engine": "built on the device from the ONNX artifact; cached per GPU, compute capability, "
             "TensorRT version and artifact sha256",
         }
+        profile = optimization_profile(ctx.served, ctx.static_shapes, opts.batch, opts.profile_shapes)
+        if profile is not None:  # the device builds the engine for these ranges; they stay dynamic when served
+            target_options[PROFILE_KEY] = profile_data(profile)
         if CALIBRATION_TABLE in built.files:
             target_options["calibration_table"] = CALIBRATION_TABLE
             target_options["calibration_table_tensors"] = "tensor names of the FP32 source graph"
@@ -189,7 +200,9 @@ class JetsonTarget:
                 arch=("aarch64", "x86_64"),
                 accelerator="cuda",
             ),
-            artifact_signature=static_signature(out, ctx.served, ctx.static_shapes),
+            artifact_signature=static_signature(out, ctx.served, ctx.static_shapes)
+            if profile is None
+            else profiled_signature(ctx.served, target_options),
             mapping=(),
             precision=built.precision,
             runnable_here=False,
@@ -198,7 +211,7 @@ class JetsonTarget:
             target_options=target_options,
             intermediate=intermediate,
             intermediate_name=intermediate_name,
-            static=True,
+            static=profile is None,
         )
 
 

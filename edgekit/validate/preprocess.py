@@ -182,6 +182,23 @@ class Preprocess:
         return c, (int(dims[0]), int(dims[1]))
 
 
+def describe_steps(steps: Sequence[ProcessingStep]) -> str:
+    """Pre-processing steps as one line (``resize size=16x16 interpolation=bilinear -> scale
+    value=0.00392157 -> ...``): what ``inspect``, the package note and the candidate report print."""
+    from edgekit.bundle.codec import to_data
+
+    def value(k: str, v: Any) -> str:
+        if isinstance(v, list):
+            return ("x" if k == "size" else "/").join(f"{x:g}" if isinstance(x, float) else str(x) for x in v)
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    def one(step: ProcessingStep) -> str:
+        shown = {k: v for k, v in to_data(step).items() if k not in ("op", "tensor") and v not in ([], None)}
+        return " ".join([step.op, *(f"{k}={value(k, v)}" for k, v in shown.items())])
+
+    return " -> ".join(one(s) for s in steps)
+
+
 def image_files(source: str | Path) -> list[Path] | None:
     """The image files of a folder (recursively) or a glob pattern, sorted; ``None`` if ``source``
     is neither (a file path)."""

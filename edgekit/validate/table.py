@@ -45,6 +45,7 @@ def format_table(rows: Sequence[Any]) -> str:
     out.insert(1, "  ".join("-" * w for w in widths))
     timed = sorted({t for r in rows if (t := getattr(r, "timed_on", ""))})
     out += [f"timed on {t}" for t in timed]  # a host with AVX-512 VNNI or AMX is not the device's CPU
+    out += [f"{r.target} {r.shapes}" for r in rows if getattr(r, "shapes", "")]  # frozen axes, TensorRT profile
     return "\n".join(out)
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
+from device_agents.serving.tls import local_context_for
 from examples.agent_process import pinned
 from tests.agent.bundles import rebundle, reshape_model, tamper
 from tests.factories import make_cpu_bundle, sample_inputs
@@ -152,15 +153,18 @@ class RunningAgent:
         return self.proc.wait(timeout=30)
 
 
-def start_agent(config: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> RunningAgent:
-    """Start `edgekit-agent run` (with ``args`` after the subcommand) and wait until it answers /v2/health/ready."""
+def start_agent(
+    config: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = (), prefix: tuple[str, ...] = ()
+) -> RunningAgent:
+    """Start `edgekit-agent run` (with ``args`` after the subcommand, the whole command after ``prefix``,
+    e.g. an ``unshare`` wrapper) and wait until it answers /v2/health/ready."""
     store = config.parent / "store"
     info = store / "daemon.json"
     info.unlink(missing_ok=True)
     log = config.parent / "agent.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "device_agents.cli", "run", "--config", str(config), *args],
+            [*prefix, sys.executable, "-m", "device_agents.cli", "run", "--config", str(config), *args],
             stdout=out,
             stderr=out,
             env={**os.environ, **(env or {})},
@@ -171,7 +175,7 @@ def start_agent(config: Path, env: dict[str, str] | None = None, args: tuple[str
             raise RuntimeError(f"agent exited {proc.returncode}:\n{log.read_text()}")
         try:
             url = json.loads(info.read_text())["url"]
-            with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2) as r:
+            with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2, context=local_context_for(url)) as r:
                 if r.status == 200:
                     return RunningAgent(proc, url, config, log)
         except (OSError, ValueError, KeyError):

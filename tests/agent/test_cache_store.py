@@ -79,6 +79,23 @@ def test_key_changes_with_model_version_digest_dtype_outputs_and_answer_paramete
     assert _maker().key({"x": x}, requested_outputs=["b", "a"]).digest == _maker().key({"x": x}, ["a", "b"]).digest
 
 
+def test_key_maker_reuses_a_header_only_for_the_same_shapes_outputs_and_parameters() -> None:
+    maker, x = _maker(), _x(1)
+    asked = [
+        ({"x": x}, None, None),
+        ({"x": x}, None, {"top_k": 1}),
+        ({"x": x}, None, {"top_k": True}),  # equal to 1 in Python, not in the answer's JSON
+        ({"x": x}, None, {"top_k": 1.0}),
+        ({"x": x}, ["scores"], None),
+        ({"x": x.reshape(1, 3, 64, 1)}, None, None),
+        ({"x": x}, None, {"top_k": [1]}),  # not a plain value: built, not remembered
+    ]
+    first = [maker.key(i, o, p).header for i, o, p in asked]
+    again = [maker.key(i, o, p).header for i, o, p in asked]  # the same maker: from its remembered headers
+    assert first == again and len(set(first)) == len(asked)
+    assert first == [_maker().key(i, o, p).header for i, o, p in asked]  # what a fresh maker builds
+
+
 def test_key_bytes_inputs_key_by_items_and_shape() -> None:
     one = np.array([b"ab", b"c"], dtype=object)
     other_split = np.array([b"a", b"bc"], dtype=object)
@@ -157,7 +174,7 @@ def test_cache_hash_collision_is_a_miss_in_both_tiers(tmp_path: Path) -> None:
     key = _maker().key({"x": _x(6)})
     cache.put(key, {"y": _x(7, (3,))}, model="det", version=1, ttl_s=60, wait=True)
     other = _maker().key({"x": _x(8)})
-    forged = CacheKey(key.digest, other.header, other.buffers)  # another request with the same xxh3-128
+    forged = CacheKey(key.digest, other.header, other.buffers, key.sketch)  # the same xxh3-128 and sketch
     assert cache.get(forged, "det") is None
     cache.close()
     reopened = _cache(tmp_path)
@@ -297,7 +314,7 @@ def test_cache_memory_tier_compares_a_kept_key_in_full(tmp_path: Path) -> None:
     key = _maker().key({"x": x})
     cache.put(key, {"y": _x(24, (2,))}, model="det", version=1, ttl_s=60, disk_on_hit=True)
     other = _maker().key({"x": _x(25)})
-    assert cache.get(CacheKey(key.digest, other.header, other.buffers), "det") is None
+    assert cache.get(CacheKey(key.digest, other.header, other.buffers, key.sketch), "det") is None
     assert cache.get(_maker().key({"x": x.copy()}), "det") is not None
     cache.close()
 
@@ -366,7 +383,7 @@ def test_cache_admit_second_stores_a_full_tier_s_answer_only_at_its_key_s_second
 
 def test_cache_doorkeeper_says_seen_only_of_a_digest_it_was_shown() -> None:
     keeper = Doorkeeper(slots=4)
-    digests = [_maker().key({"x": _x(300 + i)}).digest for i in range(64)]
+    digests = [_maker().key({"x": _x(300 + i)}).sketch for i in range(64)]
     assert [keeper.seen_before(d) for d in digests[:1]] == [False]
     assert keeper.seen_before(digests[0])
     # 64 digests through 4 slots: a digest is "seen" only after it was shown, never because of another's
@@ -384,6 +401,7 @@ def test_cache_file_of_the_previous_format_is_migrated_with_its_entries(tmp_path
     with sqlite3.connect(tmp_path / DB_NAME) as db:  # as format 1 wrote it: no signature columns
         db.execute("ALTER TABLE entries DROP COLUMN context")
         db.execute("ALTER TABLE entries DROP COLUMN signature")
+        db.execute("ALTER TABLE entries DROP COLUMN sketch")
         db.execute("PRAGMA user_version=1")
     reopened = _cache(tmp_path)
     hit = reopened.get(_maker().key({"x": _x(60)}), "det")
@@ -399,3 +417,47 @@ def test_cache_file_of_the_previous_format_is_migrated_with_its_entries(tmp_path
     assert context == b"c" and digest == other.digest
     np.testing.assert_array_equal(stored, sig)
     again.close()
+
+
+def test_cache_miss_reads_the_file_only_for_a_digest_it_holds(tmp_path: Path) -> None:
+    cache = _cache(tmp_path)
+    stored = [_maker().key({"x": _x(70 + i)}) for i in range(3)]
+    for key in stored:
+        assert cache.put(key, {"y": _x(80, (2,))}, model="det", version=1, ttl_s=60, wait=True)
+    cache.close()
+    reopened = _cache(tmp_path, memory_max_bytes=1)  # nothing fits in memory: every hit is the file's
+    statements: list[str] = []
+    assert reopened._reader is not None
+    reopened._reader.set_trace_callback(statements.append)
+    for i in range(20):  # an all-miss stream: answered without a query
+        assert reopened.get(_maker().key({"x": _x(100 + i)}), "det") is None
+    assert statements == []
+    hit = reopened.get(_maker().key({"x": _x(70)}), "det")
+    assert hit is not None and hit.tier == "disk" and len(statements) == 1
+    reopened.sweep("det", 2)  # the file's entries were all version 1: gone, and so are their fingerprints
+    assert reopened.flush() and reopened.entries() == 0
+    assert reopened.get(_maker().key({"x": _x(71)}), "det") is None and len(statements) == 1
+    v2 = _maker(version=2).key({"x": _x(71)})
+    assert reopened.put(v2, {"y": _x(80, (2,))}, model="det", version=2, ttl_s=60, wait=True)
+    assert reopened.get(_maker(version=2).key({"x": _x(71)}), "det") is not None and len(statements) == 2
+    reopened.close()
+
+
+def test_cache_miss_of_a_never_seen_sketch_skips_the_full_hash(tmp_path: Path) -> None:
+    cache = _cache(tmp_path)
+    x = _x(90, (3, 64, 64))
+    assert cache.put(_maker().key({"x": x}), {"y": _x(91, (2,))}, model="det", version=1, ttl_s=60, wait=True)
+    fresh = _maker().key({"x": _x(92, (3, 64, 64))})
+    assert cache.get(fresh, "det") is None and not fresh.hashed  # its sketch is no entry's: no xxh3-128 of it
+    same_sample = x.copy()
+    same_sample[0, 5, 3] += 1.0  # a byte the sketch does not read: the same sketch, another key
+    twin = _maker().key({"x": same_sample})
+    assert twin.sketch == _maker().key({"x": x}).sketch
+    assert cache.get(twin, "det") is None and twin.hashed  # compared in full: a miss, never x's answer
+    assert cache.get(_maker().key({"x": x.copy()}), "det") is not None
+    cache.close()
+    reopened = _cache(tmp_path)  # the sketches of the file's entries are read back with them
+    assert reopened.get(_maker().key({"x": x.copy()}), "det") is not None
+    again = _maker().key({"x": _x(92, (3, 64, 64))})
+    assert reopened.get(again, "det") is None and not again.hashed
+    reopened.close()

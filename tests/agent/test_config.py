@@ -101,7 +101,10 @@ def test_config_without_updates_table_has_none(tmp_path: Path) -> None:
             "agent.budgets: when_full 'swap' must be one of refuse, unload_idle",
         ),
         (BASE + "[budgets]\npower_w = 5\nenergy_j = 50\n", "agent.budgets: power_w and energy_j are two ways"),
-        (BASE + "[budgets]\ndegrade = ['batch']\n", "agent.budgets: degrade step 'batch' is planned"),
+        (
+            BASE + "[models.m.batching]\nmax_batch_size = 4\nbudget_max_batch_size = 8\n",
+            "agent.models.m.batching: budget_max_batch_size must be between 1 and max_batch_size (4), got 8",
+        ),
         (BASE + "[budgets]\npower_mw = 5000\n", "agent.budgets: unknown key 'power_mw'"),
         (BASE + "[runtime]\nextra = { FOO = '1' }\n", "agent.runtime.extra.FOO: config v2 has no free-form runtime"),
         (BASE + "[runtime]\nthreds = 1\n", "agent.runtime: unknown key 'threds'"),

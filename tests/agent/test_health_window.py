@@ -136,3 +136,28 @@ def test_health_windows_compare_with_the_previous_version_s_own_traffic(tmp_path
     assert "v2 failed 10 of 16 requests" in verdict.reason and "v1 failed 4 of 10" in verdict.reason
     assert traffic(metrics, "m").since(Traffic()) == Traffic(26, 14)
     windows.stop()
+
+
+def test_health_window_retries_recording_healthy_when_the_store_cannot_be_opened_yet() -> None:
+    import errno
+
+    metrics = AgentMetrics()
+    calls: list[str] = []
+
+    def healthy(name: str) -> None:  # the first try finds no descriptor free (the store's lock file)
+        calls.append(name)
+        if len(calls) == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+
+    windows = HealthWindows(metrics, 0.05, serving=lambda name: 2, rollback=lambda n, w: None, healthy=healthy,
+                            poll_s=0.01)  # fmt: skip
+    windows.open("m", 2, 1)
+    give_up = threading.Event()
+    timer = threading.Timer(30, give_up.set)  # before: the window's thread died, no verdict ever came
+    timer.start()
+    try:
+        assert windows.wait("m", 2, stop=give_up) == Verdict("m", 2, "healthy")
+    finally:
+        timer.cancel()
+    assert calls == ["m", "m"]
+    windows.stop()

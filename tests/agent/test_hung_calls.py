@@ -231,4 +231,5 @@ def test_hung_call_outside_the_runtime_is_abandoned_and_counted(
     assert status == 500 and "hung" in doc["error"]
     assert _metric(agent, "edgekit_hung_call_stops_total", model="loop", how="abandoned") == 1
     assert _metric(agent, "edgekit_hung_call_stops_total", model="loop", how="terminated") == 0
+    assert "its thread was not inside onnxruntime (nothing to terminate) and is left running" in agent.log.read_text()
     assert agent.stop() == 0

@@ -13,7 +13,7 @@ import tritonclient.http as triton
 from device_agents.config import load_config
 from device_agents.lifecycle import Lifecycle
 from device_agents.store import Store
-from tests.agent.conftest import AgentFactory, Bundles, RunningAgent, write_config
+from tests.agent.conftest import AgentFactory, Bundles, RunningAgent, agent_cli, write_config
 
 
 def _infer(agent: RunningAgent, name: str, x: np.ndarray, input_name: str = "input") -> tuple[str, np.ndarray]:
@@ -54,16 +54,21 @@ def test_agent_rebuilds_unreadable_state_from_the_verified_slots(
     assert _infer(agent, "reshape", np.ones((1, 4), np.float32), "x")[0] == "1"
     log = agent.log.read_text()
     assert f"state rebuilt: {v4.path}: left out, it does not verify" in log and "sha256 does not match" in log
-    assert "state rebuilt: tiny: state rebuilt from the verified slots on disk: v2 active, v1 previous" in log
+    assert "state rebuilt: tiny: state rebuilt from the verified slots on disk: v2 active, v1 previous; the " in log
+    assert "anti-rollback counter restarts at v4, the highest version signed for it on disk" in log
     assert "state rebuilt from the verified slots on disk: 2 model(s) (reshape v1, tiny v2)" in log
-    assert agent.stop() == 0
-
-    after = store.load_state().models  # written down: the next start reads it
-    tiny = after["tiny"]
+    rebuilt = store.load_state().models  # written down: the next start reads it
+    tiny = rebuilt["tiny"]
     assert tiny.active is not None and tiny.previous is not None
     assert (tiny.active.path, tiny.active.sha256) == (v2.path, v2.sha256)  # the full hash, from the kept bundle
-    assert (tiny.previous.version, tiny.max_version, tiny.status) == (1, 2, "rebuilt")
-    assert after["reshape"].active is not None and after["reshape"].active.version == 1
+    # v4's files changed, its signed manifest did not: the counter does not fall back below it
+    assert (tiny.previous.version, tiny.max_version, tiny.status) == (1, 4, "rebuilt")
+    assert rebuilt["reshape"].active is not None and rebuilt["reshape"].active.version == 1
     kept = json.loads((store.root / "state.json.unreadable").read_bytes() + b'"x"}}')  # set aside, as it was
     assert kept["models"]["tiny"] == "x"
     assert (store.root / "state.json.bak.unreadable").read_bytes() == b"\0" * 512
+
+    done = agent_cli("install", str(bundles.v4), "--config", str(config))  # a good copy of the counter's version
+    assert done.returncode == 0 and "installed tiny v4 (was v2)" in done.stdout, done.stderr
+    assert _infer(agent, "tiny", x)[0] == "4"
+    assert agent.stop() == 0

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from device_agents.budgets.footprint import measure_in_child
+from edgekit.bundle import TrustStore, extract, read_verified_manifest
 from edgekit.bundle.manifest import Manifest
 from tests.agent.bundles import read_manifest
+from tests.factories import make_cpu_bundle, tiny_classifier
 
 N = 1024  # a MatMul of N x N float32 weights: 4 MB
 
@@ -41,7 +43,7 @@ def test_packager_records_the_measured_memory_of_load_and_first_inference(
     calib = {"x": np.random.default_rng(1).standard_normal((8, N)).astype(np.float32)}
     result = edgekit.package(
         _matmul(tmp_path / "m.onnx"), targets=["cpu"], precision="fp32", calib=calib, key=keypair[0], name="m",
-        out_dir=tmp_path / "out",
+        out_dir=tmp_path / "out", allow_small_eval=True,  # the memory estimate is tested, not the gate
     )  # fmt: skip
     manifest = read_manifest(Path(result.bundles["cpu"]))
     est = manifest.estimates
@@ -64,3 +66,14 @@ def test_footprint_child_raises_with_what_failed(tmp_path: Path) -> None:
     empty.mkdir()
     with pytest.raises(RuntimeError, match="measuring the model's memory failed: "):
         measure_in_child(empty, manifest, tmp_path / "work")
+
+
+def test_footprint_child_peak_is_the_model_s_not_the_parent_s(tmp_path: Path, keypair: tuple[Path, Path]) -> None:
+    bundle = make_cpu_bundle(tmp_path / "m.ekb", tiny_classifier(tmp_path / "m.onnx"), keypair[0])
+    verified = read_verified_manifest(bundle, TrustStore.from_files([keypair[1]]))
+    model_dir = extract(bundle, verified, tmp_path / "model")
+    held = np.ones(300 * 2**20 // 8)  # the parent (a packager) holds 300 MB when it starts the child
+    got = measure_in_child(model_dir, verified.manifest, tmp_path / "work")
+    assert held.sum() > 0
+    assert got["peak_memory_mb"] < 50, got  # a model of a few kB: its load, not the parent's memory
+    assert got["peak_memory_mb"] >= got["memory_mb"]

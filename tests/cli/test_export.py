@@ -41,7 +41,7 @@ def test_cli_export_module_factory_with_a_dynamic_batch_then_package(capsys, net
     assert lines[2] == "next: edgekit package net.onnx --calib DATA.npz"
     dims = onnx.load("net.onnx").graph.input[0].type.tensor_type.shape.dim
     assert [d.dim_param or d.dim_value for d in dims] == ["batch", 3, 16, 16]
-    np.savez("calib.npz", input=np.random.default_rng(0).standard_normal((20, 3, 16, 16)).astype(np.float32))
+    np.savez("calib.npz", input=np.random.default_rng(0).standard_normal((250, 3, 16, 16)).astype(np.float32))
     argv = ["package", "net.onnx", "--calib", "calib.npz", "--precision", "fp32", "-q", "--key"]
     assert main(["keygen", "--out", "keys", "--name", "k"]) == 0
     capsys.readouterr()

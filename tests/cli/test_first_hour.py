@@ -38,7 +38,7 @@ def _agent(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str,
 def ws(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("first-hour")
     model = tiny_classifier(root / "tiny.onnx")
-    np.savez(root / "calib.npz", input=confident_inputs(model, 20))
+    np.savez(root / "calib.npz", input=confident_inputs(model, 250))  # 50 held out: no small-gate warning
     assert main(["keygen", "--out", str(root / "keys"), "--name", "k"]) == 0
     return {
         "root": root,
@@ -230,7 +230,7 @@ def test_cli_package_input_shape_mismatch_blames_the_flag(capsys, ws, tmp_path: 
     )
     assert code == 2
     assert err == (
-        "edgekit: error: calibration data: input 'input' has shape [20, 3, 16, 16], expected [N, 3, 224, 224] "
+        "edgekit: error: calibration data: input 'input' has shape [250, 3, 16, 16], expected [N, 3, 224, 224] "
         "(axis 2 is 16, --input-shape input=1x3x224x224 sets it to 224)\n"
     )
 
@@ -263,7 +263,7 @@ def test_cli_package_tolerance_for_the_other_output_kind_is_an_error(capsys, ws,
 
 
 def test_cli_package_fp16_needs_no_calibration_data(capsys, ws, tmp_path: Path) -> None:
-    np.savez(tmp_path / "eval.npz", input=confident_inputs(ws["model"], 8))
+    np.savez(tmp_path / "eval.npz", input=confident_inputs(ws["model"], 50))
     code, out, err = _package(capsys, ws, tmp_path, "--precision", "fp16", "--eval", tmp_path / "eval.npz", "-q")
     assert (code, err) == (0, "")
     # fp16 of a tiny model may run slower than fp32 here: shipped all the same, and said so
@@ -278,15 +278,15 @@ def test_cli_package_fp16_needs_no_calibration_data(capsys, ws, tmp_path: Path) 
 
 
 def test_cli_package_npy_calibration_for_a_one_input_model(capsys, ws, tmp_path: Path) -> None:
-    np.save(tmp_path / "calib.npy", confident_inputs(ws["model"], 20))
+    np.save(tmp_path / "calib.npy", confident_inputs(ws["model"], 250))
     code, out, err = _package(capsys, ws, tmp_path, "--precision", "fp32", "--calib", tmp_path / "calib.npy", "-q")
     assert (code, err) == (0, "")
     assert out.splitlines()[-1] == f"cpu: {tmp_path}/m-cpu-v1.ekb"
 
 
 def test_cli_package_uses_labels_inside_the_eval_npz(capsys, ws, tmp_path: Path) -> None:
-    x = confident_inputs(ws["model"], 10)
-    labels = np.arange(10) % 10
+    x = confident_inputs(ws["model"], 50)
+    labels = np.arange(50) % 10
     np.savez(tmp_path / "eval.npz", input=x, labels=labels)
     code, out, err = _package(
         capsys, ws, tmp_path, "--precision", "fp32", "--calib", ws["calib"], "--eval", tmp_path / "eval.npz", "-q"
@@ -311,6 +311,12 @@ def test_cli_package_uses_labels_inside_the_eval_npz(capsys, ws, tmp_path: Path)
         2,
         "edgekit: error: evaluation data holds a 'labels' array and --labels was given too; keep one of them\n",
     )
+
+
+SMALL_GATE = (  # a gate on n < 50 held-out samples split off the calibration data (--allow-small-eval below 10)
+    "warning: the validation gate is decided on {n} held-out samples (fewer than 50), too few to trust its numbers; "
+    "give --eval data with 50 or more samples, or --calib data with 250 or more (every 5th sample is held out)\n"
+)
 
 
 def _image_folder(root: Path, model: Path, n: int = 12) -> Path:
@@ -354,8 +360,9 @@ def test_cli_package_takes_the_npz_calib_make_wrote_with_labels_from_folders(cap
     code, _, err = _cli(capsys, "calib", "make", images, "--model", ws["model"], "--preprocess", pre,
                         "--labels-from-folders", "-o", tmp_path / "data.npz")  # fmt: skip
     assert (code, err) == (0, "")
-    code, _, err = _package(capsys, ws, tmp_path / "a", "--calib", tmp_path / "data.npz", "--precision", "fp32", "-q")
-    assert (code, err) == (0, "")
+    code, _, err = _package(capsys, ws, tmp_path / "a", "--calib", tmp_path / "data.npz", "--precision", "fp32", "-q",
+                            "--allow-small-eval")  # fmt: skip
+    assert (code, err) == (0, SMALL_GATE.format(n=4))
     from edgekit.bundle.archive import read_unverified_manifest
 
     m, _ = read_unverified_manifest(tmp_path / "a" / "m-cpu-v1.ekb")
@@ -386,8 +393,9 @@ def test_cli_package_from_an_image_folder_with_preprocess(capsys, ws, tmp_path: 
         "--preprocess",
         "fit=center-crop,channels=BGR",
         "-q",
+        "--allow-small-eval",
     )
-    assert (code, err) == (0, "")
+    assert (code, err) == (0, SMALL_GATE.format(n=2))
     assert out.splitlines()[-1] == f"cpu: {tmp_path}/m-cpu-v1.ekb"
     from edgekit.bundle.archive import read_unverified_manifest
 
@@ -622,8 +630,9 @@ def test_package_api_takes_the_request_fields_keyword_only_after_the_model() -> 
     assert [p.kind for p in params] == [inspect.Parameter.POSITIONAL_OR_KEYWORD] + [inspect.Parameter.KEYWORD_ONLY] * (
         len(params) - 1
     )
+    call = edgekit.package
     with pytest.raises(TypeError):
-        edgekit.package("m.onnx", ["cpu"])  # type: ignore[misc]  # the point: positional settings are refused
+        call("m.onnx", ["cpu"])  # type: ignore[misc]  # the point: positional settings are refused
 
 
 # -- edgekit bench ----------------------------------------------------------------------------
@@ -706,5 +715,5 @@ def test_cli_package_json_on_a_failed_gate_exit_3(capsys, ws, tmp_path: Path) ->
     doc = json.loads(out)
     assert (doc["exit_code"], doc["passed"], doc["bundles"]) == (3, False, {})
     assert doc["rows"][0]["failures"] == doc["rows"][0]["validation"]["failures"] != []
-    assert doc["error"].startswith("cpu fp32 failed validation on 4 held-out samples: top-1 agreement with fp32 1")
+    assert doc["error"].startswith("cpu fp32 failed validation on 50 held-out samples: top-1 agreement with fp32 1")
     assert err.startswith("edgekit: error: cpu fp32 failed validation")

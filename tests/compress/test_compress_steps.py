@@ -219,8 +219,8 @@ def test_compress_cli_prints_one_row_per_step_and_exits_3_when_the_gate_fails(tm
 def test_package_compress_records_the_steps_and_gates_against_the_original(
     tmp_path: Path, keypair: tuple[Path, Path]
 ) -> None:
-    from edgekit import package
     from edgekit.packaging.result import PackageValidationError
+    from tests.factories import package_small_data as package
 
     model, _, evaluation = _export(tmp_path, dense=True)
     data = tmp_path / "eval.npz"

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from edgekit import package
 from edgekit.cli import main
 from edgekit.errors import ConfigError
 from tests.factories import confident_inputs, tiny_classifier
+from tests.factories import package_small_data as package
 
 CPU = {"cpu": {"openvino": False, "activations": "uint8"}}  # three ORT INT8 layouts, no OpenVINO
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgekit import package
 from edgekit.packaging.result import PackageValidationError
+from tests.factories import package_small_data as package
 from tests.optimize.models import confident, mobilenet_v3_block, outlier_mlp, token_classifier
 
 ORT_ONLY = {"quant_format": "qdq", "activations": "uint8", "per_channel": "on"}

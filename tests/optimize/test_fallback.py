@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgekit import package
 from edgekit.bundle.manifest import Tolerance
 from edgekit.optimize.candidates import CandidatePlan
 from edgekit.optimize.data import search_data
@@ -18,6 +17,7 @@ from edgekit.optimize.engine import search
 from edgekit.optimize.margin import selection_margin, wilson_lower
 from edgekit.packaging.result import PackageValidationError
 from edgekit.validate.metrics import compare
+from tests.factories import package_small_data as package
 from tests.factories import tiny_dense
 from tests.optimize.test_search import SERVED, _exact, _untimed
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from edgekit import package
 from edgekit.errors import ConfigError
 from edgekit.targets import get_target
 from edgekit.targets.precisions import choose_precisions, parse_precision_arg, resolve_precisions
 from tests.factories import confident_inputs, tiny_classifier
+from tests.factories import package_small_data as package
 
 APPLE_BUILDS = "fp16, int8, int8-weights, palettize6, palettize4, fp32, auto"
 

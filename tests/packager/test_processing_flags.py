@@ -28,8 +28,8 @@ def _images(n: int, size: int = 64) -> dict[str, np.ndarray]:
 def test_package_detector_records_letterbox_boxes_and_labels(
     detector: Path, keypair: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    from edgekit import package
     from edgekit.bundle import TrustStore, key_id, load_public_key, read_verified_manifest
+    from tests.factories import package_small_data as package
 
     labels = tmp_path / "classes.txt"
     labels.write_text("red\ngreen\nblue\n")
@@ -59,7 +59,7 @@ def test_package_detector_records_letterbox_boxes_and_labels(
 
 
 def test_package_classifier_topk_softmax_decided_on_its_outputs(keypair: tuple[Path, Path], tmp_path: Path) -> None:
-    from edgekit import package
+    from tests.factories import package_small_data as package
 
     model = tiny_classifier(tmp_path / "cls.onnx", classes=4)  # ends in Softmax: already probabilities
     lines: list[str] = []
@@ -104,7 +104,7 @@ def test_postprocess_checked_against_the_model_outputs(post: str, labels: str | 
 def test_labels_file_without_postprocess_is_refused_before_any_work(
     detector: Path, keypair: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    from edgekit import package
+    from tests.factories import package_small_data as package
 
     labels = tmp_path / "classes.txt"
     labels.write_text("red\ngreen\nblue\n")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from edgekit import package
 from edgekit.targets.sdk_output import sdk_output_to
 from tests.factories import confident_inputs, tiny_classifier
+from tests.factories import package_small_data as package
 
 
 def test_sdk_output_to_captures_fd_sys_and_logging_output_but_not_progress(

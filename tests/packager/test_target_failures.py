@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgekit import package
 from edgekit.cli import main
 from edgekit.errors import UnsupportedOpError
 from edgekit.packaging.result import PackageValidationError
 from tests.factories import _save
+from tests.factories import package_small_data as package
 
 
 def _thresholded_relu_mlp(path: Path) -> Path:
@@ -81,7 +81,7 @@ def test_cli_package_multi_target_exits_non_zero_after_writing_what_it_could(tmp
     code = main([
         "package", str(model), "--target", "apple,cpu", "--precision", "fp32", "--calib", str(tmp_path / "calib.npz"),
         "--key", str(tmp_path / "keys" / "k.key"), "--name", "m", "--version", "1", "-o", str(tmp_path / "out"),
-        "-q", "--json",
+        "-q", "--json", "--allow-small-eval",
     ])  # fmt: skip
     captured = capsys.readouterr()
     doc = json.loads(captured.out)

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgekit import package
 from edgekit.bundle.manifest import Signature, TensorSpec, Tolerance
 from edgekit.errors import ConfigError
 from edgekit.packaging.result import PackageValidationError
 from edgekit.validate.metrics import compare, kind_of, output_tasks, parse_tasks
 from tests.factories import _save
+from tests.factories import package_small_data as package
 
 
 def _signature(*shapes: tuple[object, ...]) -> Signature:

@@ -230,3 +230,13 @@ def test_plan_energy_objective_without_a_device_power_is_an_error(tmp_path: Path
     model = shrinking_convnet(tmp_path / "m.onnx")
     with pytest.raises(ConfigError, match="--device-power-w W, or a --device-profile recorded by `edgekit-agent"):
         plan_model(model, tmp_path / "o", [1.0], objective="energy", budget_s=0.3, plot=False)
+
+
+def test_plan_times_one_thread_sessions_by_cpu_time_unless_timing_wall(tmp_path: Path) -> None:
+    model = shrinking_convnet(tmp_path / "m.onnx")
+    cpu = plan_model(model, tmp_path / "cpu", [10.0], budget_s=0.2, plot=False)
+    assert any("CPU time of one-thread ONNX Runtime sessions" in n for n in cpu.plan.assumptions)
+    wall = plan_model(model, tmp_path / "wall", [10.0], budget_s=0.2, plot=False, timing="wall")
+    assert any("wall-clock with ONNX Runtime's default thread pool" in n for n in wall.plan.assumptions)
+    with pytest.raises(ConfigError, match="--timing 'gpu'"):
+        plan_model(model, tmp_path / "x", [10.0], budget_s=0.2, plot=False, timing="gpu")

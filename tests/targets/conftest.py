@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from edgekit import package
 from edgekit.bundle import TrustStore, extract, read_verified_manifest
 from edgekit.bundle.manifest import Manifest
 from edgekit.packaging.result import PackageResult
 from tests.factories import confident_inputs, tiny_classifier
+from tests.factories import package_small_data as package
 
 
 @pytest.fixture(scope="session")

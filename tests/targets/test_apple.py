@@ -578,7 +578,7 @@ def test_apple_refuses_w8a8_below_ios17(prepared, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_apple_w8a8_passes_its_gate_on_the_digits_example(keypair, tmp_path: Path, open_bundle) -> None:
-    from edgekit import package
+    from tests.factories import package_small_data as package
 
     digits = Path(__file__).resolve().parents[2] / "examples" / "digits"
     with warnings.catch_warnings():
@@ -611,7 +611,7 @@ def test_apple_w8a8_converts_a_dynamic_hw_yolo_style_detector_and_passes_its_gat
 ) -> None:
     # Frozen first (static shapes, onnxslim), then quantized with onnx2torch's own op modules (Div,
     # Reshape, Split...) left opaque to FX tracing, which their value checks would break.
-    from edgekit import package
+    from tests.factories import package_small_data as package
     from tests.factories import tiny_yolo
 
     model = tiny_yolo(tmp_path / "yolo.onnx")

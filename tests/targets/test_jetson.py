@@ -401,7 +401,7 @@ def test_package_jetson_int8_writes_a_verified_bundle_validated_on_the_intermedi
 
 
 def test_jetson_auto_rescues_int8_that_misses_the_dense_gate_by_leaving_layers_without_qdq(keypair, tmp_path) -> None:
-    from edgekit import package
+    from tests.factories import package_small_data as package
     from tests.optimize.models import outlier_mlp
 
     model = outlier_mlp(tmp_path / "outlier.onnx")  # plain INT8 loses the outlier channel's neighbours

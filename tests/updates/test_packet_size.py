@@ -49,7 +49,7 @@ def _agent_pid(agent: Agent) -> int:
 def test_agent_memory_does_not_grow_by_a_big_message_a_broker_drops_for_it(
     broker: Mosquitto, agents: AgentFactory
 ) -> None:
-    agent = agents(broker.url(), "dev-1").start()  # the default limit: 1024 KiB
+    agent = agents(broker.url(), "dev-1").start()  # the default limit: 128 KiB
     wait_for(lambda: "updates: connected to" in agent.log(), 30, "the agent to connect")
     pid = _agent_pid(agent)
     _reset_peak_rss(pid)
@@ -151,8 +151,8 @@ def test_agent_hangs_up_on_an_oversized_packet_before_reading_it(tmp_path: Path,
         agent = agents(f"mqtt://127.0.0.1:{fake.port}", "dev-1").start()
         pid = _agent_pid(agent)
         wait_for(lambda: fake.connect_packets, 30, "the agent to connect")
-        # the limit is asked of the broker at CONNECT: Maximum Packet Size (0x27) = 1024 KiB
-        assert b"\x27" + (1024 * 1024).to_bytes(4, "big") in fake.connect_packets[0]
+        # the limit is asked of the broker at CONNECT: Maximum Packet Size (0x27) = 128 KiB
+        assert b"\x27" + (128 * 1024).to_bytes(4, "big") in fake.connect_packets[0]
         _reset_peak_rss(pid)
         before = _rss_bytes(pid)
         assert fake.hung_up.wait(60), f"the agent took {fake.sent / _MB:.0f} MiB of a 200 MiB packet"
@@ -166,3 +166,16 @@ def test_agent_hangs_up_on_an_oversized_packet_before_reading_it(tmp_path: Path,
         assert agent.running
     finally:
         fake.close()
+
+
+def test_a_packet_cap_below_a_signed_documents_size_is_refused(tmp_path: Path) -> None:
+    import pytest
+
+    from device_agents.config import config_from_data
+    from edgekit.bundle.errors import ConfigError
+
+    base = {"store": "s", "trusted_keys": ["release.pub"]}
+    updates = {"broker": "mqtt://127.0.0.1:1883", "fleet": "f", "device_id": "d", "notice_keys": ["fleet.pub"]}
+    with pytest.raises(ConfigError, match=r"agent\.updates: max_packet_kb must be >= 66, got 32: a signed desired"):
+        config_from_data({**base, "updates": {**updates, "max_packet_kb": 32}}, base=tmp_path)
+    assert config_from_data({**base, "updates": updates}, base=tmp_path).updates.max_packet_kb == 128  # type: ignore[union-attr]  # set above

@@ -17,7 +17,7 @@ from device_agents.lifecycle import Lifecycle
 from edgekit.bundle import key_id, load_public_key
 from tests.updates.bundles import bundle
 from tests.updates.conftest import FLEET, AgentFactory, Keys, edgekit
-from tests.updates.services import Agent, AgentSpec, Mosquitto, wait_for
+from tests.updates.services import Agent, AgentSpec, Mosquitto, Watcher, wait_for
 
 _ACCEPTED = "keys document v1 accepted"
 
@@ -48,6 +48,7 @@ def test_a_revoked_bundle_key_stops_its_models_serving_when_accepted(
     agent = agents(broker.url(), "dev-1", seed=2, extra_updates={"root_keys": [str(keys.root_public)]}).start()
     wait_for(lambda: "updates: connected to" in agent.log(), 30, "the agent to connect")
     assert _post_infer(agent, "tiny")[0] == 200  # v2 serves (v1 is kept: both signed by the same key)
+    watcher = Watcher(broker.port, [f"edgekit/{FLEET}/dev-1/reported"])
     kid = _revoke(broker, keys, keys.public)
     wait_for(lambda: _ACCEPTED in agent.log(), 30, "the keys document")
     status, body = _post_infer(agent, "tiny")  # at once: no integrity pass has run (verify_interval_s is 1 h)
@@ -64,6 +65,12 @@ def test_a_revoked_bundle_key_stops_its_models_serving_when_accepted(
     )
     assert store_state["models"]["tiny"]["active"]["version"] == 2  # still installed: a good version replaces it
     assert _post_infer(agent, "tiny")[0] == 404
+    try:  # the fleet is told: tiny's bundle is refused now, and it no longer serves
+        report = watcher.wait(lambda r: r["state"] == "rejected" and r["name"] == "tiny", 30, "the report")
+    finally:
+        watcher.close()
+    assert report["error"].startswith("keys document v1: v2 is signed by a key no longer trusted"), report
+    assert "tiny" not in report["models"], report
     assert agent.running
 
 
