@@ -119,7 +119,8 @@ def add_split(
 
     chosen = check_cuts(plan, heads, cuts)
     if not chosen:
-        return SplitBundles(bundle, {}, "ordinary bundle only: " + why_no_cut(plan))
+        why = why_no_cut(plan).split(":", 1)[0]  # the per-bandwidth detail is in the plan's text and JSON
+        return SplitBundles(bundle, {}, f"ordinary bundle only: {why}; the plan says why, per bandwidth")
     gate = gate_cuts(bundle, model, {c: heads[c] for c in chosen}, {c: tails[c] for c in chosen}, calib, key=key)
     tail_bundles = {}
     for cut_id in chosen:
