@@ -133,7 +133,7 @@ def _bundle(ctx: BenchContext, onnx_path: Path, model_name: str, x: np.ndarray, 
 
     # the gate is judged on held-out data (50 samples): rows of x with noise added
     rows = np.resize(x, (50, *x.shape[1:]))
-    held_out = rows + np.random.default_rng(7).standard_normal(rows.shape).astype(np.float32) * 0.1
+    held_out = rows + np.random.default_rng(7).standard_normal(rows.shape, dtype=np.float32) * 0.1
     result = edgekit.package(
         onnx_path,
         targets=["cpu"],
