@@ -164,3 +164,19 @@ def test_package_split_ships_a_cut_of_a_model_whose_batch_is_fixed_at_one(
     assert "split gate cut1: head∘tail against the full model on 64 samples" in capsys.readouterr().out
     tail = _verified(tmp_path / "dist" / "b-tail-cut1-cpu-v1.ekb", keypair[1])
     assert [s.shape for s in tail.signature.inputs] == [(1, 4, 8, 8)]
+
+
+def test_package_split_energy_objective_plans_for_the_devices_energy(
+    tmp_path: Path, keypair: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = shrinking_convnet(tmp_path / "m.onnx")
+    base = _package_split_args(tmp_path, model, keypair[0], "--bandwidth-mbps", "10", "--split-objective", "energy")
+    assert main(base) == 2  # no device power given
+    assert "--split-objective energy needs the device's power" in capsys.readouterr().err
+    # a 50 W device: at 10 Mbit/s sending the input costs it less energy than any head (latency: the cut after conv1)
+    power = ["--device-power-w", "50", "--radio-power-w", "1", "--idle-power-w", "0"]
+    assert main([*base, *power]) == 0
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert plan["objective"] == "energy" and plan["choices"][0]["best"] == "remote"
+    assert plan["power_w"] == {"device_w": 50.0, "radio_w": 1.0, "idle_w": 0.0}
+    assert _verified(tmp_path / "dist" / "sc-cpu-v1.ekb", keypair[1]).split is None
