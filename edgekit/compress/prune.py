@@ -430,6 +430,23 @@ class SparsityReport:
     compressed_bytes_after: int
 
 
+def constants_to_initializers(model: Any) -> int:
+    """Move the graph's tensor ``Constant`` nodes into initializers, in place (paddle2onnx writes
+    every weight as a Constant node: the weight steps look for initializers); how many moved."""
+    from onnx import helper
+
+    moved = []
+    for node in model.graph.node:
+        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
+            tensor = helper.get_attribute_value(node.attribute[0])
+            tensor.name = node.output[0]
+            model.graph.initializer.append(tensor)
+            moved.append(node)
+    for node in moved:
+        model.graph.node.remove(node)
+    return len(moved)
+
+
 def weight_initializers(model: Any) -> dict[str, int]:
     """Initializer name -> its reduction (input-channel) axis, for every Conv/ConvTranspose/Gemm/MatMul
     weight held as an initializer."""
@@ -496,6 +513,7 @@ def sparsify(source: Path, out: Path, pattern: Pattern) -> SparsityReport:
     from onnx import numpy_helper
 
     model = onnx.load(str(source))
+    constants_to_initializers(model)
     targets = weight_initializers(model)
     if not targets:
         raise UnsupportedOpError("the model has no Conv/Gemm/MatMul weight initializers to sparsify")
@@ -558,6 +576,7 @@ __all__ = [
     "SparsityReport",
     "allocate",
     "compressed_size",
+    "constants_to_initializers",
     "fixed_layers",
     "layer_sensitivity",
     "parse_pattern",

@@ -322,3 +322,25 @@ def test_package_compress_records_the_steps_and_gates_against_the_original(
     # zeroing 95% of the weights keeps fp32 equal to itself, not to the original: the gate must fail
     with pytest.raises(PackageValidationError):
         package(model, ["cpu"], "fp32", eval=data, key=keypair[0], out_dir=tmp_path / "b", compress=["sparsity=0.95"])
+
+
+def test_share_weights_takes_weights_written_as_constant_nodes(tmp_path: Path) -> None:
+    from onnx import helper
+
+    from edgekit.compress.share import share_weights
+
+    model, _, _ = _export(tmp_path)
+    graph = onnx.load(str(model))
+    constants = [helper.make_node("Constant", [], [i.name], value=i) for i in graph.graph.initializer]
+    del graph.graph.initializer[:]
+    nodes = list(graph.graph.node)
+    del graph.graph.node[:]
+    graph.graph.node.extend(constants + nodes)  # as paddle2onnx writes them
+    source = tmp_path / "constants.onnx"
+    onnx.save(graph, str(source))
+    report = share_weights(source, tmp_path / "shared.onnx", 8)
+    assert report.tensors >= 4
+    out = ort.InferenceSession(str(tmp_path / "shared.onnx")).run(
+        None, {"pixels": np.zeros((1, 3, 16, 16), np.float32)}
+    )
+    assert out[0].shape == (1, 4)
