@@ -200,7 +200,7 @@ def _student(spec: str, current: Path, chain: _Chain) -> tuple[Any, str]:
         if not 0.0 < width < 1.0:
             raise ConfigError(f"distill={spec}: width must be between 0 and 1, e.g. width=0.5")
         student = load_module(current)
-        report = prune_channels(student, chain.example(), 1.0 - width, criterion="l2")
+        report = prune_channels(student, chain.example(), 1.0 - width, criterion="l2", data=chain.sensitivity_inputs())
         return (
             student,
             f"student: the teacher at width {width:g} ({report.params_after:,} of {report.params_before:,} parameters)",
