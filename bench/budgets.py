@@ -133,7 +133,7 @@ def _bundle(ctx: BenchContext, onnx_path: Path, model_name: str, x: np.ndarray, 
 
     # the gate is judged on held-out data (50 samples): rows of x with noise added
     rows = np.resize(x, (50, *x.shape[1:]))
-    held_out = rows + np.random.default_rng(7).standard_normal(rows.shape).astype(np.float32) * 0.1
+    held_out = rows + np.random.default_rng(7).standard_normal(rows.shape, dtype=np.float32) * 0.1
     result = edgekit.package(
         onnx_path,
         targets=["cpu"],
@@ -374,7 +374,7 @@ VARIANT_N = 1024
 VARIANT_J = {"v-big": 0.08, "v-small": 0.005}
 HEAVY_RPS = 60.0  # v-big 0.5 + 4.8 W, v-small 0.5 + 0.3 W: over and under the 2 W budget
 LIGHT_RPS = 8.0  # v-big 0.5 + 0.64 W: under it, so the big variant serves again and stays
-HEAVY_S = 2 * POWER_WINDOW_S + 20.0
+HEAVY_S = 2 * POWER_WINDOW_S + MEASURE_S
 LIGHT_S = 15.0
 VARIANT_CLIENTS = 4
 

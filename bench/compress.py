@@ -109,7 +109,7 @@ def run(ctx: BenchContext, *, name: str) -> list[Measurement]:
         for label, step in TECHNIQUES:
             ctx.progress(f"{name}: {label}")
             path = ctx.workdir / "compress" / f"{step.replace('=', '_')}.onnx"
-            compress(example.model, [parse_step(step)], path, data, settings=TrainSettings(epochs=12))
+            compress(example.model, [parse_step(step)], path, data, settings=TrainSettings(epochs=12, lr=2e-3))
             sides[label] = _onnx_side(label, path, images, labels)
             quantized = _int8_side(ctx, stack, f"{label} + int8", path, example.calib, images, labels)
             if isinstance(quantized, str):

@@ -212,32 +212,52 @@ def _one(
     full = ort_open(work / "model.onnx")(1)  # one thread, as the segments were timed
     factor, how = measured_slowdown(lambda: full(feeds[0]))
     ctx.progress(f"{name}: {label}: the slower device runs it {factor:.2f}x slower ({how})")
-    rows += _slow_device_rows(name, label, run, factor, how)
+    png_slow = out / f"split-{label}-slower-device.png"
+    rows += _slow_device_rows(name, label, run, factor, how, again, png=png_slow)
+    ctx.progress(f"{name}: wrote {png_slow}")
     return rows
 
 
-def _slow_device_rows(name: str, label: str, run: Any, factor: float, how: str) -> list[Measurement]:
+def _slow_device_rows(
+    name: str, label: str, run: Any, factor: float, how: str, again: Any = None, png: Path | None = None
+) -> list[Measurement]:
+    """The best option against local/remote on the device ``factor`` times slower; with ``again``
+    (the re-measured times), the planned choice's regret there too; ``png``: its curves."""
     import numpy as np
 
     from edgekit.split.plan import LOCAL, REMOTE, make_plan
     from edgekit.split.profile import Profile, SegmentTimes
 
+    def slow_plan(m: Any) -> Any:
+        slower = Profile(
+            f"this host's times x{factor:.2f} (a slower device: {how})",
+            m.full_ms * factor,
+            {c.cut.id: SegmentTimes(c.cut.tensors, c.head_ms * factor, None) for c in m.cuts},
+        )
+        return make_plan(m, BANDWIDTHS_MBPS, RTT_MS, device=slower, server_speedup=SERVER_SPEEDUP)
+
     m = run.measured
-    slower = Profile(
-        f"this host's times x{factor:.2f} (a slower device: {how})",
-        m.full_ms * factor,
-        {c.cut.id: SegmentTimes(c.cut.tensors, c.head_ms * factor, None) for c in m.cuts},
-    )
-    slow = make_plan(m, BANDWIDTHS_MBPS, RTT_MS, device=slower, server_speedup=SERVER_SPEEDUP)
+    slow = slow_plan(m)
+    if png is not None:
+        from edgekit.split.plot import plot
+
+        plot(slow, png, title=f"{label}, device x{factor:.1f} slower (RTT {RTT_MS:g} ms)")
+    checked = slow_plan(replace(again, input_bytes_per_sample=m.input_bytes_per_sample)) if again is not None else None
     rows = []
     for c in slow.choices:
         other = min(c.local_ms, c.remote_ms)
+        regret = ""
+        if checked is not None:
+            actual = next(a for a in checked.choices if a.bandwidth_mbps == c.bandwidth_mbps)
+            chosen_ms = checked.option(c.best).latency_ms(c.bandwidth_mbps, RTT_MS)
+            regret = f"; re-measured best {actual.best}, regret {100 * (chosen_ms / actual.best_ms - 1):.1f}%"
         rows.append(
             Measurement(
                 name, f"{label} at {c.bandwidth_mbps:g} Mbit/s, device x{factor:.2f} slower: best vs l/r",
                 "end-to-end ms per sample", "ms", LOCAL if c.local_ms <= c.remote_ms else REMOTE,
                 f"best ({c.best})", other, c.best_ms,
-                note=f"best cut {c.best_cut or '-'} at {c.best_cut_ms or 0:.2f} ms; gain {other / c.best_ms:.2f}x",
+                note=f"best cut {c.best_cut or '-'} at {c.best_cut_ms or 0:.2f} ms; gain {other / c.best_ms:.2f}x"
+                + regret,
             )
         )  # fmt: skip
     # the shape: what any cut could save against remote (bytes) and against local (compute)

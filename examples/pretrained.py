@@ -97,11 +97,81 @@ def text_lines(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
         gray = paper - line * (paper - ink_level) + np.asarray(rng.normal(0, 0.02, size=line.shape), dtype=np.float32)
         if rng.random() < 0.5:
             gray, rotated[i] = gray[::-1, ::-1], 1
-        # PP-OCR: keep the aspect ratio at height 48, cap the width at 192, right-pad with 0
-        width = min(CLS_WIDTH, int(np.ceil(CLS_HEIGHT * gray.shape[1] / gray.shape[0])))
-        crop = (np.clip(_resize(gray, CLS_HEIGHT, width), 0.0, 1.0) - 0.5) / 0.5
-        out[i, :, :, :width] = crop[None]
+        _place(out[i], gray)
     return out, rotated
+
+
+# fonts shipped inside matplotlib's wheel (found through its package directory, like the model)
+FONTS = (
+    "DejaVuSans.ttf",
+    "DejaVuSans-Bold.ttf",
+    "DejaVuSans-Oblique.ttf",
+    "DejaVuSansMono.ttf",
+    "DejaVuSansMono-Bold.ttf",
+    "DejaVuSerif.ttf",
+    "DejaVuSerif-Italic.ttf",
+    "DejaVuSerif-Bold.ttf",
+    "STIXGeneral.ttf",
+    "STIXGeneralItalic.ttf",
+    "cmr10.ttf",
+    "cmss10.ttf",
+    "cmtt10.ttf",
+)
+_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:;-/()%$&'"
+
+
+def font_paths() -> list[Path]:
+    """The TrueType fonts ``rendered_lines`` draws with (those of ``FONTS`` that are installed)."""
+    spec = importlib.util.find_spec("matplotlib")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    found = [Path(r) / "mpl-data" / "fonts" / "ttf" / f for r in roots for f in FONTS]
+    found = [p for p in found if p.is_file()]
+    if not found:
+        raise MissingSDKError("matplotlib", "dev", "the fonts synthetic text lines are drawn in")
+    return found
+
+
+def rendered_lines(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` printed text lines drawn with Pillow in varied fonts, sizes, ink, paper, blur and
+    noise, preprocessed as PP-OCR preprocesses crops ([n, 3, 48, 192] in [-1, 1]), half of them
+    rotated by 180 degrees (label 1)."""
+    from PIL import Image, ImageDraw, ImageFilter, ImageFont
+
+    fonts = font_paths()
+    rng = np.random.default_rng(seed)
+    out = np.zeros((n, 3, CLS_HEIGHT, CLS_WIDTH), dtype=np.float32)
+    rotated = np.zeros(n, dtype=np.int64)
+    for i in range(n):
+        font = ImageFont.truetype(str(fonts[int(rng.integers(len(fonts)))]), int(rng.integers(18, 44)))
+        words = [
+            "".join(
+                _CHARS[int(c)] for c in rng.integers(0, 52 if rng.random() < 0.7 else len(_CHARS), rng.integers(1, 9))
+            )
+            for _ in range(int(rng.integers(1, 6)))
+        ]
+        text = " ".join(w.lower() if rng.random() < 0.6 else w for w in words)
+        left, top, right, bottom = (int(v) for v in font.getbbox(text))
+        margin_y, margin_x = int(rng.integers(2, 10)), int(rng.integers(2, 12))
+        paper = int(rng.integers(170, 256))
+        ink = int(rng.integers(0, max(1, paper - 90)))
+        image = Image.new("L", (right - left + 2 * margin_x, bottom - top + 2 * margin_y), paper)
+        ImageDraw.Draw(image).text((margin_x - left, margin_y - top), text, fill=ink, font=font)
+        if rng.random() < 0.3:
+            image = image.filter(ImageFilter.GaussianBlur(float(rng.uniform(0.3, 1.2))))
+        gray = np.asarray(image, dtype=np.float32) / 255.0
+        gray = gray + np.asarray(rng.normal(0, rng.uniform(0.0, 0.05), gray.shape), dtype=np.float32)
+        if rng.random() < 0.5:
+            gray, rotated[i] = gray[::-1, ::-1], 1
+        _place(out[i], gray)
+    return out, rotated
+
+
+def mixed_lines(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` lines, half printed (``rendered_lines``), half handwritten digits (``text_lines``), shuffled."""
+    printed, printed_y = rendered_lines(n - n // 2, seed)
+    written, written_y = text_lines(n // 2, seed)
+    order = np.random.default_rng(seed + 7).permutation(n)
+    return np.concatenate([printed, written])[order], np.concatenate([printed_y, written_y])[order]
 
 
 def make_calib(path: Path, n: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -114,6 +184,14 @@ def make_calib(path: Path, n: int, seed: int = 0) -> dict[str, np.ndarray]:
     if len(inputs) != 1:
         raise CalibrationDataError(f"{path}: make_calib builds one input, the model takes {inputs}")
     return {inputs[0]: text_lines(n, seed)[0]}
+
+
+def _place(out: np.ndarray, gray: np.ndarray) -> None:
+    """Write the gray line ``gray`` (values in [0, 1]) into ``out`` [3, 48, 192] as PP-OCR
+    preprocesses a crop: aspect ratio kept at height 48, width capped at 192, values to [-1, 1],
+    right-padded with 0."""
+    width = min(CLS_WIDTH, int(np.ceil(CLS_HEIGHT * gray.shape[1] / gray.shape[0])))
+    out[:, :, :width] = ((np.clip(_resize(gray, CLS_HEIGHT, width), 0.0, 1.0) - 0.5) / 0.5)[None]
 
 
 def _resize(img: np.ndarray, height: int, width: int) -> np.ndarray:

@@ -54,7 +54,7 @@ log = logging.getLogger("edgekit.agent")
 
 DB_NAME = "results.db"
 # PRAGMA user_version of a file this code wrote; an older one is migrated (_MIGRATIONS), another moved aside
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS entries ("
     " digest BLOB NOT NULL UNIQUE, model TEXT NOT NULL, version INTEGER NOT NULL,"
@@ -67,12 +67,9 @@ _SCHEMA = (
 # user_version -> the statements that bring such a file to the next version
 _MIGRATIONS = {
     # 2: the approximate and semantic modes' signatures, so their hits survive a restart
-    # (and each key's sketch: entries without one, as format 1 wrote them, are looked up by full hash)
-    1: (
-        "ALTER TABLE entries ADD COLUMN context BLOB",
-        "ALTER TABLE entries ADD COLUMN signature BLOB",
-        "ALTER TABLE entries ADD COLUMN sketch INTEGER",
-    ),
+    1: ("ALTER TABLE entries ADD COLUMN context BLOB", "ALTER TABLE entries ADD COLUMN signature BLOB"),
+    # 3: each key's sketch (entries without one, as formats 1 and 2 wrote them, are looked up by full hash)
+    2: ("ALTER TABLE entries ADD COLUMN sketch INTEGER",),
 }
 # SQLite primary result codes (the low byte of ``sqlite_errorcode``)
 _SQLITE_IOERR, _SQLITE_CORRUPT, _SQLITE_FULL, _SQLITE_NOTADB = 10, 11, 13, 26
@@ -109,7 +106,7 @@ class _Entry:
         self.created_s = 0.0
         self.context: bytes | None = None  # approximate/semantic: the signature's context (the key's header)
         self.signature: bytes | None = None  # and the signature (float32 bytes)
-        self.sketch: int | None = None  # CacheKey.sketch (None: an entry format 1 wrote)
+        self.sketch: int | None = None  # CacheKey.sketch (None: an entry formats 1 or 2 wrote)
 
 
 class _Write:
@@ -802,7 +799,7 @@ def _signed(sketch: int) -> int:
 
 
 def _stored_sketches(db: sqlite3.Connection) -> set[int] | None:
-    """The sketches of the file's entries (unsigned); None when one has none (format 1 wrote it)."""
+    """The sketches of the file's entries (unsigned); None when one has none (formats 1 and 2 wrote such)."""
     if db.execute("SELECT 1 FROM entries WHERE sketch IS NULL LIMIT 1").fetchone() is not None:
         return None
     return {s & 0xFFFF_FFFF_FFFF_FFFF for (s,) in db.execute("SELECT sketch FROM entries")}

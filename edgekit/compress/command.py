@@ -69,8 +69,16 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--eval", type=Path, required=True, metavar="EVAL.npz", help="held-out inputs the gate compares on")
     p.add_argument("--eval-labels", type=Path, metavar="LABELS.npy", help="held-out labels (accuracy drop)")
-    p.add_argument("--epochs", type=int, default=12, help="fine-tuning / distillation epochs (default 12)")
-    p.add_argument("--lr", type=float, default=2e-3, help="fine-tuning / distillation learning rate (default 0.002)")
+    p.add_argument(
+        "--epochs", type=int, default=30, help="fine-tuning / distillation epochs, at most (early stopping; default 30)"
+    )
+    p.add_argument("--lr", type=float, default=5e-4, help="fine-tuning / distillation learning rate (default 0.0005)")
+    p.add_argument(
+        "--no-augment",
+        dest="augment",
+        action="store_false",
+        help="train on the --train images as given (default: batches redrawn and labelled by the original)",
+    )
     p.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.onnx")
     p.set_defaults(func=_compress, steps=[])
 
@@ -100,7 +108,7 @@ def _compress(args: argparse.Namespace) -> int:
         steps,
         args.output,
         data,
-        settings=TrainSettings(epochs=args.epochs, lr=args.lr),
+        settings=TrainSettings(epochs=args.epochs, lr=args.lr, augment=args.augment),
         progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
     )
     print(f"{'step':28s} {'size':>12s} {'latency':>16s}  gate vs original")

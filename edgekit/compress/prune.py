@@ -8,6 +8,23 @@ magnitude of each channel's weights, or first-order Taylor (|weight x gradient|,
 gradient comes from the distillation loss against the original model, so no labels are needed).
 The layers that produce the model's outputs are never pruned: their channels are the outputs.
 
+Per-layer ratios by measured sensitivity (when data is given): each prunable layer is pruned
+alone, at the requested ratio, on a copy of the model, and the divergence of the copy's outputs
+from the unpruned model's is measured on a batch of inputs (KL divergence of class scores, else
+relative squared error). With ``d_l`` that divergence and ``p_l`` the parameters the layer's
+cut removes, and a divergence growing with the square of a layer's ratio, the ratios that remove
+as many parameters as a uniform cut at the least total divergence are ``r_l = min(r_max, mu *
+p_l / d_l)`` (``mu`` found by bisection): layers that cost much accuracy per parameter keep
+more channels, cheap ones give more (up to ``r_max``).
+
+Mean compensation (when data is given): a channel with small weights may still carry a large
+constant (a bias, or a BatchNorm folded into the convolution), which the next layers rely on as
+part of their own bias; cutting it shifts every activation after it (PP-OCR's orientation
+classifier answered one class for everything after 10 % of its channels went). After the cut,
+each Conv/Linear layer's bias is moved, in execution order on one batch, so that the mean of each
+of its kept output channels equals that channel's mean in the unpruned model (the bias
+correction that post-training quantization uses for its rounding shift).
+
 Unstructured magnitude pruning zeroes the smallest weights of each Conv/Gemm/MatMul weight
 tensor in the ONNX graph to a target sparsity. Dense CPU runtimes do not run faster on it: what
 it buys is a smaller compressed download (measured) and, for 2:4 sparsity, TensorRT's sparse
@@ -17,6 +34,7 @@ tensor cores on Ampere and later (not measured here: no GPU).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +56,9 @@ class PruneReport:
     macs_before: int
     macs_after: int
     kept_layers: tuple[str, ...]  # layers left whole, each "name (why)"
+    layer_ratios: tuple[tuple[str, float], ...] = ()  # per-layer ratios by sensitivity; empty when uniform
+    refitted_layers: int = 0  # layers refitted to the unpruned outputs by least squares (``reconstruct``)
+    bias_moved_layers: int = 0  # layers whose bias alone was moved (too few values for their weights)
 
 
 _WEIGHTED = ("Conv1d", "Conv2d", "Conv3d", "Linear", "ConvTranspose2d")
@@ -80,6 +101,239 @@ def fixed_layers(module: Any) -> dict[str, str]:
     return found
 
 
+@dataclass(frozen=True)
+class LayerSensitivity:
+    layer: str
+    params_removed: int  # by cutting this layer alone at the probe ratio
+    divergence: float  # of the outputs from the unpruned model's, with this layer alone cut
+
+
+def _importance(criterion: Criterion) -> Any:
+    import torch_pruning as tp
+
+    if criterion == "taylor":
+        return tp.importance.TaylorImportance()
+    return tp.importance.MagnitudeImportance(p=1 if criterion == "l1" else 2)
+
+
+def _divergence(reference: Any, got: Any) -> float:
+    """KL(reference || got) per sample for class scores (probabilities or logits), else the
+    squared error relative to the reference's mean square."""
+    import torch
+
+    ref, out = reference.float(), got.float().reshape(reference.shape)
+    if ref.ndim == 2 and ref.shape[1] > 1:
+        probabilities = bool(ref.min() >= 0) and bool(torch.allclose(ref.sum(-1), torch.ones(len(ref)), atol=1e-3))
+        lr = torch.log(ref.clamp_min(1e-8)) if probabilities else torch.log_softmax(ref, -1)
+        lo = torch.log(out.clamp_min(1e-8)) if probabilities else torch.log_softmax(out, -1)
+        return float((lr.exp() * (lr - lo)).sum(-1).mean())
+    return float(((out - ref) ** 2).mean() / (ref**2).mean().clamp_min(1e-12))
+
+
+def _first_output(out: Any) -> Any:
+    return out[0] if isinstance(out, tuple | list) else out
+
+
+def layer_sensitivity(
+    module: Any, example: tuple[Any, ...], inputs: tuple[Any, ...], ratio: float, criterion: Criterion = "l1"
+) -> list[LayerSensitivity]:
+    """Each prunable layer cut alone at ``ratio`` on a copy of ``module``: what it removes and how far
+    the outputs on ``inputs`` move from the unpruned model's."""
+    import copy
+
+    import torch
+    import torch_pruning as tp
+
+    fixed = fixed_layers(module)
+    module.eval()
+    with torch.no_grad():
+        reference = _first_output(module(*inputs))
+    graph = tp.DependencyGraph().build_dependency(module, example_inputs=example)
+    names = {id(m): n for n, m in module.named_modules()}
+    keep = [module.get_submodule(n) for n in fixed]
+    roots = [
+        names[id(group[0].dep.target.module)]
+        for group in graph.get_all_groups(ignored_layers=keep, root_module_types=[torch.nn.Conv2d, torch.nn.Linear])
+    ]
+    total = sum(p.numel() for p in module.parameters())
+    found = []
+    for name in dict.fromkeys(roots):
+        trial = copy.deepcopy(module)
+        pruner = tp.pruner.MagnitudePruner(
+            trial,
+            example,
+            importance=_importance("l2" if criterion == "taylor" else criterion),
+            pruning_ratio=0.0,
+            pruning_ratio_dict={trial.get_submodule(name): ratio},
+            ignored_layers=[trial.get_submodule(n) for n in fixed],
+        )
+        pruner.step()
+        trial.eval()
+        with torch.no_grad():
+            moved = _divergence(reference, _first_output(trial(*inputs)))
+        removed = total - sum(p.numel() for p in trial.parameters())
+        if removed > 0:
+            found.append(LayerSensitivity(name, int(removed), moved))
+    return found
+
+
+def allocate(sensitivities: list[LayerSensitivity], ratio: float, max_ratio: float | None = None) -> dict[str, float]:
+    """Per-layer ratios removing as many parameters as ``ratio`` everywhere, at the least total
+    divergence under a quadratic model (the module doc): ``r_l = min(r_max, mu * p_l / d_l)``."""
+    if not sensitivities:
+        return {}
+    cap = max_ratio if max_ratio is not None else min(0.85, 1.75 * ratio)
+    floor = max(max(s.divergence for s in sensitivities) * 1e-6, 1e-12)
+    worth = {s.layer: s.params_removed / max(s.divergence, floor) for s in sensitivities}
+    goal = sum(s.params_removed for s in sensitivities)  # what a uniform cut removes (at ratio)
+
+    def removed(mu: float) -> float:
+        return sum(s.params_removed * min(cap, mu * worth[s.layer]) / ratio for s in sensitivities)
+
+    low, high = 0.0, 1.0
+    while removed(high) < goal and high < 1e30:
+        high *= 4.0
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (mid, high) if removed(mid) < goal else (low, mid)
+    return {s.layer: min(cap, high * worth[s.layer]) for s in sensitivities}
+
+
+def _weighted_layers(module: Any) -> dict[str, Any]:
+    import torch
+
+    return {
+        n: m
+        for n, m in module.named_modules()
+        if isinstance(m, torch.nn.Conv1d | torch.nn.Conv2d | torch.nn.Conv3d | torch.nn.Linear)
+    }
+
+
+def _layer_outputs(module: Any, inputs: tuple[Any, ...]) -> dict[str, Any]:
+    """Each Conv/Linear layer's output on ``inputs``."""
+
+    outputs: dict[str, Any] = {}
+
+    def recorder(name: str, _layer: Any) -> Any:
+        def hook(_m: Any, _inputs: Any, output: Any) -> None:  # returns None: the output stays as it is
+            outputs.setdefault(name, output.detach().float())
+
+        return hook
+
+    _run_hooked(module, inputs, recorder)
+    return outputs
+
+
+def _run_hooked(module: Any, inputs: tuple[Any, ...], make_hook: Callable[..., Any]) -> None:
+    """One forward pass of ``module`` on ``inputs`` with ``make_hook(name, layer)``'s forward hook on
+    every Conv/Linear layer (removed after)."""
+    import torch
+
+    hooks = [m.register_forward_hook(make_hook(n, m)) for n, m in _weighted_layers(module).items()]
+    try:
+        module.eval()
+        with torch.no_grad():
+            module(*inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _refit(layer: Any, x: Any, target: Any) -> bool:
+    """Least-squares weights and bias of ``layer`` (Conv2d or Linear) mapping its input ``x`` to
+    ``target`` (ridge-regularised); False (nothing changed) where it cannot be posed or the data
+    are too few for the unknowns."""
+    import torch
+    import torch.nn.functional as F
+
+    if isinstance(layer, torch.nn.Linear):
+        groups, cols = 1, x.reshape(-1, x.shape[-1])[None]  # [1, M, d]
+        y = target.reshape(-1, target.shape[-1])[None]  # [1, M, out]
+    elif isinstance(layer, torch.nn.Conv2d) and layer.padding_mode == "zeros" and not isinstance(layer.padding, str):
+        groups = layer.groups
+        n = x.shape[0]
+        unfolded = F.unfold(x, layer.kernel_size, layer.dilation, layer.padding, layer.stride)  # [N, Cin*k*k, L]
+        d = unfolded.shape[1] // groups
+        cols = unfolded.reshape(n, groups, d, -1).permute(1, 0, 3, 2).reshape(groups, -1, d)
+        y = (
+            target.reshape(n, groups, target.shape[1] // groups, -1)
+            .permute(1, 0, 3, 2)
+            .reshape(groups, cols.shape[1], -1)
+        )
+    else:
+        return False
+    samples, unknowns = cols.shape[1], cols.shape[2] + 1
+    if samples < 4 * unknowns:
+        return False
+    a = torch.cat([cols, torch.ones(*cols.shape[:2], 1)], dim=2).double()
+    gram = a.transpose(1, 2) @ a
+    ridge = 1e-4 * gram.diagonal(dim1=1, dim2=2).mean(1)[:, None, None] * torch.eye(unknowns, dtype=torch.float64)
+    solved = torch.linalg.solve(gram + ridge, a.transpose(1, 2) @ y.double())  # [groups, d + 1, out_g]
+    weight = solved[:, :-1, :].permute(0, 2, 1).reshape(layer.weight.shape[0], -1)
+    layer.weight.copy_(weight.reshape(layer.weight.shape).to(layer.weight.dtype))
+    bias = solved[:, -1, :].reshape(-1).to(layer.weight.dtype)
+    if layer.bias is None:
+        layer.bias = torch.nn.Parameter(bias)
+    else:
+        layer.bias.copy_(bias)
+    return True
+
+
+def _forward(layer: Any, x: Any) -> Any:
+    """``layer``'s computation without its hooks (a hook calling the layer would call itself)."""
+    import torch
+    import torch.nn.functional as F
+
+    if isinstance(layer, torch.nn.Linear):
+        return F.linear(x, layer.weight, layer.bias)
+    return layer._conv_forward(x, layer.weight, layer.bias)
+
+
+def reconstruct(
+    module: Any, inputs: tuple[Any, ...], originals: dict[str, Any], removed: dict[str, list[int]]
+) -> tuple[int, int]:
+    """Fit the pruned ``module``'s layers, in execution order on ``inputs``, to reproduce the unpruned
+    model's outputs of their kept channels (``originals``: each layer's unpruned output;
+    ``removed``: its cut output channels in the unpruned numbering): the weights by least squares
+    where the batch holds enough values for them, else the bias alone (the means). The layers
+    after each see its corrected output. (layers refitted, layers whose bias alone moved)."""
+    import torch
+
+    refitted = biased = 0
+
+    def corrector(name: str, layer: Any) -> Any:
+        linear = isinstance(layer, torch.nn.Linear)
+
+        def hook(_m: Any, inputs_: Any, output: Any) -> Any:
+            nonlocal refitted, biased
+            want = originals.get(name)
+            if want is None:
+                return None
+            axis = output.ndim - 1 if linear else 1
+            cut = set(removed.get(name, ()))
+            kept = torch.tensor([c for c in range(want.shape[axis]) if c not in cut], dtype=torch.long)
+            if len(kept) != output.shape[axis] or tuple(want.shape[:axis]) != tuple(output.shape[:axis]):
+                return None  # the channel bookkeeping does not match this layer: leave it
+            target = want.index_select(axis, kept)
+            if _refit(layer, inputs_[0].detach().float(), target):
+                refitted += 1
+                return _forward(layer, inputs_[0])
+            if layer.bias is None:
+                return None
+            got = output.detach().float().transpose(0, axis).reshape(output.shape[axis], -1).mean(1)
+            delta = (target.transpose(0, axis).reshape(output.shape[axis], -1).mean(1) - got).to(output.dtype)
+            layer.bias.add_(delta)
+            biased += 1
+            shape = [1] * output.ndim
+            shape[axis] = -1
+            return output + delta.reshape(shape)
+
+        return hook
+
+    _run_hooked(module, inputs, corrector)
+    return refitted, biased
+
+
 def prune_channels(
     module: Any,
     example: tuple[Any, ...],
@@ -87,10 +341,15 @@ def prune_channels(
     *,
     criterion: Criterion = "l1",
     gradient_batches: list[tuple[tuple[Any, ...], Any]] | None = None,
+    data: tuple[Any, ...] | None = None,
+    by_sensitivity: bool = True,
 ) -> PruneReport:
     """Remove ``ratio`` of the prunable channels of ``module`` in place.
 
-    ``gradient_batches`` ((inputs, teacher outputs) pairs) are required for ``taylor``."""
+    ``gradient_batches`` ((inputs, teacher outputs) pairs) are required for ``taylor``.
+    ``data``: a batch of inputs; with it the kept layers are refitted to the unpruned outputs
+    (``reconstruct``) and, ``by_sensitivity``, the ratio is spread over the layers by each one's
+    measured sensitivity (``allocate``: the same parameters removed, less divergence)."""
     import torch
     import torch.nn.functional as F
     import torch_pruning as tp
@@ -105,15 +364,19 @@ def prune_channels(
         raise ConfigError("taylor importance needs data: give --train (inputs; labels are not needed)")
     fixed = fixed_layers(module)
     keep = [module.get_submodule(name) for name in fixed]
-    importance = {
-        "l1": lambda: tp.importance.MagnitudeImportance(p=1),
-        "l2": lambda: tp.importance.MagnitudeImportance(p=2),
-        "taylor": lambda: tp.importance.TaylorImportance(),
-    }[criterion]()
     macs_before, params_before = tp.utils.count_ops_and_params(module, example)
+    ratios: dict[str, float] = {}
     try:
+        if data is not None and by_sensitivity:
+            ratios = allocate(layer_sensitivity(module, example, data, ratio, criterion), ratio)
         pruner = tp.pruner.MagnitudePruner(
-            module, example, importance=importance, pruning_ratio=ratio, ignored_layers=keep, global_pruning=False
+            module,
+            example,
+            importance=_importance(criterion),
+            pruning_ratio=0.0 if ratios else ratio,
+            pruning_ratio_dict={module.get_submodule(n): r for n, r in ratios.items()} or None,
+            ignored_layers=keep,
+            global_pruning=False,
         )
     except Exception as exc:  # DepGraph raises plain errors on graphs it cannot trace
         raise UnsupportedOpError(
@@ -128,9 +391,19 @@ def prune_channels(
             out = out[0] if isinstance(out, tuple | list) else out
             loss: Any = F.mse_loss(out.float(), target.float())
             loss.backward()
-    pruner.step()
+    originals = None if data is None else _layer_outputs(module, data)
+    names = {id(m): n for n, m in module.named_modules()}
+    removed: dict[str, list[int]] = {}  # layer -> output channels cut, in the original numbering
+    for group in pruner.step(interactive=True):
+        for dep, idxs in group:
+            if "out_channels" in getattr(dep.handler, "__name__", "") and id(dep.target.module) in names:
+                removed.setdefault(names[id(dep.target.module)], []).extend(int(i) for i in idxs)
+        group.prune()
     module.zero_grad(set_to_none=True)
     module.eval()
+    refitted = (0, 0)
+    if originals is not None and data is not None:
+        refitted = reconstruct(module, data, originals, removed)
     with torch.no_grad():
         module(*example)  # the rewired graph still runs at the traced shape
     macs_after, params_after = tp.utils.count_ops_and_params(module, example)
@@ -142,6 +415,9 @@ def prune_channels(
         macs_before=int(macs_before),
         macs_after=int(macs_after),
         kept_layers=tuple(f"{name} ({why})" for name, why in sorted(fixed.items())),
+        layer_ratios=tuple(sorted(ratios.items())),
+        refitted_layers=refitted[0],
+        bias_moved_layers=refitted[1],
     )
 
 
@@ -152,6 +428,23 @@ class SparsityReport:
     sparsity: float  # zeros / weights over the pruned tensors
     compressed_bytes_before: int
     compressed_bytes_after: int
+
+
+def constants_to_initializers(model: Any) -> int:
+    """Move the graph's tensor ``Constant`` nodes into initializers, in place (paddle2onnx writes
+    every weight as a Constant node: the weight steps look for initializers); how many moved."""
+    from onnx import helper
+
+    moved = []
+    for node in model.graph.node:
+        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
+            tensor = helper.get_attribute_value(node.attribute[0])
+            tensor.name = node.output[0]
+            model.graph.initializer.append(tensor)
+            moved.append(node)
+    for node in moved:
+        model.graph.node.remove(node)
+    return len(moved)
 
 
 def weight_initializers(model: Any) -> dict[str, int]:
@@ -220,6 +513,7 @@ def sparsify(source: Path, out: Path, pattern: Pattern) -> SparsityReport:
     from onnx import numpy_helper
 
     model = onnx.load(str(source))
+    constants_to_initializers(model)
     targets = weight_initializers(model)
     if not targets:
         raise UnsupportedOpError("the model has no Conv/Gemm/MatMul weight initializers to sparsify")
@@ -277,12 +571,17 @@ def compressed_size(path: Path) -> int:
 
 __all__ = [
     "CRITERIA",
+    "LayerSensitivity",
     "PruneReport",
     "SparsityReport",
+    "allocate",
     "compressed_size",
+    "constants_to_initializers",
     "fixed_layers",
+    "layer_sensitivity",
     "parse_pattern",
     "prune_channels",
+    "reconstruct",
     "sparsify",
     "sparsify_module",
     "sparsity_mask",

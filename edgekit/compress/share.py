@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgekit.compress.prune import weight_initializers
+from edgekit.compress.prune import constants_to_initializers, weight_initializers
 from edgekit.errors import ConfigError, UnsupportedOpError
 
 
@@ -67,6 +67,7 @@ def share_weights(source: Path, out: Path, clusters: int) -> ShareReport:
             f"--share-weights {clusters}: give the number of shared values per tensor, 2..65536 (e.g. 16)"
         )
     model = onnx.load(str(source))
+    constants_to_initializers(model)
     targets = weight_initializers(model)
     if not targets:
         raise UnsupportedOpError("the model has no Conv/Gemm/MatMul weight initializers to share")

@@ -117,7 +117,7 @@ class _Chain:
 
     def __init__(self, original: Path, data: Data, settings: Any, progress: Progress | None) -> None:
         from edgekit.compress.torch_bridge import interface
-        from edgekit.compress.training import teacher_outputs
+        from edgekit.compress.training import teacher_session
 
         self.original = original
         self.interface = interface(original)
@@ -126,7 +126,8 @@ class _Chain:
         self.progress = progress
         self.eval = self._ordered(data.eval, "--eval")
         self.eval_labels = data.eval_labels
-        self.eval_teacher = teacher_outputs(original, self.eval, self.names)
+        self.teacher = teacher_session(original, self.names)
+        self.eval_teacher = self.teacher(self.eval)
         # early stopping watches a slice of the training data, never the evaluation data the gate judges on
         self.train = self.val = self.train_labels = self.train_teacher = self.val_teacher = None
         if data.train is not None:
@@ -138,8 +139,8 @@ class _Chain:
             self.train = [x[fit] for x in train]
             self.val = [x[val] for x in train]
             self.train_labels = None if data.train_labels is None else data.train_labels[fit]
-            self.train_teacher = teacher_outputs(original, self.train, self.names)
-            self.val_teacher = teacher_outputs(original, self.val, self.names)
+            self.train_teacher = self.teacher(self.train)
+            self.val_teacher = self.teacher(self.val)
 
     def _ordered(self, arrays: Mapping[str, np.ndarray], flag: str) -> list[np.ndarray]:
         missing = [n for n in self.names if n not in arrays]
@@ -150,11 +151,22 @@ class _Chain:
     def example(self) -> tuple[Any, ...]:
         return self.interface.example(dict(zip(self.names, self.eval, strict=True)))
 
+    def sensitivity_inputs(self, n: int = 192) -> tuple[Any, ...] | None:
+        """A batch of training inputs to measure pruning sensitivity and refit layers on; None
+        without --train (the evaluation inputs judge the result: nothing is fitted on them)."""
+        import torch
+
+        if self.train is None:
+            return None
+        return tuple(torch.from_numpy(np.ascontiguousarray(x[:n])) for x in self.train)
+
     def finetune(self, module: Any, what: str, after_step: Callable[[], None] | None = None) -> str:
-        from edgekit.compress.training import distill
+        from edgekit.compress.training import augmentable, distill
 
         if self.train is None or self.train_teacher is None or self.val is None or self.val_teacher is None:
             return f"{what}: not fine-tuned (no --train data)"
+
+        augmented = bool(getattr(self.settings, "augment", False)) and augmentable(self.train)
         report = distill(
             module,
             self.train,
@@ -165,10 +177,13 @@ class _Chain:
             after_step=after_step,
             settings=self.settings,
             progress=self.progress,
+            teacher_fn=self.teacher,
         )
         return (
-            f"{what}: fine-tuned {report.epochs_run} epochs by distillation, {report.metric} on "
-            f"a held-out tenth of --train {report.before:.4f} -> {report.best:.4f} (best epoch {report.best_epoch})"
+            f"{what}: fine-tuned {report.epochs_run} epochs by distillation"
+            + (" on redrawn batches labelled by the original" if augmented else "")
+            + f", {report.metric} on a held-out tenth of --train {report.before:.4f} -> {report.best:.4f} "
+            f"(best epoch {report.best_epoch})"
         )
 
 
@@ -185,7 +200,7 @@ def _student(spec: str, current: Path, chain: _Chain) -> tuple[Any, str]:
         if not 0.0 < width < 1.0:
             raise ConfigError(f"distill={spec}: width must be between 0 and 1, e.g. width=0.5")
         student = load_module(current)
-        report = prune_channels(student, chain.example(), 1.0 - width, criterion="l2")
+        report = prune_channels(student, chain.example(), 1.0 - width, criterion="l2", data=chain.sensitivity_inputs())
         return (
             student,
             f"student: the teacher at width {width:g} ({report.params_after:,} of {report.params_before:,} parameters)",
@@ -246,7 +261,13 @@ def _run_step(step: Step, current: Path, out: Path, chain: _Chain) -> tuple[str,
         )
     example = chain.example()
     if step.kind == "prune-channels":
-        ratio, _, criterion = step.value.partition(":")
+        ratio, _, rest = step.value.partition(":")
+        criterion, _, allocation = rest.partition(":")
+        if allocation not in ("", "uniform", "sensitivity"):
+            raise ConfigError(
+                f"prune-channels={step.value}: the third field is the allocation, uniform or sensitivity "
+                "(default: sensitivity, measured on data)"
+            )
         module = torch_bridge.load_module(current)
         gradient = None
         if criterion == "taylor":
@@ -257,14 +278,23 @@ def _run_step(step: Step, current: Path, out: Path, chain: _Chain) -> tuple[str,
             _fraction(Step(step.kind, ratio)),
             criterion=cast(Any, criterion or "l1"),
             gradient_batches=gradient,
+            data=chain.sensitivity_inputs(),
+            by_sensitivity=allocation != "uniform",
         )
         tuned = chain.finetune(module, "pruned")
         torch_bridge.export_like(module, chain.interface, out, example)
         return (
             f"{prep.criterion} importance: parameters {prep.params_before:,} -> {prep.params_after:,}, multiply-adds "
-            f"{prep.macs_before / max(prep.macs_after, 1):.2f}x fewer; kept whole: "
-            f"{', '.join(prep.kept_layers) or '-'}; {tuned}",
-            {"ratio": ratio, "criterion": prep.criterion, "params_after": str(prep.params_after)},
+            f"{prep.macs_before / max(prep.macs_after, 1):.2f}x fewer; {_ratios(prep.layer_ratios, chain)}; "
+            f"{prep.refitted_layers} layers refitted to the original's outputs by least squares, "
+            f"{prep.bias_moved_layers} by their bias alone; "
+            f"kept whole: {', '.join(prep.kept_layers) or '-'}; {tuned}",
+            {
+                "ratio": ratio,
+                "criterion": prep.criterion,
+                "params_after": str(prep.params_after),
+                "allocation": "sensitivity" if prep.layer_ratios else "uniform",
+            },
         )
     if step.kind == "low-rank":
         spec = lowrank.LowRankSpec.parse(step.value)
@@ -288,6 +318,17 @@ def _run_step(step: Step, current: Path, out: Path, chain: _Chain) -> tuple[str,
     tuned = chain.finetune(student, "student")
     torch_bridge.export_like(student, chain.interface, out, example)
     return f"{what}; {tuned}", {"student": step.value}
+
+
+def _ratios(ratios: Sequence[tuple[str, float]], chain: _Chain) -> str:
+    if not ratios:
+        return "the same ratio in every layer" + ("" if chain.train is not None else " (no --train data to measure on)")
+    values = sorted(r for _, r in ratios)
+    least = ", ".join(f"{n} {r:.2f}" for n, r in sorted(ratios, key=lambda nr: nr[1])[:3])
+    return (
+        f"per-layer ratios by sensitivity measured on --train inputs, {values[0]:.2f}-{values[-1]:.2f} "
+        f"(most kept: {least})"
+    )
 
 
 def _fraction(step: Step) -> float:

@@ -119,11 +119,14 @@ def add_split(
 
     chosen = check_cuts(plan, heads, cuts)
     if not chosen:
-        return SplitBundles(bundle, {}, "ordinary bundle only: " + why_no_cut(plan))
+        why = why_no_cut(plan).split(":", 1)[0]  # the per-bandwidth detail is in the plan's text and JSON
+        return SplitBundles(bundle, {}, f"ordinary bundle only: {why}; the plan says why, per bandwidth")
     gate = gate_cuts(bundle, model, {c: heads[c] for c in chosen}, {c: tails[c] for c in chosen}, calib, key=key)
+    from edgekit.validate.metrics import run_all
+
     tail_bundles = {}
     for cut_id in chosen:
-        mids = ort_cpu_runner(heads[cut_id])(dict(calib))
+        mids = run_all(ort_cpu_runner(heads[cut_id]), calib)  # a sample at a time: heads of a batch-1 model
         out = package(
             tails[cut_id],
             targets="cpu",

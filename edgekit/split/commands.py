@@ -266,6 +266,15 @@ def add_package_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--split-budget-s", type=float, default=20.0, help="--split: time spent timing the segments")
     g.add_argument(
+        "--split-objective",
+        choices=("latency", "energy"),
+        default="latency",
+        help="--split: the cuts chosen minimise latency, or the device's energy per request (see --device-power-w)",
+    )
+    g.add_argument("--device-power-w", type=float, metavar="W", help="--split-objective energy: watts computing")
+    g.add_argument("--radio-power-w", type=float, metavar="W", help="--split-objective energy: watts sending (1)")
+    g.add_argument("--idle-power-w", type=float, metavar="W", help="--split-objective energy: watts waiting (0.2)")
+    g.add_argument(
         "--split-dir", type=Path, metavar="DIR", help="--split: where heads, tails and the plan go (OUTDIR/NAME-split)"
     )
 
@@ -292,8 +301,20 @@ def check_package_split(args: Any) -> None:
             "(`edgekit compress`), then package the compressed model with --split"
         )
     parse_bandwidths(args.bandwidth_mbps)
+    if args.split_objective == "energy" and args.device_power_w is None and not _profile_power(args):
+        raise ConfigError(
+            "--split-objective energy needs the device's power while computing: give --device-power-w W, or a "
+            "--split-device-profile with device_power_w (`edgekit-agent profile` on a device with an energy meter)"
+        )
     if args.cuts != "auto" and not _cut_list(args.cuts):
         raise ConfigError(f"--cuts {args.cuts!r}: give auto or cut ids such as cut3,cut5 (from `edgekit split plan`)")
+
+
+def _profile_power(args: Any) -> bool:
+    """Whether --split-device-profile gives the device's power."""
+    from edgekit.split.profile import read
+
+    return args.split_device_profile is not None and read(args.split_device_profile).device_power_w is not None
 
 
 def split_after_package(args: Any, result: Any) -> Any:
@@ -322,6 +343,10 @@ def split_after_package(args: Any, result: Any) -> Any:
         server_profile=args.server_profile,
         server_speedup=args.server_speedup,
         budget_s=args.split_budget_s,
+        objective=args.split_objective,
+        device_power_w=args.device_power_w,
+        radio_power_w=args.radio_power_w,
+        idle_power_w=args.idle_power_w,
     )
     print(run.table, file=out)
     split = add_split(

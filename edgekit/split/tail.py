@@ -27,7 +27,7 @@ def tail_name(path: Path, prefix: str | None) -> str:
     return f"{prefix}-{path.stem}" if prefix else path.stem
 
 
-def package_tail(onnx_path: Path, out_dir: Path, key: Path, name: str, *, samples: int = 16) -> Path:
+def package_tail(onnx_path: Path, out_dir: Path, key: Path, name: str, *, samples: int = 64) -> Path:
     """An FP32 ``cpu`` bundle of ``onnx_path`` (golden vectors and validation on seeded
     standard-normal inputs of its shapes; a dynamic leading axis is taken as 1 per sample)."""
     import onnxruntime as ort

@@ -52,6 +52,7 @@ def lifecycle(tmp_path: Path, keypair: tuple[Path, Path], bundles: Bundles) -> I
         tmp_path / "agent",
         keypair[1],
         f'[budgets]\npower_w = 5.0\ndegrade = ["batch", "shed"]\nsysfs_root = "{tmp_path / "sysfs"}"\n'
+        "[models.tiny]\nworkers = 1\n"  # one call at a time: the calls' order is the batches' order
         "[models.tiny.batching]\nmax_batch_size = 8\nmax_wait_ms = 1.0\nbudget_max_batch_size = 2\n",
     )
     lc = Lifecycle(load_config(config))

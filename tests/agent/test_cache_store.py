@@ -411,7 +411,7 @@ def test_cache_file_of_the_previous_format_is_migrated_with_its_entries(tmp_path
     assert reopened.put(other, {"y": _x(63, (2,))}, model="det", version=1, ttl_s=60, wait=True, signature=(b"c", sig))
     reopened.close()
     with sqlite3.connect(tmp_path / DB_NAME) as db:
-        assert db.execute("PRAGMA user_version").fetchone() == (2,)
+        assert db.execute("PRAGMA user_version").fetchone() == (3,)
     again = _cache(tmp_path)
     [(context, stored, digest)] = again.signatures("det", 1, 10)
     assert context == b"c" and digest == other.digest

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -82,7 +83,7 @@ def _params(path: Path) -> int:
 def test_prune_channels_shrinks_a_residual_net_and_keeps_its_interface(tmp_path: Path) -> None:
     model, _, evaluation = _export(tmp_path)
     out = tmp_path / "pruned.onnx"
-    result = compress(model, [parse_step("prune-channels=0.5")], out, Data(eval={"pixels": evaluation}))
+    result = compress(model, [parse_step("prune-channels=0.5:l1:uniform")], out, Data(eval={"pixels": evaluation}))
     assert _interface(out) == _interface(model)  # names, and the batch axis still dynamic
     assert _params(out) < 0.6 * _params(model)
     shapes = sorted(tuple(i.dims) for i in onnx.load(str(out)).graph.initializer if len(i.dims) == 4)
@@ -100,14 +101,92 @@ def test_prune_channels_shrinks_a_residual_net_and_keeps_its_interface(tmp_path:
 def test_prune_channels_fine_tuning_brings_agreement_back_when_data_is_given(tmp_path: Path) -> None:
     model, train, evaluation = _export(tmp_path)
     data = Data(eval={"pixels": evaluation}, train={"pixels": train})
-    bare = compress(model, [parse_step("prune-channels=0.6")], tmp_path / "a.onnx", Data(eval={"pixels": evaluation}))
-    tuned = compress(
-        model, [parse_step("prune-channels=0.6")], tmp_path / "b.onnx", data, settings=TrainSettings(epochs=15, lr=3e-3)
-    )
+    step = parse_step("prune-channels=0.6:l1:uniform")
+    bare = compress(model, [step], tmp_path / "a.onnx", Data(eval={"pixels": evaluation}))
+    tuned = compress(model, [step], tmp_path / "b.onnx", data, settings=TrainSettings(epochs=15, lr=3e-3))
     assert "fine-tuned" in tuned.final.details and "not fine-tuned" in bare.final.details
     assert tuned.final.comparison.cosine is not None and bare.final.comparison.cosine is not None
     # judged on --eval, which training never saw (early stopping watches a slice of --train)
     assert tuned.final.comparison.cosine > bare.final.comparison.cosine
+
+
+def test_allocate_cuts_less_where_a_layer_costs_more_divergence_per_parameter() -> None:
+    from edgekit.compress.prune import LayerSensitivity, allocate
+
+    found = [
+        LayerSensitivity("cheap", params_removed=1000, divergence=0.01),
+        LayerSensitivity("costly", params_removed=1000, divergence=1.0),
+        LayerSensitivity("free", params_removed=10, divergence=0.0),
+    ]
+    ratios = allocate(found, 0.3)
+    assert ratios["costly"] < 0.3 < ratios["cheap"] <= ratios["free"]
+    # as many parameters go as a uniform cut at 0.3 would take
+    removed = sum(s.params_removed * ratios[s.layer] / 0.3 for s in found)
+    assert abs(removed - sum(s.params_removed for s in found)) < 1e-3 * removed
+
+
+def test_prune_channels_with_data_refits_the_kept_layers_to_the_original_outputs(tmp_path: Path) -> None:
+    from edgekit.compress.prune import _divergence, prune_channels
+    from edgekit.compress.torch_bridge import load_module
+
+    model, train, evaluation = _export(tmp_path, dense=True)
+    x, held = torch.from_numpy(train), torch.from_numpy(evaluation)
+    with torch.no_grad():
+        reference = load_module(model)(held)
+    errors = {}
+    for refit in (False, True):
+        module = load_module(model)
+        report = prune_channels(module, (x[:1],), 0.5, data=(x,) if refit else None, by_sensitivity=False)
+        with torch.no_grad():
+            errors[refit] = _divergence(reference, module(held))
+        assert report.refitted_layers == (4 if refit else 0)  # stem, block (2), depthwise: not those left whole
+    # judged on inputs the refit never saw
+    assert errors[True] < 0.5 * errors[False]
+
+
+def test_prune_channels_by_sensitivity_records_per_layer_ratios(tmp_path: Path) -> None:
+    model, train, evaluation = _export(tmp_path)
+    result = compress(
+        model,
+        [parse_step("prune-channels=0.5")],
+        tmp_path / "p.onnx",
+        Data(eval={"pixels": evaluation}, train={"pixels": train}),
+        settings=TrainSettings(epochs=0),
+    )
+    assert "per-layer ratios by sensitivity measured on --train" in result.final.details
+    assert result.final.provenance.settings["allocation"] == "sensitivity"
+
+
+def test_distill_redraws_image_batches_and_asks_the_teacher_about_them() -> None:
+    from edgekit.compress.training import distill, redraw
+
+    rng = np.random.default_rng(0)
+    x = rng.random((40, 1, 8, 8), dtype=np.float32)
+    moved = redraw(x, np.random.default_rng(1), mix=True)
+    assert moved.shape == x.shape and moved.dtype == x.dtype and not np.allclose(moved, x)
+    weights = rng.normal(size=(64, 3)).astype(np.float32)
+    asked: list[np.ndarray] = []
+
+    def teacher(inputs: Sequence[np.ndarray]) -> np.ndarray:
+        asked.append(inputs[0])
+        return inputs[0].reshape(len(inputs[0]), -1) @ weights
+
+    student = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 3))
+    report = distill(
+        student,
+        [x[:32]],
+        teacher([x[:32]]),
+        labels=None,
+        eval_inputs=[x[32:]],
+        eval_teacher=teacher([x[32:]]),
+        settings=TrainSettings(epochs=2),
+        teacher_fn=teacher,
+    )
+    assert report.epochs_run == 2
+    seen = {a.tobytes() for a in x}
+    # besides the two calls above: the held-out copies, then every training batch, all redrawn
+    redrawn = [a for batch in asked[2:] for a in batch]
+    assert len(redrawn) >= 8 * 3 + 32 * 2 and not any(a.tobytes() in seen for a in redrawn[8:])
 
 
 def test_low_rank_factorises_layers_and_stays_close_at_high_energy(tmp_path: Path) -> None:
@@ -251,3 +330,25 @@ def test_package_compress_records_the_steps_and_gates_against_the_original(
             out_dir=tmp_path / "b",
             compress=["sparsity=0.95"],
         )
+
+
+def test_share_weights_takes_weights_written_as_constant_nodes(tmp_path: Path) -> None:
+    from onnx import helper
+
+    from edgekit.compress.share import share_weights
+
+    model, _, _ = _export(tmp_path)
+    graph = onnx.load(str(model))
+    constants = [helper.make_node("Constant", [], [i.name], value=i) for i in graph.graph.initializer]
+    del graph.graph.initializer[:]
+    nodes = list(graph.graph.node)
+    del graph.graph.node[:]
+    graph.graph.node.extend(constants + nodes)  # as paddle2onnx writes them
+    source = tmp_path / "constants.onnx"
+    onnx.save(graph, str(source))
+    report = share_weights(source, tmp_path / "shared.onnx", 8)
+    assert report.tensors >= 4
+    out = ort.InferenceSession(str(tmp_path / "shared.onnx")).run(
+        None, {"pixels": np.zeros((1, 3, 16, 16), np.float32)}
+    )
+    assert out[0].shape == (1, 4)

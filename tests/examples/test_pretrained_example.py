@@ -60,3 +60,18 @@ def test_text_lines_are_plausible_inputs_the_fp32_classifier_reads_correctly() -
     scores = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": images})[0]
     # far above chance (0.5): the synthetic lines look like text to a real text-direction classifier
     assert (scores.argmax(1) == rotated).mean() >= 0.9
+
+
+@needs_model
+def test_rendered_lines_are_printed_text_the_fp32_classifier_reads_correctly() -> None:
+    import onnxruntime as ort
+
+    path, _ = pretrained.find_pretrained()
+    images, rotated = pretrained.rendered_lines(100, seed=3)
+    assert images.shape == (100, 3, 48, 192) and images.min() >= -1.0 and images.max() <= 1.0
+    assert 0.3 < rotated.mean() < 0.7
+    np.testing.assert_array_equal(images, pretrained.rendered_lines(100, seed=3)[0])  # seeded
+    scores = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": images})[0]
+    assert (scores.argmax(1) == rotated).mean() >= 0.8
+    mixed, _ = pretrained.mixed_lines(10, seed=0)
+    assert mixed.shape == (10, 3, 48, 192)

@@ -21,6 +21,7 @@ def test_bench_split_reports_prediction_error_regret_and_gain_and_writes_the_plo
     assert cases[0] == "digits: segment latency" and rows[0].b_value is not None
     assert sum("planned choice vs best" in c for c in cases) == len(BANDWIDTHS_MBPS)
     assert sum("slower: best vs l/r" in c for c in cases) == len(BANDWIDTHS_MBPS)
+    assert all("re-measured best" in r.note and "regret" in r.note for r in rows if "slower: best vs l/r" in r.case)
     shape = [r for r in rows if r.case.startswith("digits: shape")]
     assert len(shape) == 1 and ("allows >= 2x" in shape[0].note or "does not allow 2x" in shape[0].note)
     assert cases[1] == "digits: segment share of the full model" and rows[1].b_value is not None
@@ -33,6 +34,7 @@ def test_bench_split_reports_prediction_error_regret_and_gain_and_writes_the_plo
         else:  # B: the best option, A: the better of local and remote
             assert r.b_value <= r.a_value * (1 + 1e-9)
     assert (tmp_path / "out" / "split-digits.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "out" / "split-digits-slower-device.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_bench_split_shape_row_says_a_bottleneck_network_allows_a_2x_split_on_a_slower_device(

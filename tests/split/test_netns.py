@@ -116,7 +116,7 @@ def _profiles(directory: Path, model: Path) -> tuple[Path, Path]:
 def test_chosen_cut_follows_the_shaped_bandwidth_between_namespaces(tmp_path: Path, keypair: tuple[Path, Path]) -> None:
     model = heavy_middle_convnet(tmp_path / "m.onnx")
     device, server = _profiles(tmp_path, model)
-    calib = np.random.default_rng(3).standard_normal((16, 3, HEAVY_SIZE, HEAVY_SIZE)).astype(np.float32)
+    calib = np.random.default_rng(3).standard_normal((64, 3, HEAVY_SIZE, HEAVY_SIZE)).astype(np.float32)
     run = plan_model(
         model, tmp_path / "plan", [1.0, 100.0], rtt_ms=1.0, device_profile=device, server_profile=server,
         budget_s=0.3, plot=False, samples=4,

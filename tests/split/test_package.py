@@ -146,3 +146,37 @@ def test_split_gate_refuses_a_tail_that_misses_the_full_models_gate(
             split_build.bundles.device, split_build.model, {cut.cut.id: cut.head_path},
             {cut.cut.id: graph.save(wrong, tmp_path / "t.onnx")}, samples, key=keypair[0],
         )  # fmt: skip
+
+
+def test_package_split_ships_a_cut_of_a_model_whose_batch_is_fixed_at_one(
+    tmp_path: Path, keypair: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.split import bottleneck_convnet
+
+    model = bottleneck_convnet(tmp_path / "b.onnx", size=64, width=8, depth=1)  # input [1, 3, 64, 64]
+    np.savez(tmp_path / "calib.npz", x=np.random.default_rng(0).standard_normal((64, 3, 64, 64)).astype(np.float32))
+    args = [
+        "package", str(model), "--calib", str(tmp_path / "calib.npz"), "--precision", "fp32", "--split",
+        "--cuts", "cut1", "--key", str(keypair[0]), "--name", "b", "--version", "1", "-o", str(tmp_path / "dist"),
+        "-q", "--split-budget-s", "0.2", "--split-dir", str(tmp_path / "plan"),
+    ]  # fmt: skip
+    assert main(args) == 0
+    assert "split gate cut1: head∘tail against the full model on 64 samples" in capsys.readouterr().out
+    tail = _verified(tmp_path / "dist" / "b-tail-cut1-cpu-v1.ekb", keypair[1])
+    assert [s.shape for s in tail.signature.inputs] == [(1, 4, 8, 8)]
+
+
+def test_package_split_energy_objective_plans_for_the_devices_energy(
+    tmp_path: Path, keypair: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = shrinking_convnet(tmp_path / "m.onnx")
+    base = _package_split_args(tmp_path, model, keypair[0], "--bandwidth-mbps", "10", "--split-objective", "energy")
+    assert main(base) == 2  # no device power given
+    assert "--split-objective energy needs the device's power" in capsys.readouterr().err
+    # a 50 W device: at 10 Mbit/s sending the input costs it less energy than any head (latency: the cut after conv1)
+    power = ["--device-power-w", "50", "--radio-power-w", "1", "--idle-power-w", "0"]
+    assert main([*base, *power]) == 0
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert plan["objective"] == "energy" and plan["choices"][0]["best"] == "remote"
+    assert plan["power_w"] == {"device_w": 50.0, "radio_w": 1.0, "idle_w": 0.0}
+    assert _verified(tmp_path / "dist" / "sc-cpu-v1.ekb", keypair[1]).split is None
