@@ -56,8 +56,8 @@ def test_compare_fails_a_detector_whose_class_scores_were_crushed() -> None:
 
 
 def test_package_gates_a_detector_with_boxes_post_processing_on_its_detections(keypair, tmp_path) -> None:
-    from tests.factories import package_small_data as package
     from examples.detector import colour_detector
+    from tests.factories import package_small_data as package
 
     model = colour_detector(tmp_path / "det.onnx")
     rng = np.random.default_rng(0)
