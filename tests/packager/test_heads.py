@@ -173,3 +173,41 @@ def test_recognise_leaves_a_classifier_and_other_outputs_alone(tmp_path: Path) -
     image = (TensorSpec("x", "float32", (1, 3, 40, 40)),)
     assert recognise(probs, image) is None  # 16x16 is neither 40x40 nor 10x10
     assert recognise(probs, (TensorSpec("x", "float32", (1, 3, 64, 64)),)) is not None
+
+
+def test_package_judges_a_raw_yolo_head_by_its_decoded_detections(keypair: tuple[Path, Path], tmp_path: Path) -> None:
+    from examples.detector import colour_detector
+    from tests.factories import package_small_data as package
+
+    model = colour_detector(tmp_path / "det.onnx", size=128)
+    rng = np.random.default_rng(0)
+    images = np.zeros((40, 3, 128, 128), np.float32)
+    images[:, 1] = rng.uniform(0.05, 0.15, (40, 128, 128))  # a green tint: class 1 never fires
+    for i in range(40):
+        for y0, x0 in rng.integers(0, 15, (2, 2)) * 8:
+            images[i, 0, y0 : y0 + 16, x0 : x0 + 16] = 1.0
+
+    def run(task: str | None, out: str) -> dict[str, tuple[str, str]]:
+        result = package(
+            model, ["cpu"], "auto", calib={"images": images[:30]}, eval={"images": images[30:]}, key=keypair[0],
+            name="det", out_dir=tmp_path / out, options={"cpu": {"openvino": False}}, task=task,
+        )  # fmt: skip
+        v = result.manifests["cpu"].validation
+        assert v.passed, v.failures
+        if task is None:
+            assert any(
+                n.startswith("gate: output 'output0' judged as detect (decoded with class-wise NMS") for n in v.notes
+            )
+            prefix = "held-out output 'output0' decoded as a YOLO head: detections F1 "
+            (held,) = [n for n in v.notes if n.startswith(prefix)]
+            matched, total = held.split("(")[1].split(" fp32 detections")[0].split(" of ")
+            assert int(total) > 0 and int(matched) >= 0.95 * int(total)
+        rows = result.manifests["cpu"].candidates.candidates
+        return {c.id: (c.status, c.reason) for c in rows if c.id.startswith("ort-static") and "minmax" in c.id}
+
+    # ORT's static int8 puts the concat under one scale: the green class (0.1) rounds to 0
+    plain = run("output0=detect", "plain")
+    assert plain and all(s == "failed" and "channel 5 cosine 0.00" in r for s, r in plain.values()), plain
+    decoded = run(None, "decoded")
+    assert decoded.keys() == plain.keys()
+    assert all(s in ("passed", "chosen") for s, _ in decoded.values()), decoded
