@@ -68,6 +68,8 @@ class Comparison:
     # detectors with a boxes post-processing (``validate.detections``): what the client receives;
     # and recognised heads' decoded outputs without one (``validate.heads``)
     detections: str | None = None
+    # the outputs judged by what they decode to: their worst channel does not gate (nor bound a margin)
+    decoded: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -307,6 +309,7 @@ def compare(
     judged_by = [detected.text()] if detected is not None else []
     if judged_by or heads:
         values["detections"] = "; ".join(judged_by + [h.text for h in heads])
+        values["decoded"] = (*([post.tensor] if detected is not None else []), *decoded)
     if detected is not None:
         if detected.f1 < DETECTION_MIN_F1:
             failures.append(

@@ -76,6 +76,17 @@ def test_compare_passes_a_yolo_head_that_keeps_every_detection_though_a_never_fi
     assert " 0 of " not in got.detections
 
 
+def test_selection_margin_leaves_out_the_worst_channel_of_a_decoded_yolo_head(tmp_path: Path) -> None:
+    from edgekit.optimize.margin import selection_margin
+
+    served, ref = _detector_outputs(tmp_path)
+    tasks, _ = output_tasks(served, ref)
+    cand = {"output0": _fake_int8(ref["output0"])}
+    got = compare(ref, cand, "dense", Tolerance(), tasks=tasks)
+    assert got.passed and got.decoded == ("output0",)
+    assert selection_margin(ref, cand, got) == ""  # channel 5's cosine 0 would have made it marginal
+
+
 def test_compare_fails_a_yolo_head_whose_live_class_scores_were_crushed(tmp_path: Path) -> None:
     served, ref = _detector_outputs(tmp_path)
     tasks, _ = output_tasks(served, ref)
