@@ -367,6 +367,19 @@ def _torch_graph(ctx: BuildContext) -> tuple[list[TensorSpec], Any, Any, tuple[A
 def _mlprogram(
     ct: Any, traced: Any, inputs: list[TensorSpec], served: Signature, deployment: str, fp32: bool = False
 ) -> Any:
+    from edgekit.targets.apple_graph import converter_refusal, register_torch_ops
+
+    register_torch_ops()
+    try:
+        return _convert(ct, traced, inputs, served, deployment, fp32)
+    except (NotImplementedError, RuntimeError, ValueError) as exc:
+        refusal = converter_refusal(exc, traced, ct.__version__)
+        if refusal is None:
+            raise
+        raise refusal from None
+
+
+def _convert(ct: Any, traced: Any, inputs: list[TensorSpec], served: Signature, deployment: str, fp32: bool) -> Any:
     return ct.convert(
         traced,
         inputs=[ct.TensorType(name=s.name, shape=s.shape, dtype=np.dtype(s.dtype).type) for s in inputs],
@@ -573,7 +586,9 @@ def check_compression(weights: list[Any], precision: str, opts: AppleOptions) ->
 def _interface(spec: Any, served: Signature, inputs: list[TensorSpec]) -> tuple[Signature, tuple[TensorMapping, ...]]:
     """The package's own signature (from its spec) and the served <-> artifact name mapping."""
     desc = spec.description
-    if [i.name for i in desc.input] != [s.name for s in inputs]:
+    # coremltools makes names valid identifiers (``input.1`` -> ``input_1``): inputs pair by position,
+    # each with the sanitised form of its served name; the mapping serves the model's own names
+    if [i.name for i in desc.input] != coreml_names([s.name for s in inputs]):
         raise ValidationFailedError(
             f"package inputs {[i.name for i in desc.input]} do not match the model's {[s.name for s in inputs]}"
         )
@@ -591,6 +606,15 @@ def _interface(spec: Any, served: Signature, inputs: list[TensorSpec]) -> tuple[
         for s, a in (*zip(inputs, art_in, strict=True), *zip(served.outputs, art_out, strict=True))
     )
     return Signature(inputs=tuple(art_in), outputs=tuple(art_out)), mapping
+
+
+def coreml_names(names: list[str]) -> list[str]:
+    """The names coremltools gives tensors named ``names``, in order (its ``NameSanitizer``: invalid
+    characters -> ``_``, a leading digit prefixed, repeats made unique)."""
+    from coremltools.converters.mil.mil.passes.defs.preprocess import NameSanitizer
+
+    sanitizer = NameSanitizer()
+    return [str(sanitizer.sanitize_name(n)) for n in names]
 
 
 def _feature_spec(feature: Any, layout: str | None) -> TensorSpec:
