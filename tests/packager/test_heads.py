@@ -222,3 +222,25 @@ def test_package_judges_a_raw_yolo_head_by_its_decoded_detections(keypair: tuple
     decoded = run(None, "decoded")
     assert decoded.keys() == plain.keys()
     assert all(s in ("passed", "chosen") for s, _ in decoded.values()), decoded
+
+
+def test_package_names_the_mask_gate_of_a_dbnet_map_and_its_held_out_iou(
+    keypair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from tests.factories import package_small_data as package
+
+    model = _text_detector(tmp_path / "text.onnx")
+    rng = np.random.default_rng(0)
+    images = rng.uniform(0, 0.3, (40, 3, 64, 64)).astype(np.float32)
+    for i in range(40):
+        row = int(rng.integers(0, 48))
+        images[i, :, row : row + 12, 8:56] = rng.uniform(0.6, 1.0, (3, 12, 48))
+    result = package(
+        model, ["cpu"], "auto", calib={"x": images[:30]}, eval={"x": images[30:]}, key=keypair[0], name="text",
+        out_dir=tmp_path / "out", options={"cpu": {"openvino": False}},
+    )  # fmt: skip
+    v = result.manifests["cpu"].validation
+    assert v.passed, v.failures
+    assert any(n.startswith("gate: output 'maps' judged as segment (thresholded at 0.3") for n in v.notes)
+    (held,) = [n for n in v.notes if n.startswith("held-out output 'maps' thresholded at 0.3 as a DBNet map")]
+    assert float(held.split("mask IoU ")[1].split()[0]) >= 0.9
