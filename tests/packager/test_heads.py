@@ -99,6 +99,18 @@ def test_compare_fails_a_yolo_head_whose_live_class_scores_were_crushed(tmp_path
     assert failure.endswith("needs F1 >= 0.95: the decoded detections differ from fp32's")
 
 
+def test_recognise_a_yolo_head_with_anchors_first() -> None:
+    from edgekit.validate.heads import yolo_axis
+    from examples.detector import reference_outputs
+
+    images = np.zeros((1, 3, 128, 128), np.float32)
+    images[0, 2, 32:48, 64:80] = 1.0
+    last = reference_outputs(images, channels_last=True).astype(np.float32)  # [1, 256, 7]
+    got = recognise(last)
+    assert got is not None and got[0] == YOLO_TASK and yolo_axis(last.shape) == 2
+    assert "256 anchors of 4 box values and 3 class scores" in got[1]
+
+
 def test_output_tasks_leaves_a_yolo_head_to_task_when_given(tmp_path: Path) -> None:
     served, ref = _detector_outputs(tmp_path)
     tasks, notes = output_tasks(served, ref, {"output0": "embed"})
