@@ -351,6 +351,7 @@ def _torch_graph(ctx: BuildContext) -> tuple[list[TensorSpec], Any, Any, tuple[A
 
     from edgekit.compress.freeze import freeze_graph
     from edgekit.compress.onnx_to_torch import onnx_to_torch
+    from edgekit.targets.apple_graph import prelu_as_relu
 
     inputs = [_static(spec, ctx.static_shapes) for spec in ctx.served.inputs]
     ctx.progress("[apple] freeze (onnxslim) -> onnx2torch -> torch.jit.trace")
@@ -359,7 +360,9 @@ def _torch_graph(ctx: BuildContext) -> tuple[list[TensorSpec], Any, Any, tuple[A
     frozen = freeze_graph(
         ctx.model_path, ctx.work_dir / "folded.onnx", shapes, check=_check_batch(ctx.calib, inputs), pads=True
     )
-    module = onnx_to_torch(frozen.path)
+    # a PRelu onnx2torch would run as a boolean mask becomes Relu arithmetic (static shapes for Core ML)
+    convertible, _ = prelu_as_relu(frozen.path, ctx.work_dir / "prelu_as_relu.onnx")
+    module = onnx_to_torch(convertible)
     example = tuple(torch.zeros(shapes[s.name], dtype=_torch_dtype(torch, s.dtype)) for s in inputs)
     return inputs, frozen, module, example
 

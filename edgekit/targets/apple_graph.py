@@ -7,6 +7,12 @@ onnx2torch writes every two-input ``Min`` / ``Max`` as ``broadcast_to`` + ``stac
 ``expand(x, shape)`` (the same broadcasting rule, no ``-1`` entries), so it is registered as
 coremltools' own ``expand`` converter.
 
+onnx2torch runs a PRelu whose slope is not per channel on axis 1 (Keras' NHWC slope ``[1, 1, C]``)
+as a boolean-mask assignment, which coremltools converts to ``non_zero`` / ``gather_nd`` /
+``scatter_nd``: shapes that depend on the data, which the Neural Engine does not run.
+``prelu_as_relu`` writes such a PRelu as ``Relu(x) + slope * (x - Relu(x))`` first (exact: ``x -
+Relu(x)`` is ``min(x, 0)``); a per-channel PRelu stays (it converts to Core ML's own ``prelu``).
+
 A torch op coremltools has no converter for ends the conversion with a ``NotImplementedError``
 whose message names the torch op only; ``converter_refusal`` turns it into one line that also
 names the ONNX node the op came from (onnx2torch names each module after its ONNX node).
@@ -15,6 +21,7 @@ names the ONNX node the op came from (onnx2torch names each module after its ONN
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 from edgekit.errors import UnsupportedOpError
@@ -34,6 +41,53 @@ def register_torch_ops() -> None:
         expand(context, node)
 
     register_torch_op(broadcast_to)
+
+
+def prelu_as_relu(src: Path, dst: Path) -> tuple[Path, int]:
+    """(the graph to convert, how many PRelu were rewritten): ``src`` itself when none was, else
+    ``dst`` with each PRelu onnx2torch would run as a mask written as Relu / Sub / Mul / Add."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(src))
+    graph = model.graph
+    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    shapes = {
+        v.name: [d.dim_value if d.HasField("dim_value") else -1 for d in v.type.tensor_type.shape.dim]
+        for v in (*onnx.shape_inference.infer_shapes(model).graph.value_info, *graph.input)
+    }
+    nodes: list[Any] = []
+    rewritten = 0
+    for node in graph.node:
+        if node.op_type != "PRelu" or not _masked_prelu(shapes.get(node.input[0]), consts.get(node.input[1])):
+            nodes.append(node)
+            continue
+        x, slope, y = node.input[0], node.input[1], node.output[0]
+        base = node.name or y
+        relu, neg, scaled = f"{base}/relu", f"{base}/negative_part", f"{base}/scaled"
+        nodes += [
+            helper.make_node("Relu", [x], [relu], name=relu),
+            helper.make_node("Sub", [x, relu], [neg], name=neg),
+            helper.make_node("Mul", [neg, slope], [scaled], name=scaled),
+            helper.make_node("Add", [relu, scaled], [y], name=base),
+        ]
+        rewritten += 1
+    if not rewritten:
+        return src, 0
+    del graph.node[:]
+    graph.node.extend(nodes)
+    onnx.save(model, str(dst))
+    return dst, rewritten
+
+
+def _masked_prelu(shape: list[int] | None, slope: Any) -> bool:
+    """Whether onnx2torch's PRelu takes its mask path (``OnnxPReLU``: not a single slope, and not
+    one slope per channel of axis 1); an unknown shape or a computed slope counts as masked."""
+    if slope is None or shape is None or len(shape) < 2:
+        return True
+    if slope.size == 1:
+        return False
+    return not (slope.ndim >= 1 and slope.shape[0] == shape[1] and all(d == 1 for d in slope.shape[1:]))
 
 
 def converter_refusal(exc: BaseException, traced: Any, version: str) -> UnsupportedOpError | None:
@@ -56,4 +110,4 @@ def converter_refusal(exc: BaseException, traced: Any, version: str) -> Unsuppor
     )
 
 
-__all__ = ["converter_refusal", "register_torch_ops"]
+__all__ = ["converter_refusal", "prelu_as_relu", "register_torch_ops"]
