@@ -158,3 +158,22 @@ def test_package_ships_the_other_targets_when_coremltools_cannot_convert(
     assert set(result.bundles) == {"cpu"} and result.bundles["cpu"].exists()
     assert "no converter for the torch op 'fmod' (from ONNX node wrap)" in result.errors["apple"]
     assert "\n" not in result.errors["apple"]
+
+
+@pytest.mark.slow
+def test_package_apple_bundle_serves_the_onnx_names_of_a_model_coreml_renames(
+    keypair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from onnx import helper
+
+    from tests.factories import package_small_data as package
+
+    model = _graph(tmp_path / "dotted.onnx", [helper.make_node("Relu", ["input.1"], ["h"])], {}, "input.1", "out.0")
+    x = np.random.default_rng(6).standard_normal((8, *SHAPE[1:])).astype(np.float32)
+    result = package(model, ["apple"], "fp16", eval={"input.1": x}, key=keypair[0], name="m", out_dir=tmp_path / "out")
+    manifest = result.manifests["apple"]
+    assert result.passed and result.bundles["apple"].exists()
+    assert [s.name for s in manifest.signature.inputs] == ["input.1"]
+    assert [s.name for s in manifest.signature.outputs] == ["out.0"]
+    assert [s.name for s in manifest.artifact_signature.inputs] == ["input_1"]
+    assert ("input.1", "input_1") in {(m.served, m.artifact) for m in manifest.mapping}
