@@ -252,7 +252,7 @@ def build_one(ctx: BuildContext) -> BuildResult:
     with torch.no_grad():
         traced = torch.jit.trace(module, example, check_trace=False)
     ctx.progress(f"[apple] coremltools {ct.__version__}: mlprogram, {ctx.precision}")
-    mlmodel = _mlprogram(ct, traced, inputs, ctx.served, deployment, fp32=ctx.precision == "fp32")
+    mlmodel = _mlprogram(ct, traced, inputs, ctx.served, deployment, fp32=ctx.precision == "fp32", source=frozen.path)
     compressed, precision = _compress(ct, mlmodel, ctx.precision, opts)
     package = ctx.out_dir / PACKAGE
     compressed.save(str(package))
@@ -368,7 +368,13 @@ def _torch_graph(ctx: BuildContext) -> tuple[list[TensorSpec], Any, Any, tuple[A
 
 
 def _mlprogram(
-    ct: Any, traced: Any, inputs: list[TensorSpec], served: Signature, deployment: str, fp32: bool = False
+    ct: Any,
+    traced: Any,
+    inputs: list[TensorSpec],
+    served: Signature,
+    deployment: str,
+    fp32: bool = False,
+    source: Path | None = None,
 ) -> Any:
     from edgekit.targets.apple_graph import converter_refusal, register_torch_ops
 
@@ -376,7 +382,7 @@ def _mlprogram(
     try:
         return _convert(ct, traced, inputs, served, deployment, fp32)
     except (NotImplementedError, RuntimeError, ValueError) as exc:
-        refusal = converter_refusal(exc, traced, ct.__version__)
+        refusal = converter_refusal(exc, traced, ct.__version__, source)
         if refusal is None:
             raise
         raise refusal from None
@@ -428,7 +434,7 @@ def build_w8a8(ctx: BuildContext) -> BuildResult:
     with torch.no_grad():
         traced = torch.jit.trace(quantized, example, check_trace=False)
     ctx.progress(f"[apple] coremltools {ct.__version__}: mlprogram, W8A8 ({deployment})")
-    mlmodel = _mlprogram(ct, traced, inputs, ctx.served, deployment)
+    mlmodel = _mlprogram(ct, traced, inputs, ctx.served, deployment, source=frozen.path)
     package = ctx.out_dir / PACKAGE
     mlmodel.save(str(package))
     spec, program = load_program(package)

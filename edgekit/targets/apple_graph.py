@@ -90,24 +90,39 @@ def _masked_prelu(shape: list[int] | None, slope: Any) -> bool:
     return not (slope.ndim >= 1 and slope.shape[0] == shape[1] and all(d == 1 for d in slope.shape[1:]))
 
 
-def converter_refusal(exc: BaseException, traced: Any, version: str) -> UnsupportedOpError | None:
-    """The one-line error for a torch op coremltools cannot convert, or ``None`` for any other failure."""
+def converter_refusal(
+    exc: BaseException, traced: Any, version: str, source: Path | None = None
+) -> UnsupportedOpError | None:
+    """The one-line error for a torch op coremltools cannot convert, or ``None`` for any other failure;
+    ``source``: the ONNX graph onnx2torch converted, to name the nodes the op came from."""
     found = _MISSING_OP.search(str(exc))
     if found is None:
         return None
     op = found.group(1)
-    nodes = sorted(
-        {
-            node.scopeName().split("/")[-1].removeprefix("__module.")
-            for node in traced.inlined_graph.nodes()
-            if node.kind().split("::")[-1] == op and node.scopeName()
-        }
-    )
+    onnx_nodes = _nodes_by_module(source) if source is not None else {}
+    modules = {  # the top-level module the op ran in: onnx2torch's module for one ONNX node
+        node.scopeName().removeprefix("__module.").split("/__module.")[0]
+        for node in traced.inlined_graph.nodes()
+        if node.kind().split("::")[-1] == op and node.scopeName()
+    }
+    nodes = sorted(onnx_nodes.get(m, m) for m in modules)
     where = f" (from ONNX node {', '.join(nodes[:5])}{', ...' if len(nodes) > 5 else ''})" if nodes else ""
     return UnsupportedOpError(
         f"apple: coremltools {version} has no converter for the torch op '{op}'{where} that onnx2torch wrote for "
         "this model; the other targets are not affected: drop apple from --target, or replace that op in the model"
     )
+
+
+def _nodes_by_module(source: Path) -> dict[str, str]:
+    """onnx2torch's module name (``OnnxGraph.generate_node_name``: dots as slashes, no leading slash)
+    -> ``"<op_type> <ONNX node name>"``."""
+    import onnx
+
+    found: dict[str, str] = {}
+    for node in onnx.load(str(source), load_external_data=False).graph.node:
+        module = (f"{node.domain}/" + (node.name.replace(".", "/") or node.op_type)).lstrip("/")
+        found.setdefault(module, f"{node.name or node.output[0]} ({node.op_type})")
+    return found
 
 
 __all__ = ["converter_refusal", "prelu_as_relu", "register_torch_ops"]

@@ -129,7 +129,9 @@ def _fmod(path: Path) -> Path:
     from onnx import helper
 
     return _graph(
-        path, [helper.make_node("Mod", ["x", "d"], ["h"], fmod=1, name="wrap")], {"d": np.array([0.7], np.float32)}
+        path,
+        [helper.make_node("Mod", ["x", "d"], ["h"], fmod=1, name="/blocks.0/wrap")],
+        {"d": np.array([0.7], np.float32)},
     )
 
 
@@ -139,7 +141,7 @@ def test_apple_names_the_op_coremltools_cannot_convert_in_one_line(tmp_path: Pat
     with pytest.raises(UnsupportedOpError) as exc:
         _build(model, tmp_path)
     message = str(exc.value)
-    assert "no converter for the torch op 'fmod' (from ONNX node wrap)" in message
+    assert "no converter for the torch op 'fmod' (from ONNX node /blocks.0/wrap (Mod))" in message
     assert "\n" not in message and exc.value.__cause__ is None and exc.value.__suppress_context__
 
 
@@ -156,7 +158,7 @@ def test_package_ships_the_other_targets_when_coremltools_cannot_convert(
         package(model, ["cpu", "apple"], "fp16", eval={"x": x}, key=keypair[0], name="m", out_dir=tmp_path / "out")
     result = exc.value.result
     assert set(result.bundles) == {"cpu"} and result.bundles["cpu"].exists()
-    assert "no converter for the torch op 'fmod' (from ONNX node wrap)" in result.errors["apple"]
+    assert "no converter for the torch op 'fmod' (from ONNX node /blocks.0/wrap (Mod))" in result.errors["apple"]
     assert "\n" not in result.errors["apple"]
 
 
