@@ -87,7 +87,7 @@ def selection_margin(
                     f"> {t.max_relative_error:.4g}"
                 )
         axis = channel_axis(tuple(r.shape))
-        if t.min_channel_cosine is not None and axis is not None and len(draws):
+        if t.min_channel_cosine is not None and axis is not None and len(draws) and name not in comparison.decoded:
             worst = _channel_lower(r, c, axis, draws)
             if worst is not None and worst < t.min_channel_cosine:
                 why.append(

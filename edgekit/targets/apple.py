@@ -246,7 +246,7 @@ def build_one(ctx: BuildContext) -> BuildResult:
     with torch.no_grad():
         traced = torch.jit.trace(module, example, check_trace=False)
     ctx.progress(f"[apple] coremltools {ct.__version__}: mlprogram, {ctx.precision}")
-    mlmodel = _mlprogram(ct, traced, inputs, ctx.served, deployment, fp32=ctx.precision == "fp32")
+    mlmodel = _mlprogram(ct, traced, inputs, ctx.served, deployment, fp32=ctx.precision == "fp32", source=frozen.path)
     compressed, precision = _compress(ct, mlmodel, ctx.precision, opts)
     package = ctx.out_dir / PACKAGE
     compressed.save(str(package))
@@ -345,6 +345,7 @@ def _torch_graph(ctx: BuildContext) -> tuple[list[TensorSpec], Any, Any, tuple[A
 
     from edgekit.compress.freeze import freeze_graph
     from edgekit.compress.onnx_to_torch import onnx_to_torch
+    from edgekit.targets.apple_graph import prelu_as_relu
 
     inputs = [_static(spec, ctx.static_shapes) for spec in ctx.served.inputs]
     ctx.progress("[apple] freeze (onnxslim) -> onnx2torch -> torch.jit.trace")
@@ -353,14 +354,35 @@ def _torch_graph(ctx: BuildContext) -> tuple[list[TensorSpec], Any, Any, tuple[A
     frozen = freeze_graph(
         ctx.model_path, ctx.work_dir / "folded.onnx", shapes, check=_check_batch(ctx.calib, inputs), pads=True
     )
-    module = onnx_to_torch(frozen.path)
+    # a PRelu onnx2torch would run as a boolean mask becomes Relu arithmetic (static shapes for Core ML)
+    convertible, _ = prelu_as_relu(frozen.path, ctx.work_dir / "prelu_as_relu.onnx")
+    module = onnx_to_torch(convertible)
     example = tuple(torch.zeros(shapes[s.name], dtype=_torch_dtype(torch, s.dtype)) for s in inputs)
     return inputs, frozen, module, example
 
 
 def _mlprogram(
-    ct: Any, traced: Any, inputs: list[TensorSpec], served: Signature, deployment: str, fp32: bool = False
+    ct: Any,
+    traced: Any,
+    inputs: list[TensorSpec],
+    served: Signature,
+    deployment: str,
+    fp32: bool = False,
+    source: Path | None = None,
 ) -> Any:
+    from edgekit.targets.apple_graph import converter_refusal, register_torch_ops
+
+    register_torch_ops()
+    try:
+        return _convert(ct, traced, inputs, served, deployment, fp32)
+    except (NotImplementedError, RuntimeError, ValueError) as exc:
+        refusal = converter_refusal(exc, traced, ct.__version__, source)
+        if refusal is None:
+            raise
+        raise refusal from None
+
+
+def _convert(ct: Any, traced: Any, inputs: list[TensorSpec], served: Signature, deployment: str, fp32: bool) -> Any:
     return ct.convert(
         traced,
         inputs=[ct.TensorType(name=s.name, shape=s.shape, dtype=np.dtype(s.dtype).type) for s in inputs],
@@ -406,7 +428,7 @@ def build_w8a8(ctx: BuildContext) -> BuildResult:
     with torch.no_grad():
         traced = torch.jit.trace(quantized, example, check_trace=False)
     ctx.progress(f"[apple] coremltools {ct.__version__}: mlprogram, W8A8 ({deployment})")
-    mlmodel = _mlprogram(ct, traced, inputs, ctx.served, deployment)
+    mlmodel = _mlprogram(ct, traced, inputs, ctx.served, deployment, source=frozen.path)
     package = ctx.out_dir / PACKAGE
     mlmodel.save(str(package))
     spec, program = load_program(package)
@@ -567,7 +589,9 @@ def check_compression(weights: list[Any], precision: str, opts: AppleOptions) ->
 def _interface(spec: Any, served: Signature, inputs: list[TensorSpec]) -> tuple[Signature, tuple[TensorMapping, ...]]:
     """The package's own signature (from its spec) and the served <-> artifact name mapping."""
     desc = spec.description
-    if [i.name for i in desc.input] != [s.name for s in inputs]:
+    # coremltools makes names valid identifiers (``input.1`` -> ``input_1``): inputs pair by position,
+    # each with the sanitised form of its served name; the mapping serves the model's own names
+    if [i.name for i in desc.input] != coreml_names([s.name for s in inputs]):
         raise ValidationFailedError(
             f"package inputs {[i.name for i in desc.input]} do not match the model's {[s.name for s in inputs]}"
         )
@@ -585,6 +609,15 @@ def _interface(spec: Any, served: Signature, inputs: list[TensorSpec]) -> tuple[
         for s, a in (*zip(inputs, art_in, strict=True), *zip(served.outputs, art_out, strict=True))
     )
     return Signature(inputs=tuple(art_in), outputs=tuple(art_out)), mapping
+
+
+def coreml_names(names: list[str]) -> list[str]:
+    """The names coremltools gives tensors named ``names``, in order (its ``NameSanitizer``: invalid
+    characters -> ``_``, a leading digit prefixed, repeats made unique)."""
+    from coremltools.converters.mil.mil.passes.defs.preprocess import NameSanitizer
+
+    sanitizer = NameSanitizer()
+    return [str(sanitizer.sanitize_name(n)) for n in names]
 
 
 def _feature_spec(feature: Any, layout: str | None) -> TensorSpec:

@@ -65,8 +65,11 @@ class Comparison:
     # classifiers, at selection only (``edgekit.optimize.flip_risk``): top-1 agreement predicted on
     # inputs as close to the decision boundary as the gate's; not a manifest measure
     predicted_top1_agreement: float | None = None
-    # detectors with a boxes post-processing (``validate.detections``): what the client receives
+    # detectors with a boxes post-processing (``validate.detections``): what the client receives;
+    # and recognised heads' decoded outputs without one (``validate.heads``)
     detections: str | None = None
+    # the outputs judged by what they decode to: their worst channel does not gate (nor bound a margin)
+    decoded: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -147,22 +150,28 @@ def output_tasks(
     - one value per sample (``[N]``, ``[N, 1]``): regress;
     - ``[N, C]`` rows that are probabilities (in [0, 1], summing to 1): classify; of unit L2 norm:
       embed; at most ``REGRESS_MAX_COLUMNS`` other values: regress; more: classify (scores);
-    - rank 3 (per anchor): detect; rank 4 and up (maps): segment."""
+    - rank 3 (per anchor): detect; rank 4 and up (maps): segment;
+    - a YOLO-style head or a DBNet-style map (``validate.heads``): ``detect:yolo`` /
+      ``segment:dbnet``, judged by what it decodes to."""
+    from edgekit.validate.heads import base_task, recognise
+    from edgekit.validate.heads import gate_text as head_gate_text
+
     given = dict(given or {})
     tasks: dict[str, str] = {}
     notes: list[str] = []
     for spec in served.outputs:
         values = np.asarray(reference[spec.name]) if spec.name in reference else None
         shape = tuple(values.shape) if values is not None else tuple(spec.shape)
+        head = recognise(values, served.inputs) if values is not None and spec.name not in given else None
         if spec.name in given:
             task, why = given[spec.name], "given by --task"
+        elif head is not None:
+            task, why = head
         else:
             task, why = _infer_task(shape, values)
         tasks[spec.name] = task
-        notes.append(
-            f"gate: output {spec.name!r} judged as {task} "
-            f"({_gate_text(task, spec.name == served.outputs[0].name)}); {why}"
-        )
+        how = head_gate_text(task) if head is not None else _gate_text(task, spec.name == served.outputs[0].name)
+        notes.append(f"gate: output {spec.name!r} judged as {base_task(task)} ({how}); {why}")
     return tasks, tuple(notes)
 
 
@@ -214,8 +223,11 @@ def compare(
     ``device_agents.processing.post.Postprocessor``); where it ends in ``boxes``, its output is
     judged by the detections (``validate.detections``), not by its worst channel."""
     from edgekit.validate.detections import DETECTION_MIN_F1, boxes_post, detection_agreement
+    from edgekit.validate.heads import check_heads
 
     detected = detection_agreement(reference, candidate, post) if boxes_post(post) else None
+    heads = check_heads(reference, candidate, tasks, skip=post.tensor if detected is not None else None)
+    decoded = {h.output for h in heads}
     names = list(reference)
     missing = [n for n in names if n not in candidate]
     if missing:
@@ -245,7 +257,7 @@ def compare(
             continue
         dense_cosines.append(cosines[-1])
         dense_err.append((abs_err[-1], ref_abs[-1]))
-        if detected is not None and n == post.tensor:
+        if (detected is not None and n == post.tensor) or n in decoded:
             continue  # the detections judge it: a channel that never fires cannot veto them
         found = worst_channel(reference[n], candidate[n])
         if found is not None and (worst is None or found[0] < worst[0]):
@@ -293,8 +305,12 @@ def compare(
                 "before the concat"
             )
     failures += regressed
+    failures += [h.failure for h in heads if h.failure is not None]
+    judged_by = [detected.text()] if detected is not None else []
+    if judged_by or heads:
+        values["detections"] = "; ".join(judged_by + [h.text for h in heads])
+        values["decoded"] = (*([post.tensor] if detected is not None else []), *decoded)
     if detected is not None:
-        values["detections"] = detected.text()
         if detected.f1 < DETECTION_MIN_F1:
             failures.append(
                 f"{detected.text()}, needs F1 >= {DETECTION_MIN_F1:g}: the detections after the post-processing "
