@@ -129,10 +129,11 @@ def test_package_compress_auto_packages_the_chosen_variant_and_records_every_can
         out_dir=tmp_path / "out",
         compress=["auto"],
         objective="size",
+        tolerance={"min_top1_agreement": 0.95},  # INT8 of this random net agrees ~0.98 with its float self
         allow_failed=True,
     )
     manifest = result.manifests["cpu"]
     kinds = [s.kind for s in manifest.provenance]
-    assert kinds[:2] == ["auto_compress", "low_rank"]
+    assert kinds[:2] == ["auto_compress", "low_rank"], manifest.provenance[0].notes
     assert set(manifest.provenance[0].settings) >= {"candidate original", "candidate sparsity=0.95"}
     assert manifest.validation.passed  # gated against the original's outputs
