@@ -59,7 +59,7 @@ def run(ctx: BenchContext, *, name: str, devices: int = 50) -> list[Measurement]
 def _publish_to_serving(ctx: BenchContext, name: str, work: Path, broker: Any, files: Any) -> list[Measurement]:
     import edgekit
     from bench.agent_roundtrip import tiny_model
-    from device_agents.updates.connection import BrokerAddress
+    from edgekit.bundle.fleet_connection import BrokerAddress
     from edgekit.fleet.publish import PublishOptions, publish
     from examples.agent_process import RunningAgent
     from examples.fleet_processes import toml_table
@@ -203,7 +203,7 @@ def _fleet(ctx: BenchContext, name: str, work: Path, broker: Any, files: Any, de
     from bench.agent_roundtrip import tiny_model
     from device_agents.config import config_from_data
     from device_agents.updates.client import UpdateClient
-    from device_agents.updates.connection import BrokerAddress
+    from edgekit.bundle.fleet_connection import BrokerAddress
     from edgekit.fleet.publish import PublishOptions, publish
     from examples.fleet_processes import wait_for
 

@@ -142,8 +142,17 @@ def run(ctx: BenchContext, *, name: str) -> list[Measurement]:
         served, sizes, notes = {}, {}, {}
         for precision in ("fp32", "int8-weights", "int4-weights"):
             ctx.progress(f"{name}: packaging cpu {precision}")
-            result = edgekit.package(model, ["cpu"], precision, calib=calib, key=ctx.key, name="encoder",
-                                     out_dir=work / precision, overwrite=True, allow_failed=True)  # fmt: skip
+            result = edgekit.package(
+                model,
+                targets=["cpu"],
+                precision=precision,
+                calib=calib,
+                key=ctx.key,
+                name="encoder",
+                out_dir=work / precision,
+                overwrite=True,
+                allow_failed=True,
+            )
             m = result.manifests["cpu"]
             served[precision] = stack.enter_context(
                 served_bundle(result.bundles["cpu"], ctx.pub, work / f"x-{precision}")

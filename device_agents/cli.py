@@ -36,14 +36,15 @@ from pathlib import Path
 from typing import Any
 
 from device_agents import __version__
-from device_agents.command_line import Parser, os_error_message, os_error_parts, reader_gone
 from device_agents.config import AgentConfig, load_config
 from device_agents.cpus import usable_cores
+from device_agents.errors import StoreError
 from device_agents.platforms import systemd
 from device_agents.serving.tls import local_context_for, server_context
 from device_agents.store import Store, atomic_write, flock
 from device_agents.threads import NamedThread
-from edgekit.bundle.errors import ConfigError, EdgekitError, StoreError
+from edgekit.bundle.command_line import Parser, os_error_message, os_error_parts, reader_gone
+from edgekit.bundle.errors import ConfigError, EdgekitError
 
 log = logging.getLogger("edgekit.agent")
 

@@ -73,6 +73,7 @@ from device_agents.containment import CONTAINMENTS
 from device_agents.runtimes.options import COMPUTE_UNITS, OPTIONS, RuntimeOptions, RuntimesConfig
 from edgekit.bundle.codec import from_data, upgrade
 from edgekit.bundle.errors import ConfigError
+from edgekit.bundle.fleet_connection import parse_broker
 from edgekit.bundle.manifest import Manifest
 
 CONFIG_VERSION = 2
@@ -907,18 +908,6 @@ def _is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
     except ValueError:
         return False
-
-
-def parse_broker(url: str) -> tuple[bool, str, int]:
-    """``"mqtts://host:8883"`` -> (tls, host, port)."""
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname or port is None or parts.path not in ("", "/"):
-        raise ValueError(f"broker {url!r} must be mqtt://HOST:PORT or mqtts://HOST:PORT")
-    return parts.scheme == "mqtts", parts.hostname, port
 
 
 def parse_window(window: str) -> tuple[time, time]:

@@ -7,7 +7,27 @@ a full queue, a passed deadline or a bad input says nothing about the model.
 
 from __future__ import annotations
 
-from edgekit.bundle.errors import EdgekitError
+from edgekit.bundle.errors import BundleError, EdgekitError
+
+# -- what only the device raises: a bundle for other hardware, a model it does not serve, its store
+
+
+class IncompatibleError(BundleError):
+    """The bundle is for other hardware or a runtime this device does not have."""
+
+
+class ModelNotFoundError(EdgekitError):
+    """No model of that name (or version) is served."""
+
+    http_status = 404
+
+
+class SelfTestError(EdgekitError):
+    """A model failed its golden self-test on this device."""
+
+
+class StoreError(EdgekitError):
+    """The agent's local store cannot be read or written (lock held, disk full, corrupt state)."""
 
 
 class ServingError(EdgekitError):

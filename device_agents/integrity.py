@@ -20,10 +20,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from device_agents.errors import StoreError
 from device_agents.store import ModelState, Slot, State, Store
 from device_agents.threads import NamedThread
 from edgekit.bundle import TrustStore
-from edgekit.bundle.errors import BundleError, ManifestError, StoreError
+from edgekit.bundle.errors import BundleError, ManifestError
 from edgekit.bundle.manifest import utc_now
 
 log = logging.getLogger("edgekit.agent")

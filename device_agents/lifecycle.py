@@ -46,6 +46,7 @@ from device_agents.budgets.knobs import options_for_load
 from device_agents.budgets.memory import MemoryBudgetError
 from device_agents.budgets.state import Budgets
 from device_agents.config import DEFAULT_CRASH_LOOP_BOOTS, DEFAULT_HEALTH_WINDOW_S, AgentConfig
+from device_agents.errors import ModelNotFoundError, SelfTestError, StoreError
 from device_agents.faults import fault_point
 from device_agents.health import HealthWindows, Verdict
 from device_agents.integrity import PeriodicCheck, check_slot, rebuild_state, retry_delays
@@ -60,14 +61,7 @@ from device_agents.threads import NamedThread
 from device_agents.updates.trust import bundle_trust
 from device_agents.validation_mark import check_validation_mark
 from edgekit.bundle import TrustStore
-from edgekit.bundle.errors import (
-    BundleError,
-    ManifestError,
-    ModelNotFoundError,
-    SelfTestError,
-    SignatureError,
-    StoreError,
-)
+from edgekit.bundle.errors import BundleError, ManifestError, SignatureError
 from edgekit.bundle.manifest import Manifest
 
 log = logging.getLogger("edgekit.agent")

@@ -24,10 +24,11 @@ from collections.abc import Callable, Container, Mapping
 
 import numpy as np
 
+from device_agents.errors import ModelNotFoundError
 from device_agents.metrics import AgentMetrics
 from device_agents.runtimes import ServedModel
 from device_agents.store import Slot, Store
-from edgekit.bundle.errors import InferenceInputError, ModelNotFoundError
+from edgekit.bundle.errors import InferenceInputError
 
 log = logging.getLogger("edgekit.agent")
 

@@ -36,11 +36,11 @@ from typing import Any, NoReturn
 import numpy as np
 
 from device_agents import containment as contain
+from device_agents.errors import SelfTestError
 from device_agents.faults import PID_FILE_ENV, fault_active, fault_point
 from device_agents.processing.golden import check_golden_image
 from device_agents.runtimes.options import RuntimesConfig
 from edgekit.bundle.codec import from_data, to_data
-from edgekit.bundle.errors import SelfTestError
 from edgekit.bundle.manifest import Golden, Manifest
 
 REPORT_NAME = "selftest.json"  # written next to the model's files by the lifecycle

@@ -36,10 +36,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from device_agents.errors import StoreError
 from edgekit.bundle import TrustStore, VerifiedManifest, extract, read_verified_manifest, verify_extracted
 from edgekit.bundle.archive import read_head
 from edgekit.bundle.codec import from_data, to_data, upgrade
-from edgekit.bundle.errors import BundleError, StoreError
+from edgekit.bundle.errors import BundleError
 from edgekit.bundle.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, sha256_file, utc_now
 
 STATE_VERSION = 2

@@ -5,65 +5,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime, timedelta
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from edgekit.errors import EdgekitError
+from edgekit.packaging.request import PackageRequest, takes_request_fields
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    import numpy as np
-
-    from edgekit.bundle.manifest import Tolerance
-    from edgekit.packager import PackageResult
-    from edgekit.validate.preprocess import Preprocess
+    from edgekit.packaging.result import PackageResult
 
 
-def package(
-    model: str | Path | Any,
-    targets: str | Sequence[str] = ("cpu",),
-    precision: str | Mapping[str, str] = "int8",
-    calib: str | Path | Mapping[str, Any] | None = None,
-    eval: str | Path | Mapping[str, Any] | None = None,
-    labels: str | Path | np.ndarray | Sequence[int] | None = None,
-    key: str | Path | None = None,
-    name: str | None = None,
-    version: int = 1,
-    out_dir: str | Path = ".",
-    tolerance: Tolerance | Mapping[str, float | str | None] | None = None,
-    overwrite: bool = False,
-    allow_failed: bool = False,
-    input_shapes: Mapping[str, Sequence[int]] | None = None,
-    expires: datetime | timedelta | str | None = timedelta(days=365),  # = packager.DEFAULT_EXPIRES (tested)
-    progress: Callable[[str], None] | None = None,
-    options: Mapping[str, Any] | None = None,
-    preprocess: Preprocess | str | None = None,
-    log_dir: str | Path | None = None,
-    *,
-    objective: str = "latency",
-    mixed_precision: bool = False,
-    threads: int = 0,
-    calib_samples: int = 128,  # = edgekit.optimize.data.DEFAULT_CALIB_SAMPLES (tested)
-    max_drop: float | None = None,
-    keep_candidates: str | Path | None = None,
-    device_profile: str | Path | None = None,
-    postprocess: str | None = None,
-    labels_file: str | Path | None = None,
-    task: str | Mapping[str, str] | None = None,
-    compress: Sequence[str] = (),
-    reference: str | Path | None = None,
-    train: str | Path | Mapping[str, Any] | None = None,
-    train_labels: str | Path | np.ndarray | Sequence[int] | None = None,
-    cache: str | None = None,
-    false_hit_budget: float = 0.01,
-    allow_small_eval: bool = False,
-    example_inputs: Any = None,
-) -> PackageResult:
+@takes_request_fields
+def package(request: PackageRequest) -> PackageResult:
     """Convert, quantize and validate ``model`` (ONNX) for each of ``targets`` and write one signed
     bundle per target into ``out_dir`` (``NAME-TARGET-vVERSION.ekb``).
+
+    Called as ``edgekit.package(model, targets=..., ...)``: the arguments are ``edgekit.PackageRequest``'s
+    (the model, then keywords only; defaults in ``edgekit.package_defaults``), written once there.
 
     ``precision``: one name for every target (``fp32``, ``fp16``, ``int8``, ``int8-weights``,
     ``int4-weights``, ``palettize6``, ``palettize4``) or a mapping target -> name (``"*"``: the
@@ -92,52 +51,11 @@ def package(
     Returns a ``PackageResult``: ``bundles`` (target -> path), ``rows`` (the validation table),
     ``passed``, ``table()``, ``to_dict()``. Raises ``edgekit.errors.ConfigError`` and friends for
     bad arguments before any conversion, ``PackageValidationError`` when a target misses its gate.
-    See ``edgekit.packager.package`` for every detail.
+    See ``edgekit.PackageRequest`` for every setting.
     """
-    if not isinstance(model, (str, Path)):  # a torch.nn.Module: exported to OUT_DIR/NAME.onnx first
-        from edgekit.export import export_for_package
+    from edgekit.packaging.orchestrate import package as run
 
-        model, name = export_for_package(model, example_inputs, Path(out_dir), name)
-    from edgekit.packager import package as _package
-
-    return _package(
-        model,
-        targets=targets,
-        precision=precision,
-        calib=calib,
-        eval=eval,
-        labels=labels,
-        key=key,
-        name=name,
-        version=version,
-        out_dir=out_dir,
-        tolerance=tolerance,
-        overwrite=overwrite,
-        allow_failed=allow_failed,
-        input_shapes=input_shapes,
-        expires=expires,
-        progress=progress,
-        options=options,
-        preprocess=preprocess,
-        log_dir=log_dir,
-        objective=objective,
-        mixed_precision=mixed_precision,
-        threads=threads,
-        calib_samples=calib_samples,
-        max_drop=max_drop,
-        keep_candidates=keep_candidates,
-        device_profile=device_profile,
-        postprocess=postprocess,
-        labels_file=labels_file,
-        task=task,
-        compress=compress,
-        reference=reference,
-        train=train,
-        train_labels=train_labels,
-        cache=cache,
-        false_hit_budget=false_hit_budget,
-        allow_small_eval=allow_small_eval,
-    )
+    return run(request)
 
 
-__all__ = ["EdgekitError", "__version__", "package"]
+__all__ = ["EdgekitError", "PackageRequest", "__version__", "package"]

@@ -22,8 +22,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from device_agents.command_line import Parser, os_error_message, reader_gone
 from edgekit import __version__
+from edgekit import package_defaults as defaults
+from edgekit.bundle.command_line import Parser, os_error_message, reader_gone
 from edgekit.errors import ConfigError, EdgekitError, EdgekitWarning, InferenceInputError
 
 PROG = "edgekit"
@@ -176,17 +177,17 @@ def _register_package(sub: Any) -> None:
     p.add_argument("model", type=Path, metavar="MODEL.onnx")
     p.add_argument(
         "--target",
-        default="cpu",
-        help="comma-separated: cpu, intel, coral, jetson, apple (default cpu); runtime names such as openvino, "
-        "tensorrt, tflite, edgetpu, coreml stand for their target",
+        default=",".join(defaults.DEFAULT_TARGETS),
+        help=f"comma-separated: cpu, intel, coral, jetson, apple (default {','.join(defaults.DEFAULT_TARGETS)}); "
+        "runtime names such as openvino, tensorrt, tflite, edgetpu, coreml stand for their target",
     )
     p.add_argument(
         "--precision",
-        default="int8",
+        default=defaults.DEFAULT_PRECISION,
         metavar="P[,TARGET=P...]",
         help="a default precision, then per-target ones, e.g. int8,apple=int8-weights; targets not named get the "
-        "default (int8 when none is given). Names: fp32, fp16, int8, int8-weights, int4-weights, palettize6, "
-        "palettize4",
+        f"default ({defaults.DEFAULT_PRECISION} when none is given). Names: fp32, fp16, int8, int8-weights, "
+        "int4-weights, palettize6, palettize4",
     )
     p.add_argument(
         "--calib",
@@ -286,16 +287,17 @@ def _register_package(sub: Any) -> None:
     p.add_argument(
         "--false-hit-budget",
         type=float,
-        default=0.01,
+        default=defaults.DEFAULT_FALSE_HIT_BUDGET,
         metavar="RATE",
         help="--cache approximate: the share of cache hits allowed to differ from a fresh answer, held with a "
-        "one-sided 95%% bound on the evaluation data and its perturbed copies (default 0.01)",
+        "one-sided 95%% bound on the evaluation data and its perturbed copies "
+        f"(default {defaults.DEFAULT_FALSE_HIT_BUDGET:g})",
     )
     p.add_argument(
         "--objective",
         choices=("latency", "size"),
-        default="latency",
-        help="what cpu/intel candidates are chosen by within the budget (default latency)",
+        default=defaults.DEFAULT_OBJECTIVE,
+        help=f"what cpu/intel candidates are chosen by within the budget (default {defaults.DEFAULT_OBJECTIVE})",
     )
     p.add_argument(
         "--mixed-precision",
@@ -305,9 +307,9 @@ def _register_package(sub: Any) -> None:
     p.add_argument(
         "--calib-samples",
         type=int,
-        default=128,
+        default=defaults.DEFAULT_CALIB_SAMPLES,
         metavar="N",
-        help="calibration subset size, stratified (default 128; every target)",
+        help=f"calibration subset size, stratified (default {defaults.DEFAULT_CALIB_SAMPLES}; every target)",
     )
     p.add_argument(
         "--runtime-threads",
@@ -367,7 +369,8 @@ def _register_package(sub: Any) -> None:
         type=float,
         default=None,
         metavar="D",
-        help="the bundle expires D days from now (default 365; 0 = never: devices accept it forever)",
+        help=f"the bundle expires D days from now (default {defaults.DEFAULT_EXPIRES_DAYS}; 0 = never: devices accept "
+        "it forever)",
     )
     p.add_argument(
         "--option",
@@ -430,8 +433,6 @@ def _require_accelerator(targets: Sequence[str], options: Sequence[str]) -> None
 
 def _fill_first_try_defaults(args: argparse.Namespace) -> None:
     """-o, --name, --version and --signing-key left out: what they default to, said where it matters."""
-    from edgekit import package_defaults as defaults
-
     args.out = defaults.DEFAULT_OUT_DIR if args.out is None else args.out
     args.name = defaults.default_name(args.model) if args.name is None else args.name
     if args.version is None:
@@ -463,7 +464,9 @@ def _package(args: argparse.Namespace) -> int:
 
 def _package_or_raise(args: argparse.Namespace) -> int:
     from edgekit.compress.onnx_prep import parse_input_shape
-    from edgekit.packager import PackageResult, PackageValidationError, package
+    from edgekit.packaging.orchestrate import package
+    from edgekit.packaging.request import PackageRequest
+    from edgekit.packaging.result import PackageResult, PackageValidationError
     from edgekit.progress import PackageProgress
     from edgekit.targets import parse_targets
     from edgekit.targets.options import parse_option_args
@@ -491,8 +494,8 @@ def _package_or_raise(args: argparse.Namespace) -> int:
     progress = None if args.quiet else PackageProgress(targets)
     error: PackageValidationError | None = None
     try:
-        result: PackageResult = package(
-            args.model,
+        request = PackageRequest(
+            model=args.model,
             targets=targets,
             precision=parse_precision_arg(args.precision),
             calib=args.calib,
@@ -529,6 +532,7 @@ def _package_or_raise(args: argparse.Namespace) -> int:
             false_hit_budget=args.false_hit_budget,
             allow_small_eval=args.allow_small_eval,
         )
+        result: PackageResult = package(request)
     except PackageValidationError as exc:
         error, result = exc, exc.result
     finally:
@@ -561,10 +565,8 @@ def _package_or_raise(args: argparse.Namespace) -> int:
 
 def bundle_expiry(days: float | None) -> timedelta | None:
     """``--expires-days``: None = the default (365 days), 0 = never, else that many days."""
-    from edgekit.packager import DEFAULT_EXPIRES_DAYS
-
     if days is None:
-        days = DEFAULT_EXPIRES_DAYS
+        days = defaults.DEFAULT_EXPIRES_DAYS
     if days < 0:
         raise ConfigError(f"--expires-days must be >= 0 (0 = never expires), got {days:g}")
     return timedelta(days=days) if days else None

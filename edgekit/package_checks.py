@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from device_agents.command_line import os_error_parts
+from edgekit.bundle.command_line import os_error_parts
 from edgekit.bundle.manifest import Signature
 from edgekit.errors import CalibrationDataError, ConfigError, ModelFormatError
 

@@ -1,5 +1,9 @@
-"""What ``edgekit package`` assumes when a first try leaves a flag out.
+"""What packaging assumes when a request leaves a setting out: the one place for its defaults.
 
+``edgekit.packaging.PackageRequest`` (what ``edgekit.package`` and ``edgekit package`` both
+build) takes its field defaults from here, and the CLI its flag defaults.
+
+The command line's first-try defaults go further:
 ``-o`` is ``dist/``, ``--name`` the model file's stem, ``--version`` one more than the highest
 bundle of that name in the output folder (1 when none), and without ``--signing-key`` the bundle
 is signed with a development key made once under the user's config folder
@@ -12,7 +16,21 @@ from __future__ import annotations
 
 import os
 import re
+from datetime import timedelta
 from pathlib import Path
+
+DEFAULT_TARGETS = ("cpu",)
+DEFAULT_PRECISION = "int8"  # for targets a precision mapping does not name (and no "*")
+DEFAULT_OBJECTIVE = "latency"
+DEFAULT_CALIB_SAMPLES = 128  # the stratified calibration subset, every target
+DEFAULT_FALSE_HIT_BUDGET = 0.01  # --cache approximate
+# Bundles expire by default (TUF: no metadata lives forever); `--expires-days 0` for none.
+DEFAULT_EXPIRES_DAYS = 365
+DEFAULT_EXPIRES = timedelta(days=DEFAULT_EXPIRES_DAYS)
+# The Python API writes where it is told (``out_dir="."``) at version 1 unless told otherwise;
+# the command line fills -o, --name, --version and --signing-key as below.
+DEFAULT_API_OUT_DIR = Path(".")
+DEFAULT_VERSION = 1
 
 DEFAULT_OUT_DIR = Path("dist")
 DEVELOPMENT_KEY_NAME = "development"

@@ -111,7 +111,7 @@ def run(targets: Sequence[str] | None, precision: str | Mapping[str, str] | None
     """The demo's four steps; ``precision`` None: ``DEFAULT_PRECISIONS`` for the targets packaged."""
     import edgekit
     from edgekit.bundle import generate_keypair
-    from edgekit.packager import PackageValidationError
+    from edgekit.packaging.result import PackageValidationError
     from edgekit.targets.precisions import resolve_precisions
     from examples.agent_process import RunningAgent
     from examples.digits import INPUT_NAME, load

@@ -350,10 +350,10 @@ def make_cpu_bundle(
 
 
 def package_small_data(*args: Any, **kwargs: Any) -> Any:
-    """``edgekit.packager.package`` with ``allow_small_eval=True``, for tests whose tiny data sets hold
+    """``edgekit.package`` with ``allow_small_eval=True``, for tests whose tiny data sets hold
     out fewer than 10 samples on purpose because they check something else (a gate decided on so few
     samples is otherwise refused; tests/cli/test_first_hour_two.py checks that rule)."""
-    from edgekit.packager import package
+    from edgekit import package
 
     kwargs.setdefault("allow_small_eval", True)
     return package(*args, **kwargs)

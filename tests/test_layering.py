@@ -249,6 +249,48 @@ def test_bundle_errors_hold_only_errors_the_device_side_raises_or_catches() -> N
     assert not host_only, f"only the host uses {host_only}: move them to edgekit/errors.py"
 
 
+def test_bundle_errors_hold_no_error_only_the_device_raises() -> None:
+    """An error only the agent uses (a store, a model it does not serve) belongs in
+    ``device_agents.errors``; the contract keeps those the host or the contract itself uses too."""
+    from edgekit.bundle import errors
+
+    host_side = "\n".join(
+        p.read_text() for p in (ROOT / "edgekit").rglob("*.py") if p.name != "errors.py" or p.parent.name != "bundle"
+    )
+    device_only = [name for name in errors.__all__ if not re.search(rf"\b{name}\b", host_side)]
+    assert not device_only, f"only the device uses {device_only}: move them to device_agents/errors.py"
+
+
+def _contract_offenders(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a contract module (``edgekit.bundle``) reaching anything outside the contract."""
+    return [
+        f"{m} imports {i}"
+        for m, imported in sorted(graph.items())
+        if m == "edgekit.bundle" or m.startswith("edgekit.bundle.")
+        for i in sorted(imported)
+        if not (i == "edgekit.bundle" or i.startswith("edgekit.bundle."))
+    ]
+
+
+def test_the_contract_imports_neither_side() -> None:
+    """The bottom layer (bundle format and signing, the fleet wire protocol, base errors, the CLI
+    error helpers) imports nothing of the host or the device: both sides stand on it."""
+    offenders = _contract_offenders(import_graph())
+    assert not offenders, offenders
+
+
+def test_contract_rule_catches_an_import_of_either_side() -> None:
+    graph = {
+        "edgekit.bundle.fleet_connection": {"device_agents.config", "edgekit.bundle.errors"},
+        "edgekit.bundle.command_line": {"edgekit.errors"},
+        "edgekit.cli": {"device_agents.cli"},
+    }
+    assert _contract_offenders(graph) == [
+        "edgekit.bundle.command_line imports edgekit.errors",
+        "edgekit.bundle.fleet_connection imports device_agents.config",
+    ]
+
+
 # -- stages and front-ends ------------------------------------------------------------------------
 
 
@@ -368,3 +410,42 @@ def test_the_update_client_asks_the_lifecycle_and_never_reads_the_store() -> Non
         and ast.unparse(node.value) != "config"  # config.store: the store's directory, for downloads beside it
     )
     assert not reads, f"device_agents/updates/client.py reaches the store at lines {reads}"
+
+
+# -- host: the engine builds, targets describe ------------------------------------------------------
+
+# What builds, measures and chooses: a target hands the engine its candidates and never calls back.
+ENGINE_RUNNER = ("edgekit.optimize.run", "edgekit.optimize.engine", "edgekit.packaging")
+
+
+def _target_offenders(graph: dict[str, set[str]], targets: set[str]) -> list[str]:
+    """Imports of a target module that reach the engine's runner or another target's module."""
+    offenders = []
+    for target in sorted(targets):
+        for imported in sorted(graph.get(target, ())):
+            runner = any(imported == r or imported.startswith(r + ".") for r in ENGINE_RUNNER)
+            if runner or imported in targets:
+                offenders.append(f"{target} imports {imported}")
+    return offenders
+
+
+def test_no_target_imports_the_engine_runner_or_another_target() -> None:
+    from edgekit.targets import TARGETS
+
+    graph = import_graph()
+    targets = {spec.partition(":")[0] for spec in TARGETS.values()}
+    assert targets <= set(graph), sorted(targets - set(graph))
+    offenders = _target_offenders(graph, targets)
+    assert not offenders, "a target describes; only the engine builds: " + "; ".join(offenders)
+
+
+def test_target_rule_catches_a_call_back_into_the_engine_and_a_sibling_target() -> None:
+    graph = {
+        "edgekit.targets.cpu": {"edgekit.optimize.run", "edgekit.targets.intel", "edgekit.optimize.candidates"},
+        "edgekit.targets.intel": {"edgekit.optimize.openvino_candidates", "edgekit.targets.base"},
+    }
+    offenders = _target_offenders(graph, {"edgekit.targets.cpu", "edgekit.targets.intel"})
+    assert offenders == [
+        "edgekit.targets.cpu imports edgekit.optimize.run",
+        "edgekit.targets.cpu imports edgekit.targets.intel",
+    ]

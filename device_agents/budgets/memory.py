@@ -40,11 +40,11 @@ from typing import Any, NoReturn
 import numpy as np
 
 from device_agents.budgets.knobs import Room
-from device_agents.errors import UnavailableError
+from device_agents.errors import StoreError, UnavailableError
 from device_agents.runtimes import ServedModel, runner_class
 from device_agents.runtimes.base import np_dtype
 from device_agents.store import atomic_write
-from edgekit.bundle.errors import EdgekitError, StoreError
+from edgekit.bundle.errors import EdgekitError
 from edgekit.bundle.manifest import Manifest
 
 log = logging.getLogger("edgekit.agent")

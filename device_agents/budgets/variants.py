@@ -18,10 +18,11 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 from device_agents.budgets.state import Budgets
+from device_agents.errors import ModelNotFoundError
 from device_agents.pipeline.stage import Request
 from device_agents.registry import Registry
 from device_agents.runtimes import ServedModel
-from edgekit.bundle.errors import ConfigError, ModelNotFoundError
+from edgekit.bundle.errors import ConfigError
 from edgekit.bundle.manifest import Manifest
 
 T = TypeVar("T")

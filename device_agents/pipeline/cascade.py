@@ -24,11 +24,11 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
-from device_agents.errors import ServingError
+from device_agents.errors import ModelNotFoundError, ServingError
 from device_agents.metrics import AgentMetrics
 from device_agents.pipeline import Request
 from device_agents.runtimes import ServedModel
-from edgekit.bundle.errors import ConfigError, ModelNotFoundError
+from edgekit.bundle.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from device_agents.errors import IncompatibleError
 from device_agents.platforms.probe import PlatformInfo, normalize_arch, probe
 from device_agents.runtimes import runner_class
-from edgekit.bundle.errors import IncompatibleError, MissingSDKError
+from edgekit.bundle.errors import MissingSDKError
 from edgekit.bundle.manifest import Manifest
 
 # Accelerators the probe can see; a manifest naming another one (e.g. an OpenVINO "npu") is

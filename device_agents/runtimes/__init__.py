@@ -10,10 +10,11 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from device_agents.errors import IncompatibleError
 from device_agents.runtimes.base import ArtifactRunner, ServedModel
 from device_agents.runtimes.options import OPTIONS, RuntimeOptions
 from device_agents.threads import os_named
-from edgekit.bundle.errors import ConfigError, IncompatibleError
+from edgekit.bundle.errors import ConfigError
 from edgekit.bundle.manifest import Manifest
 
 # runtime name -> "module:Class"

@@ -16,8 +16,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from device_agents.errors import IncompatibleError
 from device_agents.runtimes.options import COMPUTE_UNITS, CoreMlOptions
-from edgekit.bundle.errors import BundleError, IncompatibleError, MissingSDKError
+from edgekit.bundle.errors import BundleError, MissingSDKError
 from edgekit.bundle.manifest import Manifest
 
 

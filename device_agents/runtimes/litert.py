@@ -19,8 +19,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from device_agents.errors import IncompatibleError
 from device_agents.runtimes.options import LiteRtOptions
-from edgekit.bundle.errors import BundleError, IncompatibleError, MissingSDKError
+from edgekit.bundle.errors import BundleError, MissingSDKError
 from edgekit.bundle.manifest import Manifest
 
 try:

@@ -38,27 +38,7 @@ class OnnxRuntimeRunner:
         onnx_files = [f for f in manifest.artifact_files() if f.path.endswith(".onnx")]
         if len(onnx_files) != 1:
             raise BundleError(f"onnxruntime needs exactly one .onnx artifact, manifest lists {len(onnx_files)}")
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # 0: ORT's default pool (one thread per physical core of the machine) unless this process may
-        # use fewer CPUs (affinity, cgroup quota: device_agents.cpus), when that many
-        threads = options.threads or default_threads()
-        if threads:
-            so.intra_op_num_threads = threads
-        if options.inter_op_threads:
-            so.inter_op_num_threads = options.inter_op_threads
-        if options.cpu_mem_arena is not None:
-            so.enable_cpu_mem_arena = options.cpu_mem_arena
-        if options.mem_pattern is not None:
-            so.enable_mem_pattern = options.mem_pattern
-        if not options.spinning:
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            so.add_session_config_entry("session.inter_op.allow_spinning", "0")
-        elif not options.spin_between_runs:
-            so.add_session_config_entry("session.force_spinning_stop", "1")
-        available = ort.get_available_providers()
-        wanted = [p for p in options.providers if p in available] or ["CPUExecutionProvider"]
-        self.session = ort.InferenceSession(str(model_dir / onnx_files[0].path), so, providers=wanted)
+        self.session = open_session(model_dir / onnx_files[0].path, options)
         self._outputs = [o.name for o in self.session.get_outputs()]
         # The C++ session's run, with the output names bound once. ``InferenceSession.run`` wraps it
         # in Python checks that cost more than a small model's whole call (WebGPU graph capture,
@@ -103,6 +83,32 @@ class OnnxRuntimeRunner:
         # dropping it the session's memory stayed allocated until the runner itself was collected.
         self.session = None
         self._run = _closed
+
+
+def open_session(model_path: Path, options: OnnxRuntimeOptions) -> ort.InferenceSession:
+    """An ONNX Runtime session of ``model_path`` set up as the agent serves it (graph optimisation,
+    threads, spinning, providers); the host times and validates ONNX models through it too."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # 0: ORT's default pool (one thread per physical core of the machine) unless this process may
+    # use fewer CPUs (affinity, cgroup quota: device_agents.cpus), when that many
+    threads = options.threads or default_threads()
+    if threads:
+        so.intra_op_num_threads = threads
+    if options.inter_op_threads:
+        so.inter_op_num_threads = options.inter_op_threads
+    if options.cpu_mem_arena is not None:
+        so.enable_cpu_mem_arena = options.cpu_mem_arena
+    if options.mem_pattern is not None:
+        so.enable_mem_pattern = options.mem_pattern
+    if not options.spinning:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    elif not options.spin_between_runs:
+        so.add_session_config_entry("session.force_spinning_stop", "1")
+    available = ort.get_available_providers()
+    wanted = [p for p in options.providers if p in available] or ["CPUExecutionProvider"]
+    return ort.InferenceSession(str(model_path), so, providers=wanted)
 
 
 def _closed(*args: Any) -> Any:

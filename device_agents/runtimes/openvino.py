@@ -18,8 +18,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from device_agents.cpus import default_threads
+from device_agents.errors import IncompatibleError
 from device_agents.runtimes.options import OpenVinoOptions
-from edgekit.bundle.errors import BundleError, IncompatibleError, MissingSDKError
+from edgekit.bundle.errors import BundleError, MissingSDKError
 from edgekit.bundle.manifest import Manifest
 
 try:

@@ -26,13 +26,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from device_agents.errors import IncompatibleError
 from device_agents.runtimes.options import TensorRtOptions
-from edgekit.bundle.errors import (
-    BundleError,
-    IncompatibleError,
-    InferenceInputError,
-    MissingSDKError,
-)
+from edgekit.bundle.errors import BundleError, InferenceInputError, MissingSDKError
 from edgekit.bundle.manifest import Manifest, Precision
 
 FALLBACKS = {"ort-trt": "TensorrtExecutionProvider", "ort-cuda": "CUDAExecutionProvider"}

@@ -39,7 +39,7 @@ from typing import Any
 
 from device_agents import __version__
 from device_agents.config import AgentConfig, ConsoleConfig
-from device_agents.errors import ServingError
+from device_agents.errors import ServingError, StoreError
 from device_agents.service import AgentService
 from device_agents.serving.codec import HeaderCache
 from device_agents.serving.console_frames import (
@@ -57,7 +57,7 @@ from device_agents.serving.v2 import v2_codec
 from device_agents.store import fsync_dir
 from device_agents.threads import NamedThread
 from edgekit.bundle.codec import to_data
-from edgekit.bundle.errors import EdgekitError, InferenceInputError, StoreError
+from edgekit.bundle.errors import EdgekitError, InferenceInputError
 
 log = logging.getLogger("edgekit.agent.console")
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from device_agents import __version__
 from device_agents.config import ServerConfig
-from device_agents.errors import AnsweredError, RequestTooLargeError, RuntimeFailure
+from device_agents.errors import AnsweredError, ModelNotFoundError, RequestTooLargeError, RuntimeFailure
 from device_agents.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from device_agents.pipeline import Request, RequestTiming
 from device_agents.runtimes import ServedModel
@@ -33,7 +33,7 @@ from device_agents.service import AgentService
 from device_agents.serving.bodies import Reservation, inflate
 from device_agents.serving.codec import HeaderCache, Spec, decode_request, encode_response, tensor_metadata
 from device_agents.serving.transport import BINARY, RequestHandler, Transport
-from edgekit.bundle.errors import EdgekitError, InferenceInputError, ModelNotFoundError
+from edgekit.bundle.errors import EdgekitError, InferenceInputError
 
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics", "model_repository")
 

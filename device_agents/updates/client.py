@@ -38,12 +38,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from device_agents.errors import SelfTestError
 from device_agents.threads import NamedThread
 from device_agents.updates.backoff import Backoff
-from device_agents.updates.connection import BrokerAddress, new_client, session_properties
 from device_agents.updates.download import DownloadError, DownloadLimits, download
 from device_agents.updates.policy import decide
-from device_agents.updates.protocol import (
+from device_agents.updates.trust import FleetTrust, RefusedError, expired
+from edgekit.bundle import read_verified_manifest
+from edgekit.bundle.errors import BundleError, ConfigError, EdgekitError, ManifestError
+from edgekit.bundle.fleet_connection import BrokerAddress, new_client, session_properties
+from edgekit.bundle.fleet_protocol import (
     REPORTED_SCHEMA_VERSION,
     DesiredState,
     Notice,
@@ -53,9 +57,6 @@ from device_agents.updates.protocol import (
     group_desired_topic,
     reported_topic,
 )
-from device_agents.updates.trust import FleetTrust, RefusedError, expired
-from edgekit.bundle import read_verified_manifest
-from edgekit.bundle.errors import BundleError, ConfigError, EdgekitError, ManifestError, SelfTestError
 from edgekit.bundle.manifest import parse_time, utc_now
 
 if TYPE_CHECKING:

@@ -30,8 +30,8 @@ from urllib.parse import urlsplit
 
 from device_agents.faults import fault_point
 from device_agents.store import fsync_dir
-from device_agents.updates.protocol import Notice
 from edgekit.bundle.errors import EdgekitError
+from edgekit.bundle.fleet_protocol import Notice
 from edgekit.bundle.manifest import sha256_file
 
 _CHUNK = 256 * 1024

@@ -25,7 +25,7 @@ from typing import Literal
 
 from device_agents.config import UpdatesConfig, parse_window
 from device_agents.store import ModelState
-from device_agents.updates.protocol import Notice
+from edgekit.bundle.fleet_protocol import Notice
 from edgekit.bundle.manifest import parse_time
 
 # How often a device on battery looks again whether it is back on mains power.

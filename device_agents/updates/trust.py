@@ -29,8 +29,11 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from device_agents.config import AgentConfig
+from device_agents.errors import StoreError
 from device_agents.store import atomic_write
-from device_agents.updates.protocol import (
+from edgekit.bundle.codec import from_data, to_data
+from edgekit.bundle.errors import EdgekitError, SignatureError
+from edgekit.bundle.fleet_protocol import (
     DesiredState,
     KeysDocument,
     NoticeError,
@@ -39,8 +42,6 @@ from device_agents.updates.protocol import (
     parse_keys,
     parse_signed,
 )
-from edgekit.bundle.codec import from_data, to_data
-from edgekit.bundle.errors import EdgekitError, SignatureError, StoreError
 from edgekit.bundle.manifest import parse_time
 from edgekit.bundle.signing import RoleKeys, TrustStore, key_id, load_public_key, public_key_from_text
 

@@ -1,5 +1,6 @@
 """Errors both sides raise: the base error, and what a config, a manifest, a bundle or a missing
-SDK can be wrong about. Errors only the host raises live in ``edgekit.errors``.
+SDK can be wrong about. Errors only the host raises live in ``edgekit.errors``, those only the
+device raises in ``device_agents.errors``.
 
 Every error says what went wrong and what to do about it. The CLI prints ``str(error)`` and
 exits with ``error.exit_code``; the agent maps ``http_status`` onto its v2 responses.
@@ -12,15 +13,11 @@ __all__ = [
     "ConfigError",
     "EdgekitError",
     "ExpiredError",
-    "IncompatibleError",
     "InferenceInputError",
     "ManifestError",
     "MissingSDKError",
-    "ModelNotFoundError",
     "RollbackError",
-    "SelfTestError",
     "SignatureError",
-    "StoreError",
 ]
 
 
@@ -57,10 +54,6 @@ class RollbackError(BundleError):
     """The bundle's version is lower than the installed one (anti-rollback)."""
 
 
-class IncompatibleError(BundleError):
-    """The bundle is for other hardware or a runtime this device does not have."""
-
-
 class MissingSDKError(EdgekitError):
     """An optional SDK is not installed; the message names the extra to install."""
 
@@ -77,17 +70,3 @@ class InferenceInputError(EdgekitError):
     """An inference request does not match the served signature (name, dtype, shape)."""
 
     http_status = 400
-
-
-class ModelNotFoundError(EdgekitError):
-    """No model of that name (or version) is served."""
-
-    http_status = 404
-
-
-class SelfTestError(EdgekitError):
-    """A model failed its golden self-test on this device."""
-
-
-class StoreError(EdgekitError):
-    """The agent's local store cannot be read or written (lock held, disk full, corrupt state)."""

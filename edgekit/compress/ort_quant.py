@@ -210,7 +210,7 @@ def calibrate_to_cache(
     return tensors
 
 
-def optimise_offline(model_path: Path, out_path: Path) -> Path:
+def optimize_offline(model_path: Path, out_path: Path) -> Path:
     """ONNX Runtime's offline graph optimisation at the *extended* level, saved as ``.onnx``.
 
     Extended, not ``all``: the ``all`` level adds layout transformations (NCHWc) specific to the

@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from device_agents.updates.protocol import NoticeError, check_topic_level
 from edgekit.bundle.codec import from_data
+from edgekit.bundle.fleet_protocol import NoticeError, check_topic_level
 from edgekit.errors import ConfigError
 
 if sys.version_info >= (3, 11):

@@ -129,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from device_agents.command_line import os_error_parts
+    from edgekit.bundle.command_line import os_error_parts
     from edgekit.errors import ConfigError
 
     if not Path(args.directory).is_dir():

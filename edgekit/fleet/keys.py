@@ -14,8 +14,10 @@ import argparse
 from datetime import datetime, timezone
 from pathlib import Path
 
-from device_agents.updates.connection import BrokerAddress
-from device_agents.updates.protocol import (
+from edgekit.bundle import key_id, load_private_key, load_public_key
+from edgekit.bundle.errors import ConfigError, SignatureError
+from edgekit.bundle.fleet_connection import BrokerAddress
+from edgekit.bundle.fleet_protocol import (
     BundleKey,
     KeysDocument,
     NoticeError,
@@ -24,8 +26,6 @@ from device_agents.updates.protocol import (
     parse_signed,
     sign_document,
 )
-from edgekit.bundle import key_id, load_private_key, load_public_key
-from edgekit.bundle.errors import ConfigError, SignatureError
 from edgekit.bundle.signing import RoleKeys, public_key_from_text, public_key_text
 from edgekit.fleet.session import FleetSession, broker_address
 

@@ -30,17 +30,6 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
-from device_agents.updates.connection import BrokerAddress
-from device_agents.updates.protocol import (
-    DesiredState,
-    Notice,
-    NoticeError,
-    device_desired_topic,
-    group_desired_topic,
-    parse_desired,
-    parse_signed,
-    sign_document,
-)
 from edgekit.bundle import (
     TrustStore,
     VerifiedManifest,
@@ -50,6 +39,17 @@ from edgekit.bundle import (
     read_verified_manifest,
 )
 from edgekit.bundle.errors import SignatureError
+from edgekit.bundle.fleet_connection import BrokerAddress
+from edgekit.bundle.fleet_protocol import (
+    DesiredState,
+    Notice,
+    NoticeError,
+    device_desired_topic,
+    group_desired_topic,
+    parse_desired,
+    parse_signed,
+    sign_document,
+)
 from edgekit.bundle.manifest import sha256_file
 from edgekit.bundle.signing import RoleKeys
 from edgekit.errors import ConfigError

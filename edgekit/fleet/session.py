@@ -14,7 +14,7 @@ import uuid
 from types import TracebackType
 from typing import Any
 
-from device_agents.updates.connection import BrokerAddress, new_client, session_properties
+from edgekit.bundle.fleet_connection import BrokerAddress, new_client, session_properties
 from edgekit.errors import EdgekitError
 
 

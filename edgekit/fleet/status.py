@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from device_agents.updates.connection import BrokerAddress
-from device_agents.updates.protocol import (
+from edgekit.bundle.fleet_connection import BrokerAddress
+from edgekit.bundle.fleet_protocol import (
     NoticeError,
     device_of_reported_topic,
     parse_reported,

@@ -21,7 +21,6 @@ import numpy as np
 
 from edgekit.validate.calib import arrays_sha256, sample_count
 
-DEFAULT_CALIB_SAMPLES = 128
 MIN_SELECTION = 64  # fewer left-over samples than this: select on every calibration sample
 MAX_SELECTION = 512  # more left over: a stratified 512 of them (every candidate runs them all)
 

@@ -42,10 +42,10 @@ best-ranked one).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +57,17 @@ from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidateP
 from edgekit.optimize.choose import SPEED_TIE, choose
 from edgekit.optimize.data import SearchData
 from edgekit.optimize.margin import selection_margin
-from edgekit.optimize.profile import DeviceLatency, candidate_key
+from edgekit.optimize.profile import DeviceLatency
+from edgekit.optimize.search_state import CandidateState, Outcome, SearchResult, SearchState
+from edgekit.optimize.timing import (
+    REFERENCE,
+    beyond_noise,
+    device_times,
+    prescreen_ms,
+    time_round,
+)
 from edgekit.validate.calib import fixed_batch, pad_samples, take
-from edgekit.validate.latency import LatencyStats, call_with, speedup_interval, stats_side_by_side
 from edgekit.validate.metrics import Comparison, Kind, compare, run_all
-
-REFERENCE = "onnxruntime fp32 (source)"
 
 
 class OptimizationError(EdgekitError):
@@ -84,80 +89,6 @@ PRESCREEN_CALLS = 2  # timed calls of a candidate (after one warm-up) for the pr
 # final-round candidates this close to its fastest are timed again, alone with the baseline
 FINALIST_MARGIN = 0.10
 MAX_FINALISTS = 4
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One candidate's record: settings, result or the reason it failed / was skipped."""
-
-    name: str
-    precision: str  # CLI name
-    runtime: str
-    settings: Mapping[str, Any]
-    status: str  # "passed", "failed" (missed the budget), "error" (build/run raised), "skipped"
-    reason: str = ""
-    comparison: Comparison | None = None
-    size_bytes: int = 0
-    latency: LatencyStats | None = None
-    build_s: float = 0.0
-    label: str = ""  # weights/activations (w8a8)
-    method: str = ""
-    excluded_nodes: tuple[str, ...] = ()
-    baseline: bool = False
-    device_rank: int | None = None  # Candidate.device_rank: expected device speed order where untimed
-    # the side-by-side round ``latency`` comes from ("quick": pruning, "final": the choice), and the
-    # ONNX Runtime FP32 source's p50 in that same round: every ratio is within one measurement
-    timed_in: str = ""
-    reference_p50_ms: float | None = None
-    latency_from: str = ""  # "" (host, or not measured) or the device profile the latency came from
-    # passed selection by less than the sampling error of a measure (``optimize.margin``): why; such
-    # a candidate ranks behind the ones that passed clear of it
-    marginal: str = ""
-
-    @property
-    def p50_ms(self) -> float | None:
-        return None if self.latency is None else self.latency.p50_ms
-
-    @property
-    def speed_vs_reference(self) -> float | None:
-        """ONNX Runtime FP32 source p50 / this p50, both from the round in ``timed_in``."""
-        if self.p50_ms is None or not self.reference_p50_ms or self.p50_ms <= 0:
-            return None
-        return self.reference_p50_ms / self.p50_ms
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    chosen: Outcome
-    built: Built
-    built_dir: Path
-    why: str
-    outcomes: tuple[Outcome, ...]
-    reference_latency: LatencyStats | None  # ONNX Runtime FP32 source, the final round (the chosen's)
-    baseline: Outcome | None
-    slower_than_fp32: bool
-    objective: str
-    data: SearchData
-    threads: int
-    notes: tuple[str, ...]
-    elapsed_s: float
-    # the builds of the candidates that met the budget, and the baseline: name -> (build, folder)
-    kept: Mapping[str, tuple[Built, Path]] = field(default_factory=dict)
-    # the fallback chain after ``chosen``: what the final gate tries next, in order (names in
-    # ``kept``), then ``pending`` (float candidates not built yet, built by ``build_late``)
-    chain: tuple[str, ...] = ()
-    pending: tuple[Candidate, ...] = ()
-    build_late: Callable[[Candidate], tuple[Built, Path]] | None = None
-
-
-@dataclass
-class _State:
-    candidate: Candidate
-    folder: Path
-    built: Built | None = None
-    run: RunFn | None = None
-    outcome: Outcome | None = None
-    error: Exception | None = None
 
 
 def search(
@@ -202,195 +133,172 @@ def search(
     output's task (``validate.metrics.output_tasks``), how ``compare`` judges it; ``post``: the
     bundle's post-processing (a boxes one judges the detections)."""
     t0 = time.perf_counter()
-    say = progress
-    auto = precision == "auto"
     batch = fixed_batch(served) or 16
-    ref_out = run_all(reference, data.selection, batch, pad=fixed_batch(served) is not None)
-    one = pad_samples(take(data.selection, 0, fixed_batch(served) or 1), fixed_batch(served) or 1)
-    states: list[_State] = []
-    notes: list[str] = [f"selection on {data.selection_source}"]
+    state = SearchState(
+        plan=plan, target=target, work_dir=work_dir, data=data, served=served, reference_open=reference_open,
+        kind=kind, tolerance=tolerance, precision=precision, objective=objective, mixed_precision=mixed_precision,
+        threads=threads, calib_batch=calib_batch, latency_budget_s=latency_budget_s, say=progress, shared=shared,
+        time_budget_s=time_budget_s, device_latency=device_latency, dominated_factor=dominated_factor, clock=clock,
+        tasks=tasks, post=post, t0=t0, batch=batch,
+        ref_out=run_all(reference, data.selection, batch, pad=fixed_batch(served) is not None),
+        one=pad_samples(take(data.selection, 0, fixed_batch(served) or 1), fixed_batch(served) or 1),
+    )  # fmt: skip
+    state.notes.append(f"selection on {data.selection_source}")
     if kind == "classifier":
-        notes.append(
+        state.notes.append(
             "classifier selection also gates the top-1 agreement predicted from each candidate's gap shrink on the "
             f"selection samples and the fp32 top-1 margins of {data.margins_source or 'the selection samples'}"
         )
+    _first_wave(state)
+    _quick_round(state)
+    _refine(state)
+    _rescue(state)
+    _fallbacks(state)
+    _final_rounds(state)
+    return _choice(state)
 
-    def space(folder: Path) -> BuildSpace:
-        return BuildSpace(work_dir=folder, calib=data.calib, served=served, calib_batch=calib_batch, progress=say)
 
-    prescreen = auto and objective == "latency" and device_latency is None and dominated_factor is not None
-    against: dict[str, float] = {}  # what the prescreen compares with -> its median ms, measured once
+# -- the phases, in order ------------------------------------------------------------------------
 
-    def dominated(run: RunFn) -> str:
-        """Why ``run`` is dominated on its first calls (slower than the target's FP32 baseline, or
-        the FP32 source where the target has none, by more than ``dominated_factor`` and slower
-        than ``DOMINATED_MIN_MS``), else ""."""
-        cand_ms = prescreen_ms(run, one, PRESCREEN_CALLS, statistic="min", clock=clock)
-        if cand_ms <= DOMINATED_MIN_MS:
-            return ""
-        base = next((s for s in states if s.candidate.baseline and s.run is not None), None)
-        name = base.candidate.name if base is not None else REFERENCE
-        if name not in against:
-            fn = base.run if base is not None and base.run is not None else reference_open(threads)
-            against[name] = prescreen_ms(fn, one, 5, statistic="median", clock=clock)  # once: a steadier median
-        factor = dominated_factor or 0.0
-        if cand_ms <= factor * against[name]:
-            return ""
-        return (
-            f"dominated on its first calls: {cand_ms:.1f} ms, {cand_ms / max(against[name], 1e-9):.1f}x {name} "
-            f"({against[name]:.1f} ms; over {factor:g}x), and auto ships nothing slower than fp32: "
-            "its accuracy run and timing rounds were skipped"
-        )
 
-    def attempt(cand: Candidate, screen: bool = False) -> _State:
-        folder = work_dir / f"{len(states):02d}-{_slug(cand.name)}"
-        folder.mkdir(parents=True)
-        st = _State(cand, folder)
-        states.append(st)
-        say(f"[{target}] candidate {len(states)}: {cand.name}")
-        started = time.perf_counter()
-        key = (cand.runtime, cand.name, *(f"{k}={v}" for k, v in sorted(cand.settings.items())))
-        try:
-            if shared is not None and key in shared:
-                st.folder, st.built = shared[key]
-                say(f"[{target}]   same build as another target's (reused)")
-            else:
-                st.built = cand.build(space(folder))
-                if shared is not None:
-                    shared[key] = (folder, st.built)
-            st.run = st.built.open(threads) if st.built.open is not None else st.built.intermediate
-            if st.run is None:
-                raise ValueError("the candidate can neither run here nor gave an intermediate to measure")
-            slow = dominated(st.run) if screen and prescreen and st.built.open is not None and not cand.baseline else ""
-            if slow:
-                st.run = None  # never timed again, never chosen
-                say(f"[{target}]   skipped: {slow}")
-                st.outcome = _skipped(cand.name, slow, cand)
-                return st
-            outputs = run_all(st.run, data.selection, batch, pad=fixed_batch(served) is not None)
-            comparison = compare(ref_out, outputs, kind, tolerance, tasks=tasks, post=post)
-            if kind == "classifier":
-                comparison = flip_gate(comparison, ref_out, outputs, data, tolerance)
-            marginal = selection_margin(ref_out, outputs, comparison)
-        # A candidate's SDK may raise anything (ORT's quantizer raised ValueError from numpy on an
-        # int32-input model): that candidate failed, the search goes on.
-        except Exception as exc:
-            st.run = None
-            st.error = exc
-            reason = _reason(exc)
-            say(f"[{target}]   failed: {reason}")
-            st.outcome = _outcome(cand, "error", reason, None, st, time.perf_counter() - started)
-            return st
-        status = "passed" if comparison.passed else "failed"
-        reason = "" if comparison.passed else "; ".join(comparison.failures)
-        say(f"[{target}]   {comparison.summary()} ({status})" + (f"; {marginal}" if marginal else ""))
-        st.outcome = _outcome(cand, status, reason, comparison, st, time.perf_counter() - started)
-        st.outcome = dataclasses.replace(st.outcome, marginal=marginal)
-        return st
+def _first_wave(state: SearchState) -> None:
+    """Every first-wave candidate built and measured on the selection samples (prescreened)."""
+    for cand in state.plan.first:
+        _attempt(state, cand, screen=True)
+    state.skipped = [_skipped(name, why) for name, why in state.plan.skipped]
+    state.baseline = next((s for s in state.states if s.candidate.baseline), None)
 
-    for cand in plan.first:
-        attempt(cand, screen=True)
-    skipped = [_skipped(name, why) for name, why in plan.skipped]
-    baseline = next((s for s in states if s.candidate.baseline), None)
 
-    # quick latency round: what dominates what
-    _time(
-        states, reference_open, one, threads, "quick", repeats=6, budget_s=latency_budget_s / 2, say=say, target=target,
-        clock=clock,
+def _quick_round(state: SearchState) -> None:
+    """A quick side-by-side latency round of everything built: what dominates what."""
+    time_round(
+        state.states, state.reference_open, state.one, state.threads, "quick", repeats=6,
+        budget_s=state.latency_budget_s / 2, say=state.say, target=state.target, clock=state.clock,
     )  # fmt: skip
-    if device_latency is not None:
-        _device_times(states, device_latency)
-    base_p50 = _p50(baseline)
+    if state.device_latency is not None:
+        device_times(state.states, state.device_latency)
+    state.base_p50 = _p50(state.baseline)
 
+
+def _refine(state: SearchState) -> None:
+    """Refinements of the candidates that missed the budget, within the plan's bound and the time budget."""
+    auto, baseline, plan = state.auto, state.baseline, state.plan
     refined = 0
     rescued: dict[str, str] = {}  # refined candidate -> the refinement that met the budget
     for ref in plan.refinements:
-        of = next((s for s in states if s.candidate.name == ref.of), None)
-        why = _refine_skip(of, base_p50 if auto else None, baseline) or (_ranked_skip(of, states) if auto else "")
+        of = next((s for s in state.states if s.candidate.name == ref.of), None)
+        why = _refine_skip(of, state.base_p50 if auto else None, baseline) or (
+            _ranked_skip(of, state.states) if auto else ""
+        )
         if not why and ref.of in rescued:
             why = f"{rescued[ref.of]} (a refinement of {ref.of}) already meets the budget"
         if not why and plan.max_refinements is not None and refined >= plan.max_refinements:
             why = f"over the bound on refinements ({plan.bound_name or plan.max_refinements})"
-        if not why and time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
-            why = f"over the search time budget ({time_budget_s:.0f} s)"
+        if not why and state.over_time_budget():
+            why = f"over the search time budget ({state.time_budget_s:.0f} s)"
         if why:
-            skipped.append(_skipped(ref.candidate.name, why, ref.candidate))
+            state.skipped.append(_skipped(ref.candidate.name, why, ref.candidate))
             continue
         refined += 1
-        st = attempt(ref.candidate, screen=True)  # timed in the final round if it passes
+        st = _attempt(state, ref.candidate, screen=True)  # timed in the final round if it passes
         if st.outcome is not None and st.outcome.status == "passed":
             rescued[ref.of] = ref.candidate.name
 
-    over = time_budget_s is not None and time.perf_counter() - t0 > time_budget_s
+
+def _rescue(state: SearchState) -> None:
+    """Mixed precision, when nothing within the budget is as fast as the fastest quantized candidate."""
+    auto, precision, notes = state.auto, state.precision, state.notes
+    over = state.over_time_budget()
     passing = any(
         s.outcome is not None and s.outcome.status == "passed" and (auto or s.candidate.precision == precision)
-        for s in states
+        for s in state.states
     )
-    if (auto or mixed_precision) and over and passing:
-        notes.append(f"mixed precision not tried: over the search time budget ({time_budget_s:.0f} s)")
-    elif auto or mixed_precision:
+    if (auto or state.mixed_precision) and over and passing:
+        notes.append(f"mixed precision not tried: over the search time budget ({state.time_budget_s:.0f} s)")
+    elif auto or state.mixed_precision:
         # nothing within the budget yet: the rescue runs even over the time budget (else the target
         # ships nothing; YOLOv8n on coral: conversion and 16x8 took 526 s of the 420)
         if over:
-            notes.append(f"over the search time budget ({time_budget_s:.0f} s) with nothing within the budget: "
+            notes.append(f"over the search time budget ({state.time_budget_s:.0f} s) with nothing within the budget: "
                          "mixed precision tried anyway")  # fmt: skip
-        _mixed(states, attempt, space, auto, precision, base_p50, notes, say, target)
+        _mixed(
+            state.states, lambda cand: _attempt(state, cand), lambda folder: _space(state, folder), auto, precision,
+            state.base_p50, notes, state.say, state.target,
+        )  # fmt: skip
 
-    for cand in plan.fallback:
-        met = next((s.candidate.name for s in states if s.outcome is not None and s.outcome.status == "passed"
+
+def _fallbacks(state: SearchState) -> None:
+    """Under ``auto``, when nothing met the budget: the plan's fallbacks (a float artifact)."""
+    auto, precision = state.auto, state.precision
+    for cand in state.plan.fallback:
+        met = next((s.candidate.name for s in state.states if s.outcome is not None and s.outcome.status == "passed"
                     and (auto or s.candidate.precision == precision)), None)  # fmt: skip
         if not auto:
-            skipped.append(_skipped(cand.name, f"a fallback of --precision auto; --precision {precision} asked", cand))
+            state.skipped.append(
+                _skipped(cand.name, f"a fallback of --precision auto; --precision {precision} asked", cand)
+            )
         elif met is not None:
-            skipped.append(_skipped(cand.name, f"{met} already meets the budget (a fallback is built only when "
-                                    "nothing does)", cand))  # fmt: skip
+            state.skipped.append(_skipped(cand.name, f"{met} already meets the budget (a fallback is built only when "
+                                          "nothing does)", cand))  # fmt: skip
         else:
-            say(f"[{target}] nothing met the budget; fallback: {cand.name}")
-            attempt(cand)
+            state.say(f"[{state.target}] nothing met the budget; fallback: {cand.name}")
+            _attempt(state, cand)
 
+
+def _final_rounds(state: SearchState) -> None:
+    """The final side-by-side round with full repeats, then the finalists' round (latency objective)."""
     # final round, with full repeats: everything the choice may pick (what passed; when nothing
     # choosable passed, every choosable built one: the most accurate is picked) and the baseline,
     # so the chosen's p50, the baseline's and the reference's come from this one measurement
+    states, baseline, auto, precision = state.states, state.baseline, state.auto, state.precision
     final_states = _final_round(states, baseline, auto, precision)
-    final = _time(
-        final_states, reference_open, one, threads, "final", repeats=20, budget_s=latency_budget_s, say=say,
-        target=target, clock=clock,
+    final = time_round(
+        final_states, state.reference_open, state.one, state.threads, "final", repeats=20,
+        budget_s=state.latency_budget_s, say=state.say, target=state.target, clock=state.clock,
     )  # fmt: skip
-    rounds: dict[str, Mapping[str, LatencyStats]] = {"final": final}  # round -> its stats by name
-    reference_latency = final.get(REFERENCE)
-    finalists = (
-        _finalists(states, baseline, auto, precision) if objective == "latency" and device_latency is None else []
+    state.rounds = {"final": final}
+    state.reference_latency = final.get(REFERENCE)
+    state.finalists = (
+        _finalists(states, baseline, auto, precision)
+        if state.objective == "latency" and state.device_latency is None
+        else []
     )
-    if finalists:
+    if state.finalists:
         # the candidates the final round could not tell apart, and the baseline, alone in one more
         # round: fewer functions per round is more calls each and no other runtime's threads in
         # between (digits: per-tensor and per-channel QDQ 0.27 vs 0.23 ms among 14 candidates,
         # 0.212 vs 0.214 ms alone)
-        again = _time(
-            finalists, reference_open, one, threads, "finalists", repeats=60, budget_s=latency_budget_s, say=say,
-            target=target, discard=2, clock=clock,
+        again = time_round(
+            state.finalists, state.reference_open, state.one, state.threads, "finalists", repeats=60,
+            budget_s=state.latency_budget_s, say=state.say, target=state.target, discard=2, clock=state.clock,
         )  # fmt: skip
-        rounds["finalists"] = again
-        reference_latency = again.get(REFERENCE, reference_latency)
-        names = ", ".join(s.candidate.name for s in finalists)
-        notes.append(f"finalists timed again side by side with {REFERENCE}: {names}")
+        state.rounds["finalists"] = again
+        state.reference_latency = again.get(REFERENCE, state.reference_latency)
+        names = ", ".join(s.candidate.name for s in state.finalists)
+        state.notes.append(f"finalists timed again side by side with {REFERENCE}: {names}")
+    device_latency = state.device_latency
     if device_latency is not None:
-        _device_times(states, device_latency)
+        device_times(states, device_latency)
         timed = [s.candidate.name for s in states if s.outcome is not None and s.outcome.latency is not None]
         untimed = [s.candidate.name for s in states if s.outcome is not None and s.outcome.comparison is not None
                    and s.outcome.latency is None]  # fmt: skip
-        notes.append(
+        state.notes.append(
             f"latency of {len(timed)} candidate(s) from the {device_latency.label}"
             + (f"; not in the profile (not timed on the device): {', '.join(untimed)}" if untimed else "")
         )
         # the reference is the target's own FP32 on the device (the host's ORT FP32 is not comparable)
-        reference_latency = baseline.outcome.latency if baseline is not None and baseline.outcome else None
+        state.reference_latency = baseline.outcome.latency if baseline is not None and baseline.outcome else None
 
+
+def _choice(state: SearchState) -> SearchResult:
+    """The choice by objective, beyond the measured noise, and the fallback chain after it."""
+    states, baseline, auto, precision, notes = state.states, state.baseline, state.auto, state.precision, state.notes
+    objective, plan = state.objective, state.plan
     outcomes = [s.outcome for s in states if s.outcome is not None]
     choosable = [o for o in outcomes if auto or o.precision == precision]
     if not any(o.comparison is not None for o in choosable):
-        _raise_none_built(states, precision, target)
-    if finalists:  # latencies of one round only: the passing non-finalists lost the final round by a margin
+        _raise_none_built(states, precision, state.target)
+    if state.finalists:  # latencies of one round only: the passing non-finalists lost the final round by a margin
         choosable = [
             o for o in choosable if o.timed_in == "finalists" or o.comparison is None or not o.comparison.passed
         ]
@@ -399,8 +307,8 @@ def search(
     everything = [o for o in outcomes if auto or o.precision == precision]
     chain = _chain(chosen, everything, objective, auto, base_out)
     noise: dict[str, str] = {}  # name -> its speed-up over the baseline with the interval, where measured
-    if auto and objective == "latency" and device_latency is None and base_out is not None:
-        chain, noise, dropped = _beyond_noise(chain, base_out, rounds)
+    if auto and objective == "latency" and state.device_latency is None and base_out is not None:
+        chain, noise, dropped = beyond_noise(chain, base_out, state.rounds)
         if dropped:
             notes.append(f"not faster than {base_out.name} beyond the measured noise, left out: " + "; ".join(dropped))
     if chain and chain[0] is not chosen:  # within the sampling error of selection, or of the timing
@@ -430,14 +338,6 @@ def search(
             chain += [o for o in outcomes if o.name in {c.name for c in plan.fallback} and o.comparison is not None
                       and _absent(o, chain)]  # fmt: skip
     chosen_state = next(s for s in states if s.outcome is chosen)
-
-    def late(cand: Candidate) -> tuple[Built, Path]:
-        """Build a float candidate the search did not (the final gate failed what it chose)."""
-        folder = work_dir / f"{len(states):02d}-{_slug(cand.name)}"
-        folder.mkdir(parents=True)
-        states.append(_State(cand, folder))
-        return cand.build(space(folder)), folder
-
     if chosen_state.built is None:
         raise ValueError(f"{chosen.name} was chosen but has no build")  # choose() only returns built ones
     slower = bool(
@@ -447,21 +347,21 @@ def search(
         and chosen is not base_out
         and chosen.p50_ms > base_out.p50_ms
     )
-    records = tuple(dataclasses.replace(o, status="chosen") if o is chosen else o for o in (*outcomes, *skipped))
+    records = tuple(dataclasses.replace(o, status="chosen") if o is chosen else o for o in (*outcomes, *state.skipped))
     return SearchResult(
         chosen=dataclasses.replace(chosen, status="chosen"),
         built=chosen_state.built,
         built_dir=chosen_state.folder,
         why=why,
         outcomes=records,
-        reference_latency=reference_latency,
+        reference_latency=state.reference_latency,
         baseline=base_out,
         slower_than_fp32=slower,
         objective=objective,
-        data=data,
-        threads=threads,
+        data=state.data,
+        threads=state.threads,
         notes=tuple(notes),
-        elapsed_s=time.perf_counter() - t0,
+        elapsed_s=time.perf_counter() - state.t0,
         kept={
             s.candidate.name: (s.built, s.folder)
             for s in states
@@ -471,33 +371,100 @@ def search(
         },
         chain=tuple(o.name for o in chain if o is not chosen),
         pending=pending,
-        build_late=late,
+        build_late=functools.partial(_build_late, state),
     )
 
 
-def _beyond_noise(
-    chain: list[Outcome], baseline: Outcome, rounds: Mapping[str, Mapping[str, LatencyStats]]
-) -> tuple[list[Outcome], dict[str, str], list[str]]:
-    """The chain less the candidates whose speed-up over ``baseline`` is not beyond the measured
-    noise: the lower end of its 95 % interval (``validate.latency.speedup_interval``, over the
-    paired rounds of the last round both were timed in) at or below 1. A candidate without such
-    rounds (not timed here) stays. Returns (chain, name -> speed-up text, what was left out)."""
-    kept: list[Outcome] = []
-    texts: dict[str, str] = {}
-    dropped: list[str] = []
-    for o in chain:
-        stats = rounds.get(o.timed_in, {})
-        cand, base = stats.get(o.name), stats.get(baseline.name)
-        interval = speedup_interval(cand, base) if cand is not None and base is not None else None
-        if interval is None:
-            kept.append(o)
-            continue
-        texts[o.name] = f"speed {interval.text(baseline.name)}"
-        if interval.low > 1.0:
-            kept.append(o)
+# -- one candidate ---------------------------------------------------------------------------------
+
+
+def _space(state: SearchState, folder: Path) -> BuildSpace:
+    return BuildSpace(
+        work_dir=folder, calib=state.data.calib, served=state.served, calib_batch=state.calib_batch, progress=state.say
+    )
+
+
+def _dominated(state: SearchState, run: RunFn) -> str:
+    """Why ``run`` is dominated on its first calls (slower than the target's FP32 baseline, or
+    the FP32 source where the target has none, by more than ``dominated_factor`` and slower
+    than ``DOMINATED_MIN_MS``), else ""."""
+    cand_ms = prescreen_ms(run, state.one, PRESCREEN_CALLS, statistic="min", clock=state.clock)
+    if cand_ms <= DOMINATED_MIN_MS:
+        return ""
+    base = next((s for s in state.states if s.candidate.baseline and s.run is not None), None)
+    name = base.candidate.name if base is not None else REFERENCE
+    against = state.against
+    if name not in against:
+        fn = base.run if base is not None and base.run is not None else state.reference_open(state.threads)
+        against[name] = prescreen_ms(fn, state.one, 5, statistic="median", clock=state.clock)  # once: a steadier median
+    factor = state.dominated_factor or 0.0
+    if cand_ms <= factor * against[name]:
+        return ""
+    return (
+        f"dominated on its first calls: {cand_ms:.1f} ms, {cand_ms / max(against[name], 1e-9):.1f}x {name} "
+        f"({against[name]:.1f} ms; over {factor:g}x), and auto ships nothing slower than fp32: "
+        "its accuracy run and timing rounds were skipped"
+    )
+
+
+def _attempt(state: SearchState, cand: Candidate, screen: bool = False) -> CandidateState:
+    """Build ``cand`` in its own folder (or reuse another target's identical build), prescreen it,
+    measure it on the selection samples; a build or run that raises is recorded as an error."""
+    states, target, say, shared = state.states, state.target, state.say, state.shared
+    folder = state.work_dir / f"{len(states):02d}-{_slug(cand.name)}"
+    folder.mkdir(parents=True)
+    st = CandidateState(cand, folder)
+    states.append(st)
+    say(f"[{target}] candidate {len(states)}: {cand.name}")
+    started = time.perf_counter()
+    key = (cand.runtime, cand.name, *(f"{k}={v}" for k, v in sorted(cand.settings.items())))
+    try:
+        if shared is not None and key in shared:
+            st.folder, st.built = shared[key]
+            say(f"[{target}]   same build as another target's (reused)")
         else:
-            dropped.append(f"{o.name} {interval.text(baseline.name)}")
-    return kept, texts, dropped
+            st.built = cand.build(_space(state, folder))
+            if shared is not None:
+                shared[key] = (folder, st.built)
+        st.run = st.built.open(state.threads) if st.built.open is not None else st.built.intermediate
+        if st.run is None:
+            raise ValueError("the candidate can neither run here nor gave an intermediate to measure")
+        prescreened = screen and state.prescreen and st.built.open is not None and not cand.baseline
+        slow = _dominated(state, st.run) if prescreened else ""
+        if slow:
+            st.run = None  # never timed again, never chosen
+            say(f"[{target}]   skipped: {slow}")
+            st.outcome = _skipped(cand.name, slow, cand)
+            return st
+        served = state.served
+        outputs = run_all(st.run, state.data.selection, state.batch, pad=fixed_batch(served) is not None)
+        comparison = compare(state.ref_out, outputs, state.kind, state.tolerance, tasks=state.tasks, post=state.post)
+        if state.kind == "classifier":
+            comparison = flip_gate(comparison, state.ref_out, outputs, state.data, state.tolerance)
+        marginal = selection_margin(state.ref_out, outputs, comparison)
+    # A candidate's SDK may raise anything (ORT's quantizer raised ValueError from numpy on an
+    # int32-input model): that candidate failed, the search goes on.
+    except Exception as exc:
+        st.run = None
+        st.error = exc
+        reason = _reason(exc)
+        say(f"[{target}]   failed: {reason}")
+        st.outcome = _outcome(cand, "error", reason, None, st, time.perf_counter() - started)
+        return st
+    status = "passed" if comparison.passed else "failed"
+    reason = "" if comparison.passed else "; ".join(comparison.failures)
+    say(f"[{target}]   {comparison.summary()} ({status})" + (f"; {marginal}" if marginal else ""))
+    st.outcome = _outcome(cand, status, reason, comparison, st, time.perf_counter() - started)
+    st.outcome = dataclasses.replace(st.outcome, marginal=marginal)
+    return st
+
+
+def _build_late(state: SearchState, cand: Candidate) -> tuple[Built, Path]:
+    """Build a float candidate the search did not (the final gate failed what it chose)."""
+    folder = state.work_dir / f"{len(state.states):02d}-{_slug(cand.name)}"
+    folder.mkdir(parents=True)
+    state.states.append(CandidateState(cand, folder))
+    return cand.build(_space(state, folder)), folder
 
 
 def _absent(o: Outcome, among: list[Outcome]) -> bool:
@@ -554,7 +521,9 @@ def flip_gate(
     return dataclasses.replace(comparison, predicted_top1_agreement=predicted, failures=failures)
 
 
-def _final_round(states: list[_State], baseline: _State | None, auto: bool, precision: str) -> list[_State]:
+def _final_round(
+    states: list[CandidateState], baseline: CandidateState | None, auto: bool, precision: str
+) -> list[CandidateState]:
     """The states timed in the final round: every one ``choose`` may return, and the baseline."""
     choosable = [s for s in states if s.outcome is not None and (auto or s.candidate.precision == precision)]
     picked = [s for s in states if s.outcome is not None and s.outcome.status == "passed"]
@@ -565,7 +534,9 @@ def _final_round(states: list[_State], baseline: _State | None, auto: bool, prec
     return [s for s in states if any(s is p for p in picked)]  # each once, in build order
 
 
-def _finalists(states: list[_State], baseline: _State | None, auto: bool, precision: str) -> list[_State]:
+def _finalists(
+    states: list[CandidateState], baseline: CandidateState | None, auto: bool, precision: str
+) -> list[CandidateState]:
     """The passing choosable candidates of the final round within ``FINALIST_MARGIN`` of its
     fastest (at most ``MAX_FINALISTS``), with the baseline; empty when only one is that close."""
     pool = [
@@ -594,80 +565,7 @@ def _finalists(states: list[_State], baseline: _State | None, auto: bool, precis
     return [s for s in states if any(s is c for c in close)]
 
 
-def _time(
-    states: list[_State],
-    reference_open: Callable[[int], RunFn],
-    one: dict[str, np.ndarray],
-    threads: int,
-    round_name: str,
-    *,
-    repeats: int,
-    budget_s: float,
-    say: Callable[[str], None],
-    target: str,
-    discard: int = 1,
-    clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, LatencyStats]:
-    """Side-by-side latency of the runnable built states (and the reference); updates outcomes."""
-    runnable = [s for s in states if s.run is not None and s.built is not None and s.built.open is not None]
-    if not runnable:
-        return {}
-    fns: dict[str, Callable[[], object]] = {REFERENCE: call_with(reference_open(threads), one)}
-    for s in runnable:
-        if s.run is not None:
-            fns[s.candidate.name] = call_with(s.run, one)
-    say(f"[{target}] timing {len(runnable)} candidate(s) side by side ({threads} threads, batch 1)")
-    stats = stats_side_by_side(fns, repeats=repeats, budget_s=budget_s, min_repeats=3, discard=discard, clock=clock)
-    ref = stats[REFERENCE].p50_ms
-    for s in runnable:
-        if s.outcome is not None:
-            lat = stats[s.candidate.name]
-            s.outcome = dataclasses.replace(s.outcome, latency=lat, timed_in=round_name, reference_p50_ms=ref)
-    return stats
-
-
-def _device_times(states: list[_State], device: DeviceLatency) -> None:
-    """Every built candidate's latency := the device profile's (None where the profile has none).
-    The ratios are then to the target's own FP32 on the device (the baseline's profiled p50): the
-    host's ONNX Runtime FP32 is another machine's measurement."""
-    found: dict[int, LatencyStats | None] = {}
-    for i, s in enumerate(states):
-        o = s.outcome
-        if o is not None and s.built is not None:
-            found[i] = device.lookup(o.name, candidate_key(o.runtime, o.precision, o.settings))
-    base = next((found.get(i) for i, s in enumerate(states) if s.candidate.baseline), None)
-    ref = base.p50_ms if base is not None else None
-    for i, lat in found.items():
-        o = states[i].outcome
-        assert o is not None
-        states[i].outcome = dataclasses.replace(
-            o,
-            latency=lat,
-            latency_from=device.label if lat is not None else "",
-            timed_in="device profile" if lat is not None else "",
-            reference_p50_ms=ref if lat is not None else None,
-        )
-
-
-def prescreen_ms(
-    run: RunFn,
-    feed: dict[str, np.ndarray],
-    calls: int,
-    statistic: str = "min",
-    clock: Callable[[], float] = time.perf_counter,
-) -> float:
-    """Milliseconds per call of ``run`` on ``feed``: one warm-up call, then the min (or median) of
-    ``calls`` timed calls (min: a candidate is called dominated only when even its fastest call is)."""
-    run(feed)
-    times = []
-    for _ in range(calls):
-        started = clock()
-        run(feed)
-        times.append((clock() - started) * 1e3)
-    return float(np.min(times) if statistic == "min" else np.median(times))
-
-
-def _ranked_skip(of: _State | None, states: list[_State]) -> str:
+def _ranked_skip(of: CandidateState | None, states: list[CandidateState]) -> str:
     """Where nothing is timed: a refinement cannot beat a passing candidate ranked at least as
     fast on the device (a calibration change does not change the rank)."""
     if of is None or of.outcome is None or of.outcome.p50_ms is not None or of.candidate.device_rank is None:
@@ -683,7 +581,7 @@ def _ranked_skip(of: _State | None, states: list[_State]) -> str:
     return ""
 
 
-def _refine_skip(of: _State | None, base_p50: float | None, baseline: _State | None) -> str:
+def _refine_skip(of: CandidateState | None, base_p50: float | None, baseline: CandidateState | None) -> str:
     if of is None or of.outcome is None:
         return "the candidate it refines was not built"
     o = of.outcome
@@ -718,8 +616,8 @@ def _only_channels_failed(c: Comparison | None) -> bool:
 
 
 def _mixed(
-    states: list[_State],
-    attempt: Callable[[Candidate], _State],
+    states: list[CandidateState],
+    attempt: Callable[[Candidate], CandidateState],
     space: Callable[[Path], BuildSpace],
     auto: bool,
     precision: str,
@@ -730,7 +628,7 @@ def _mixed(
 ) -> None:
     """Mixed-precision rescue of the fastest quantized candidate that missed the budget."""
 
-    def eligible(s: _State) -> bool:
+    def eligible(s: CandidateState) -> bool:
         o = s.outcome
         return bool(
             o is not None
@@ -750,7 +648,7 @@ def _mixed(
     if o is None or o.status != "failed":
         return
 
-    def as_fast(s: _State) -> bool:
+    def as_fast(s: CandidateState) -> bool:
         if _p50(fastest) is not None:
             return (_p50(s) or float("inf")) <= (_p50(fastest) or 0)
         return _p50(s) is None and _rank(s) <= _rank(fastest) < float("inf")
@@ -815,7 +713,7 @@ def _mixed(
         notes.append(f"mixed precision: keeping up to {len(top(lo))} layers in float did not meet the budget")
 
 
-def _raise_none_built(states: list[_State], precision: str, target: str) -> None:
+def _raise_none_built(states: list[CandidateState], precision: str, target: str) -> None:
     """Every candidate of the requested precision raised: the first one's own error where it is
     ours (it says what to do), else one error listing the reasons."""
     errors = [s for s in states if s.error is not None and (precision == "auto" or s.candidate.precision == precision)]
@@ -829,16 +727,16 @@ def _raise_none_built(states: list[_State], precision: str, target: str) -> None
     )
 
 
-def _p50(s: _State | None) -> float | None:
+def _p50(s: CandidateState | None) -> float | None:
     return None if s is None or s.outcome is None else s.outcome.p50_ms
 
 
-def _rank(s: _State) -> float:
+def _rank(s: CandidateState) -> float:
     r = s.candidate.device_rank
     return float("inf") if r is None else float(r)
 
 
-def _inaccuracy(s: _State) -> tuple[float, float]:
+def _inaccuracy(s: CandidateState) -> tuple[float, float]:
     from edgekit.optimize.choose import accuracy_key
 
     if s.outcome is None:
@@ -848,7 +746,7 @@ def _inaccuracy(s: _State) -> tuple[float, float]:
 
 
 def _outcome(
-    cand: Candidate, status: str, reason: str, comparison: Comparison | None, st: _State, build_s: float
+    cand: Candidate, status: str, reason: str, comparison: Comparison | None, st: CandidateState, build_s: float
 ) -> Outcome:
     built = st.built
     size = 0

@@ -15,7 +15,7 @@ from edgekit.bundle.manifest import (
     Precision,
     Tolerance,
 )
-from edgekit.optimize.engine import SearchResult
+from edgekit.optimize.search_state import SearchResult
 
 EXCLUDED_REASON = "per-layer sensitivity on the calibration subset (fewest layers that meet the budget)"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.errors import EdgekitError
-from edgekit.optimize.engine import Outcome, SearchResult
+from edgekit.optimize.search_state import Outcome, SearchResult
 
 REPORT_VERSION = 1
 

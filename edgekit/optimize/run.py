@@ -1,8 +1,8 @@
-"""An engine target's build: its candidate plan through the search, then its ``finish``.
+"""A target's build: its candidate plan through the search, then its ``finish``.
 
-``optimise`` is what the packager calls per engine target (with the run's FP32 reference, gate
-and settings) and what a target's own ``build`` calls outside the packager (defaults: the
-default gate, selection on the calibration data).
+Targets describe (checks, candidates, finishing); only the engine builds. ``optimize`` is what
+the packager calls per target (with the run's FP32 reference, gate and settings); ``build`` is
+the same outside the packager (defaults: the default gate, selection on the calibration data).
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ import numpy as np
 from edgekit.bundle.manifest import Tolerance
 from edgekit.errors import ConfigError
 from edgekit.optimize.candidates import OBJECTIVES, RunFn
-from edgekit.optimize.data import DEFAULT_CALIB_SAMPLES, search_data
-from edgekit.optimize.engine import Outcome, SearchResult, record_of, search
+from edgekit.optimize.data import search_data
+from edgekit.optimize.engine import record_of, search
 from edgekit.optimize.profile import DeviceProfile
 from edgekit.optimize.record import choice_step
+from edgekit.optimize.search_state import Outcome, SearchResult
+from edgekit.package_defaults import DEFAULT_CALIB_SAMPLES, DEFAULT_OBJECTIVE
 from edgekit.targets.base import BuildContext, BuildResult, static_signature
 from edgekit.validate.calib import even_batch, fixed_batch, sample_count
 from edgekit.validate.metrics import kind_of, output_kind, run_all
@@ -32,7 +34,7 @@ from edgekit.validate.ort_runner import ort_open
 class EngineSettings:
     """How the engine searches (the same for every target of one ``package`` call)."""
 
-    objective: str = "latency"  # or "size"
+    objective: str = DEFAULT_OBJECTIVE  # or "size"
     mixed_precision: bool = False  # for explicit --precision int8; auto always may keep layers in float
     threads: int = 0  # the device runtime's thread count; 0 = the runtime's default
     calib_samples: int = DEFAULT_CALIB_SAMPLES  # calibration subset size, every target
@@ -59,19 +61,19 @@ class EngineSettings:
 
 
 @dataclass(frozen=True)
-class Optimised:
+class Optimized:
     build: BuildResult
     search: SearchResult
 
 
-def optimise(
+def optimize(
     target: Any,
     ctx: BuildContext,
     settings: EngineSettings | None = None,
     reference_path: Path | None = None,
     shared: dict[Any, Any] | None = None,
     holdout_reference: Mapping[str, np.ndarray] | None = None,
-) -> Optimised:
+) -> Optimized:
     """Search ``target``'s candidates for ``ctx.precision`` and finish the chosen one into
     ``ctx.out_dir``. ``reference_path``: the FP32 model accuracy is compared with and latency
     referred to (the source model; default ``ctx.source_path`` or ``ctx.model_path``). ``shared``:
@@ -129,22 +131,28 @@ def optimise(
     return _finished(target, ctx, settings, result)
 
 
-def _finished(target: Any, ctx: BuildContext, settings: EngineSettings, result: SearchResult) -> Optimised:
+def build(target: Any, ctx: BuildContext, settings: EngineSettings | None = None) -> BuildResult:
+    """``target``'s chosen candidate for ``ctx.precision``, finished into ``ctx.out_dir`` (the
+    search with ``settings``, default ones: the default gate, selection on the calibration data)."""
+    return optimize(target, ctx, settings).build
+
+
+def _finished(target: Any, ctx: BuildContext, settings: EngineSettings, result: SearchResult) -> Optimized:
     built = target.finish(ctx, result.built, result.built_dir)
     notes = (*built.notes, *summary_notes(result))
     # the target's own steps describe how the chosen artifact was made; the last step is the choice
     provenance = (*built.provenance, choice_step(result, settings.tolerance))
-    return Optimised(build=dataclasses.replace(built, notes=notes, provenance=provenance), search=result)
+    return Optimized(build=dataclasses.replace(built, notes=notes, provenance=provenance), search=result)
 
 
 def fall_back(
     target: Any,
     ctx: BuildContext,
-    previous: Optimised,
+    previous: Optimized,
     failure: str,
     settings: EngineSettings | None = None,
     before_finish: Callable[[], None] | None = None,
-) -> Optimised | None:
+) -> Optimized | None:
     """The next candidate of the fallback chain (``SearchResult.chain``, then ``pending``), finished
     into ``ctx.out_dir`` (``before_finish`` is called first, to empty it), after ``previous``'s
     chosen one failed the final gate with ``failure``; None when the chain is spent. The failed

@@ -2,7 +2,7 @@
 cut, the plan in the manifest's ``split``) and one tail bundle per cut for the tail server
 (``<name>-tail-<cut>``), all signed.
 
-The device bundle starts as the ordinary bundle of the full model (``edgekit.packager``, gated as
+The device bundle starts as the ordinary bundle of the full model (``edgekit.packaging``, gated as
 always); its heads are added under ``heads/`` (role ``split_head``) and the manifest re-signed
 with the same key. Each tail is packaged FP32 with the heads' outputs on the calibration samples
 as its calibration data, so the tail's golden vectors are real cut tensors. Before anything is
@@ -64,7 +64,7 @@ def write_split_bundles(
 ) -> SplitBundles:
     """``heads`` / ``tails``: cut id -> the planner's head / tail ONNX; ``cuts``: the cuts to ship
     (None: those the plan chose at some bandwidth)."""
-    from edgekit.packager import package
+    from edgekit import package
 
     check_cuts(plan, heads, cuts)
     result = package(
@@ -115,7 +115,7 @@ def add_split(
     """Make the ordinary device ``bundle`` of ``model`` a split one: gate each cut, package its
     tail, add the heads and the plan (re-signed in place). No cut chosen: ``bundle`` as it is,
     and the note says why."""
-    from edgekit.packager import package
+    from edgekit import package
 
     chosen = check_cuts(plan, heads, cuts)
     if not chosen:

@@ -2,7 +2,7 @@
 front-end, service layer and pipeline.
 
 A tail given as ``.ekb`` is installed as it is (its signer's public key given with ``--trust``);
-a tail given as ``.onnx`` is first packaged into an FP32 ``cpu`` bundle (``edgekit.packager``:
+a tail given as ``.onnx`` is first packaged into an FP32 ``cpu`` bundle (``edgekit.packaging``:
 validated, with golden vectors) signed by a key made for this run and trusted by it alone. The
 bundles go through the agent's install path (signature, hashes, self-test) into a store in a
 temporary directory, removed at exit: the tail server keeps nothing between runs.
@@ -32,7 +32,7 @@ def package_tail(onnx_path: Path, out_dir: Path, key: Path, name: str, *, sample
     standard-normal inputs of its shapes; a dynamic leading axis is taken as 1 per sample)."""
     import onnxruntime as ort
 
-    from edgekit.packager import package
+    from edgekit import package
 
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)

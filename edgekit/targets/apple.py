@@ -199,12 +199,6 @@ class AppleTarget:
         result: BuildResult = built.detail
         return result
 
-    def build(self, ctx: BuildContext) -> BuildResult:
-        """Outside the packager: the engine's search on the calibration data alone."""
-        from edgekit.optimize.run import optimise
-
-        return optimise(self, ctx).build
-
 
 # Core ML does not run here, so ``auto`` ships by the expected speed order on the device (lower =
 # faster), from coremltools' optimization guide, "Performance"

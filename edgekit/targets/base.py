@@ -1,14 +1,20 @@
-"""The target interface: one host module per target, each turning a prepared FP32 ONNX model
-into an artifact set for one runtime.
+"""The target interface: one host module per target, each describing how a prepared FP32 ONNX
+model becomes an artifact set for one runtime.
 
-The packager (``edgekit.packager``) prepares the source model once (load, opset upgrade, shape
-inference, served signature, calibration data checked), then calls ``Target.build`` for each
-target with a ``BuildContext``. The target writes its files under ``ctx.out_dir`` and returns a
-``BuildResult`` describing them. The packager then validates the artifact against the FP32 model
-(through the device runtime where it can run here, else through ``BuildResult.intermediate``),
-writes golden vectors, the manifest, signs, and writes the ``.ekb``.
+A target describes; the optimisation engine (``edgekit.optimize``) builds. A target offers checks
+on the model (``check_model``), its candidates with their build recipes (``candidates``: an
+``edgekit.optimize.candidates.CandidatePlan``) and how to finish the chosen candidate into bundle
+files (``finish``: a ``BuildResult``). The packager (``edgekit.packaging``) prepares the source
+model once (load, opset upgrade, shape inference, served signature, calibration data checked),
+then hands each target with a ``BuildContext`` to the engine (``edgekit.optimize.run``), which
+builds the candidates, measures them side by side, chooses one and has the target finish it
+under ``ctx.out_dir``. The packager then validates the artifact against the FP32 model (through
+the device runtime where it can run here, else through ``BuildResult.intermediate``), writes
+golden vectors, the manifest, signs, and writes the ``.ekb``.
 
-Targets import their SDKs inside their module only.
+A target imports no other target and not the engine's runner; builders shared by several
+targets live with the engine (``edgekit.optimize.openvino_candidates``). Targets import their
+SDKs inside their module only.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -29,6 +35,9 @@ from edgekit.bundle.manifest import (
     Signature,
     TensorMapping,
 )
+
+if TYPE_CHECKING:
+    from edgekit.optimize.candidates import Built, CandidatePlan
 
 # CLI precision names, shared by every target. Each target lists the ones it can build.
 # ``auto``: the optimisation engine chooses among every candidate of the target (edgekit.optimize).
@@ -110,5 +119,12 @@ class Target(Protocol):
         """Raise ``UnsupportedOpError`` naming op, node and the targets that can take it."""
         ...
 
-    def build(self, ctx: BuildContext) -> BuildResult: ...
+    def candidates(self, ctx: BuildContext) -> CandidatePlan:
+        """The candidates for ``ctx.precision`` (typed, each with its build recipe), in the order
+        the engine builds them, and those left out with why."""
+        ...
 
+    def finish(self, ctx: BuildContext, built: Built, built_dir: Path) -> BuildResult:
+        """The chosen candidate (``built``, its files in ``built_dir``) as bundle files under
+        ``ctx.out_dir``, described for the manifest."""
+        ...

@@ -265,13 +265,6 @@ class CoralTarget:
         opts: CoralOptions = ctx.options or CoralOptions()
         return describe_tflite(ctx.served, detail, opts, built.notes)
 
-    def build(self, ctx: BuildContext) -> BuildResult:
-        """Outside the packager: the engine's search on the calibration data alone."""
-        from edgekit.optimize.run import optimise
-
-        self._compiler(ctx.options or CoralOptions())  # refuse edgetpu=true without the compiler first
-        return optimise(self, ctx).build
-
     def _compiler(self, opts: CoralOptions) -> str | None:
         found = shutil.which(opts.edgetpu_compiler)
         if opts.edgetpu is True and found is None:

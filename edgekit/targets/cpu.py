@@ -40,7 +40,7 @@ from edgekit.compress.ort_quant import (
     StaticQuantConfig,
     fuse_transformer,
     matmul_weight_share,
-    optimise_offline,
+    optimize_offline,
     quantize_static_int8,
     quantize_weights_int4,
     quantize_weights_int8,
@@ -177,12 +177,6 @@ class CpuTarget:
             target_options=to_data(opts),
         )
 
-    def build(self, ctx: BuildContext) -> BuildResult:
-        """Outside the packager: the engine's search on the calibration data alone."""
-        from edgekit.optimize.run import optimise
-
-        return optimise(self, ctx).build
-
 
 def candidate_configs(opts: CpuOptions) -> list[StaticQuantConfig]:
     """The static INT8 configurations of the first wave, in order, honouring the fixed options."""
@@ -279,7 +273,7 @@ def _copy_source(src: Path, dst: Path, space: BuildSpace) -> Precision:
 
 
 def _offline(src: Path, dst: Path, space: BuildSpace) -> Precision:
-    optimise_offline(src, dst)
+    optimize_offline(src, dst)
     return Precision("fp32", "fp32", "onnx fp32, onnxruntime offline optimisation (extended)")
 
 

@@ -158,12 +158,6 @@ class IntelTarget:
         opts: IntelOptions = ctx.options or IntelOptions()
         return ir_build_result(ctx, built, built_dir, device=opts.device, options=asdict(opts))
 
-    def build(self, ctx: BuildContext) -> BuildResult:
-        """Outside the packager: the engine's search on the calibration data alone."""
-        from edgekit.optimize.run import optimise
-
-        return optimise(self, ctx).build
-
 
 def _weights_candidate(source: Path, precision: str, opts: IntelOptions) -> Candidate:
     def build(space: BuildSpace) -> Built:

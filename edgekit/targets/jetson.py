@@ -214,12 +214,6 @@ class JetsonTarget:
             static=profile is None,
         )
 
-    def build(self, ctx: BuildContext) -> BuildResult:
-        """Outside the packager: the engine's search on the calibration data alone."""
-        from edgekit.optimize.run import optimise
-
-        return optimise(self, ctx).build
-
 
 # -- candidate builders -------------------------------------------------------------------------
 

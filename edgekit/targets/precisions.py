@@ -14,10 +14,9 @@ import difflib
 from collections.abc import Mapping, Sequence
 
 from edgekit.errors import ConfigError
+from edgekit.package_defaults import DEFAULT_PRECISION
 from edgekit.targets import TARGETS
 from edgekit.targets.base import PRECISIONS, Target
-
-DEFAULT_PRECISION = "int8"
 
 
 def parse_precision_arg(text: str) -> str | dict[str, str]:

@@ -1,7 +1,8 @@
 """A model under ONNX Runtime's CPU provider as a function: served inputs -> named outputs.
 
-The session settings are the device runtime's (``device_agents.runtimes.onnxruntime``), so the
-FP32 reference and the candidates a target compares are run the way a device runs them.
+The session is the device runtime's (``device_agents.runtimes.onnxruntime.open_session``, with
+the agent's default options but the thread count), so the FP32 reference and the candidates a
+target compares are run the way a device runs them, by the same code.
 """
 
 from __future__ import annotations
@@ -19,13 +20,10 @@ def ort_open(model_path: Path) -> Callable[[int], Runner]:
     optimisation engine times candidates with, at the device runtime's thread count."""
 
     def open_(threads: int) -> Runner:
-        import onnxruntime as ort
+        from device_agents.runtimes.onnxruntime import open_session
+        from device_agents.runtimes.options import OnnxRuntimeOptions
 
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads:
-            so.intra_op_num_threads = threads
-        session = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+        session = open_session(model_path, OnnxRuntimeOptions(threads=threads))
         names = [o.name for o in session.get_outputs()]
 
         def run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -21,7 +21,7 @@ HEADERS = (
 
 
 def format_table(rows: Sequence[Any]) -> str:
-    """Rows are ``edgekit.packager.Row`` (``.validation`` is the manifest's). Speed vs fp32 is
+    """Rows are ``edgekit.packaging.result.Row`` (``.validation`` is the manifest's). Speed vs fp32 is
     the ONNX Runtime FP32 source's p50 / the artifact's p50 (> 1 = faster); where the target's own
     FP32 (``Row.own_fp32``, e.g. OpenVINO FP32 IR for intel) is another measurement, its ratio
     follows in brackets, from the same side-by-side round: that one decides "slower than fp32"."""

@@ -79,8 +79,8 @@ def _check(args: argparse.Namespace, work: Path) -> int:
         for precision in ("fp32", "fp16", "int8"):
             result = package(
                 args.model,
-                ["jetson"],
-                precision,
+                targets=["jetson"],
+                precision=precision,
                 calib=args.calib,
                 eval=args.eval,
                 key=key,

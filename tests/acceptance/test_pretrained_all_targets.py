@@ -53,7 +53,7 @@ def packaged(
     tmp_path_factory: pytest.TempPathFactory, keypair: tuple[Path, Path]
 ) -> tuple[Any, np.ndarray, list[Any], str]:
     import edgekit
-    from edgekit.packager import PackageValidationError
+    from edgekit.packaging.result import PackageValidationError
 
     images, _ = text_lines(EVAL_SAMPLES, seed=1)  # held out: another seed than the calibration lines
     refusal = ""

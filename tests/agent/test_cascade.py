@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from device_agents.config import load_config
+from device_agents.errors import ModelNotFoundError
 from device_agents.pipeline import Request
 from device_agents.service import AgentService
-from edgekit.bundle.errors import ConfigError, ModelNotFoundError
+from edgekit.bundle.errors import ConfigError
 from tests.agent.conftest import write_config
 from tests.factories import make_cpu_bundle, tiny_classifier
 

@@ -192,8 +192,8 @@ def test_edgekit_board_cli_installs_shows_status_and_infers(
 
 
 def test_console_upload_on_a_full_disk_is_a_store_error_and_keeps_what_is_in(tmp_path: Path) -> None:
+    from device_agents.errors import StoreError
     from device_agents.serving.console import Uploads
-    from edgekit.bundle.errors import StoreError
     from tests.updates.tmpfs import small_tmpfs
 
     with small_tmpfs(tmp_path / "disk", "64k") as disk:

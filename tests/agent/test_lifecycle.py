@@ -13,17 +13,10 @@ import numpy as np
 import pytest
 
 from device_agents.config import load_config
+from device_agents.errors import IncompatibleError, ModelNotFoundError, SelfTestError
 from device_agents.lifecycle import Lifecycle
 from device_agents.store import Store
-from edgekit.bundle.errors import (
-    BundleError,
-    ExpiredError,
-    IncompatibleError,
-    ModelNotFoundError,
-    RollbackError,
-    SelfTestError,
-    SignatureError,
-)
+from edgekit.bundle.errors import BundleError, ExpiredError, RollbackError, SignatureError
 from tests.agent.bundles import read_manifest, rebundle
 from tests.agent.conftest import Bundles, agent_cli, write_config
 from tests.factories import sample_inputs

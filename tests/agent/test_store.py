@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from device_agents.errors import StoreError
 from device_agents.platforms.compatibility import check_compatible
 from device_agents.store import STATE_VERSION, Store
 from edgekit.bundle import TrustStore
-from edgekit.bundle.errors import StoreError
 from tests.updates.bundles import bundle, padded_classifier
 from tests.updates.tmpfs import resize, small_tmpfs
 

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from device_agents.errors import IncompatibleError
 from edgekit.bundle import TrustStore, extract, load_private_key, read_verified_manifest, verify_extracted
 from edgekit.bundle.archive import read_unverified_manifest
 from edgekit.bundle.manifest import FileEntry, Manifest
 from edgekit.bundle.signing import sign
-from edgekit.errors import BundleError, ExpiredError, IncompatibleError, ManifestError, RollbackError, SignatureError
+from edgekit.errors import BundleError, ExpiredError, ManifestError, RollbackError, SignatureError
 from tests.factories import make_cpu_bundle
 
 

@@ -7,9 +7,10 @@ from datetime import timedelta
 
 import pytest
 
+from edgekit import package
 from edgekit.cli import bundle_expiry
 from edgekit.errors import ConfigError
-from edgekit.packager import DEFAULT_EXPIRES, package
+from edgekit.package_defaults import DEFAULT_EXPIRES
 
 
 def test_bundle_expiry_defaults_to_a_year_and_zero_means_never() -> None:

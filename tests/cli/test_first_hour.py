@@ -615,17 +615,24 @@ def test_package_api_is_typed_mypy_catches_a_misspelt_keyword(tmp_path: Path) ->
     assert f'{snippet}:3: error: Unexpected keyword argument "targetz" for "package"' in done.stdout
 
 
-def test_package_api_signature_matches_the_packager() -> None:
+def test_package_api_takes_the_request_fields_keyword_only_after_the_model() -> None:
+    import dataclasses
     import inspect
 
     import edgekit
-    from edgekit import packager
+    from edgekit.packaging.request import PackageRequest
 
-    ours, theirs = inspect.signature(edgekit.package), inspect.signature(packager.package)
-    assert [(p.name, p.default) for p in ours.parameters.values()] == [
-        *((p.name, p.default) for p in theirs.parameters.values()),
-        ("example_inputs", None),  # the API's own: a torch.nn.Module is exported to ONNX before packaging
+    params = list(inspect.signature(edgekit.package).parameters.values())
+    fields = [f for f in dataclasses.fields(PackageRequest)]
+    assert [(p.name, p.default) for p in params] == [
+        (f.name, f.default if f.name != "model" else p.empty) for f, p in zip(fields, params, strict=True)
     ]
+    assert [p.kind for p in params] == [inspect.Parameter.POSITIONAL_OR_KEYWORD] + [inspect.Parameter.KEYWORD_ONLY] * (
+        len(params) - 1
+    )
+    call = edgekit.package
+    with pytest.raises(TypeError):
+        call("m.onnx", ["cpu"])  # type: ignore[misc]  # the point: positional settings are refused
 
 
 # -- edgekit bench ----------------------------------------------------------------------------
@@ -653,7 +660,7 @@ def test_cli_bench_times_a_bundle_at_each_batch_size(capsys, ws, tmp_path: Path)
 def test_table_marks_an_artifact_slower_than_fp32() -> None:
     # The engine sets validation.slower_than_fp32; the table must not show such a result as a plain "passed".
     from edgekit.bundle.manifest import Tolerance, Validation
-    from edgekit.packager import Row
+    from edgekit.packaging.result import Row
     from edgekit.validate.table import format_table
 
     v = Validation(

@@ -113,7 +113,7 @@ def test_compress_auto_is_given_alone() -> None:
 def test_package_compress_auto_packages_the_chosen_variant_and_records_every_candidate(
     tmp_path: Path, keypair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from edgekit.packager import package
+    from edgekit import package
 
     model, x = _model(tmp_path)
     np.savez(tmp_path / "eval.npz", features=x)
@@ -121,8 +121,8 @@ def test_package_compress_auto_packages_the_chosen_variant_and_records_every_can
     monkeypatch.setattr(auto, "CANDIDATES", ("sparsity=0.95", "low-rank=energy=0.999"))
     result = package(
         model,
-        ["cpu"],
-        "int8",
+        targets=["cpu"],
+        precision="int8",
         calib=tmp_path / "calib.npz",
         eval=tmp_path / "eval.npz",
         key=keypair[0],

@@ -298,7 +298,7 @@ def test_compress_cli_prints_one_row_per_step_and_exits_3_when_the_gate_fails(tm
 def test_package_compress_records_the_steps_and_gates_against_the_original(
     tmp_path: Path, keypair: tuple[Path, Path]
 ) -> None:
-    from edgekit.packager import PackageValidationError
+    from edgekit.packaging.result import PackageValidationError
     from tests.factories import package_small_data as package
 
     model, _, evaluation = _export(tmp_path, dense=True)
@@ -306,8 +306,8 @@ def test_package_compress_records_the_steps_and_gates_against_the_original(
     np.savez(data, pixels=evaluation)
     kept = package(
         model,
-        ["cpu"],
-        "fp32",
+        targets=["cpu"],
+        precision="fp32",
         eval=data,
         key=keypair[0],
         out_dir=tmp_path / "a",
@@ -321,7 +321,15 @@ def test_package_compress_records_the_steps_and_gates_against_the_original(
     assert kept.manifests["cpu"].validation.cosine is not None and kept.manifests["cpu"].validation.cosine < 0.9999
     # zeroing 95% of the weights keeps fp32 equal to itself, not to the original: the gate must fail
     with pytest.raises(PackageValidationError):
-        package(model, ["cpu"], "fp32", eval=data, key=keypair[0], out_dir=tmp_path / "b", compress=["sparsity=0.95"])
+        package(
+            model,
+            targets=["cpu"],
+            precision="fp32",
+            eval=data,
+            key=keypair[0],
+            out_dir=tmp_path / "b",
+            compress=["sparsity=0.95"],
+        )
 
 
 def test_share_weights_takes_weights_written_as_constant_nodes(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from edgekit.bundle.manifest import Tolerance
 from edgekit.optimize.choose import choose
-from edgekit.optimize.engine import Outcome
+from edgekit.optimize.search_state import Outcome
 from edgekit.validate.latency import LatencyStats
 from edgekit.validate.metrics import Comparison
 

@@ -25,9 +25,16 @@ def kept(tmp_path_factory: pytest.TempPathFactory, keypair: tuple[Path, Path]) -
     model = tiny_classifier(root / "tiny.onnx")
     calib = {"input": confident_inputs(model, 60)}
     result = package(
-        model, ["cpu"], "int8", calib=calib, key=keypair[0], name="tiny", out_dir=root / "out", options=CPU,
+        model,
+        targets=["cpu"],
+        precision="int8",
+        calib=calib,
+        key=keypair[0],
+        name="tiny",
+        out_dir=root / "out",
+        options=CPU,
         keep_candidates=root / "kept",
-    )  # fmt: skip
+    )
     profile = root / "profile.json"
     argv = ["bench", "--profile", str(root / "kept"), "--out", str(profile), "--warmup", "1", "--repeats", "10"]
     assert main([*argv, "--budget-s", "0.3"]) == 0
@@ -36,7 +43,7 @@ def kept(tmp_path_factory: pytest.TempPathFactory, keypair: tuple[Path, Path]) -
 
 def _repackage(kept: dict, keypair, profile: Path, out: str, targets=("cpu",), precision="int8"):
     return package(
-        kept["model"], list(targets), precision, calib=kept["calib"], key=keypair[0], name="tiny",
+        kept["model"], targets=list(targets), precision=precision, calib=kept["calib"], key=keypair[0], name="tiny",
         out_dir=kept["root"] / out, options=CPU if "cpu" in targets else None, device_profile=profile,
     )  # fmt: skip
 
@@ -112,9 +119,15 @@ def test_jetson_device_profile_replaces_the_documented_order(kept, keypair, tmp_
     from a Jetson that measured FP16 fastest makes ``auto`` ship FP16 instead of INT8 (rank 0)."""
     keep = tmp_path / "kept-jetson"
     first = package(
-        kept["model"], ["jetson"], "auto", calib=kept["calib"], key=keypair[0], name="tiny", out_dir=tmp_path / "a",
+        kept["model"],
+        targets=["jetson"],
+        precision="auto",
+        calib=kept["calib"],
+        key=keypair[0],
+        name="tiny",
+        out_dir=tmp_path / "a",
         keep_candidates=keep,
-    )  # fmt: skip
+    )
     assert first.manifests["jetson"].precision.weights == "int8"
     out = tmp_path / "jetson.json"
     assert main(["bench", "--profile", str(keep), "--out", str(out), "--warmup", "0", "--repeats", "1"]) == 0

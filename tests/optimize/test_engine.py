@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgekit.packager import PackageValidationError
+from edgekit.packaging.result import PackageValidationError
 from tests.factories import package_small_data as package
 from tests.optimize.models import confident, mobilenet_v3_block, outlier_mlp, token_classifier
 
@@ -24,7 +24,7 @@ def test_engine_mixed_precision_rescues_int8_that_misses_the_dense_gate(keypair,
     model = outlier_mlp(tmp_path / "outlier.onnx")
     x = np.random.default_rng(1).standard_normal((80, 16)).astype(np.float32)
     result = package(
-        model, ["cpu"], "int8", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
+        model, targets=["cpu"], precision="int8", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
         options={"cpu": ORT_ONLY}, mixed_precision=True,
     )  # fmt: skip
     m = result.manifests["cpu"]
@@ -47,7 +47,7 @@ def test_engine_plain_int8_never_keeps_layers_in_float(keypair, tmp_path: Path) 
     model = outlier_mlp(tmp_path / "outlier.onnx")
     x = np.random.default_rng(1).standard_normal((80, 16)).astype(np.float32)
     with pytest.raises(PackageValidationError) as info:
-        package(model, ["cpu"], "int8", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
+        package(model, targets=["cpu"], precision="int8", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
                 options={"cpu": ORT_ONLY})  # fmt: skip
     assert info.value.result.bundles == {}
     report = _report(info.value.result)
@@ -65,7 +65,7 @@ def test_engine_int32_input_model_records_the_raising_ort_candidate_and_ships_an
     tokens = np.random.default_rng(2).integers(0, 256, (400, 16)).astype(np.int32)
     calib = confident(model, tokens, 60, margin=0.1)
     result = package(
-        model, ["cpu"], "auto", calib={"tokens": calib}, key=keypair[0], out_dir=tmp_path / "out",
+        model, targets=["cpu"], precision="auto", calib={"tokens": calib}, key=keypair[0], out_dir=tmp_path / "out",
         options={"cpu": {"openvino": False}},
     )  # fmt: skip
     m = result.manifests["cpu"]
@@ -93,9 +93,14 @@ def test_engine_mobilenet_v3_style_graph_gets_intel_int8_within_the_gate(keypair
     x = (rng.standard_normal((3000, 3, 32, 32)) + 2 * rng.standard_normal((3000, 3, 1, 1))).astype(np.float32)
     data = confident(model, x, 200, margin=0.5)
     result = package(
-        model, ["intel"], "int8", calib={"input": data[:100]}, eval={"input": data[100:]}, key=keypair[0],
+        model,
+        targets=["intel"],
+        precision="int8",
+        calib={"input": data[:100]},
+        eval={"input": data[100:]},
+        key=keypair[0],
         out_dir=tmp_path / "out",
-    )  # fmt: skip
+    )
     m = result.manifests["intel"]
     assert m.validation.passed and m.validation.samples == 100 and m.validation.top1_agreement == 1.0
     assert m.precision.method.startswith("nncf ") and m.compatibility.runtime == "openvino"
@@ -115,7 +120,9 @@ def test_engine_table_prints_the_ratio_to_the_targets_own_fp32_that_decides(keyp
 
     model = tiny_classifier(tmp_path / "tiny.onnx")
     x = confident_inputs(model, 40)
-    result = package(model, ["intel"], "fp16", calib={"input": x}, key=keypair[0], out_dir=tmp_path / "out")
+    result = package(
+        model, targets=["intel"], precision="fp16", calib={"input": x}, key=keypair[0], out_dir=tmp_path / "out"
+    )
     m = result.manifests["intel"]
     assert m.candidates is not None
     rows = {c.id: c for c in m.candidates.candidates}
@@ -138,7 +145,9 @@ def test_engine_int8_weights_searches_dynamic_layouts_and_the_transformer_fused_
 
     model = build_encoder(tmp_path / "encoder.onnx", seq=16, dim=32, hidden=64, blocks=2, heads=4)
     x = np.random.default_rng(4).standard_normal((40, 16, 32)).astype(np.float32)
-    result = package(model, ["cpu"], "int8-weights", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out")
+    result = package(
+        model, targets=["cpu"], precision="int8-weights", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out"
+    )
     m = result.manifests["cpu"]
     assert m.validation.passed and m.precision.method.startswith("ort-dynamic MatMul/Gemm ")
     rows = {c.id: c for c in m.candidates.candidates}
@@ -162,8 +171,15 @@ def test_engine_int8_weights_searches_dynamic_layouts_and_the_transformer_fused_
 def test_engine_int8_weights_says_why_there_is_no_transformer_fused_candidate(keypair, tmp_path: Path) -> None:
     model = outlier_mlp(tmp_path / "mlp.onnx")  # MatMul + Relu only: nothing for the optimizer to fuse
     x = np.random.default_rng(1).standard_normal((80, 16)).astype(np.float32)
-    result = package(model, ["cpu"], "int8-weights", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
-                     allow_failed=True)  # fmt: skip
+    result = package(
+        model,
+        targets=["cpu"],
+        precision="int8-weights",
+        calib={"x": x},
+        key=keypair[0],
+        out_dir=tmp_path / "out",
+        allow_failed=True,
+    )
     rows = {c.id: c for c in result.manifests["cpu"].candidates.candidates}
     assert rows["ort dynamic int8 transformer-fused"].status == "skipped"
     assert rows["ort dynamic int8 transformer-fused"].reason == (
@@ -176,8 +192,15 @@ def test_engine_int4_weights_measures_float_and_int8_compute_accuracy_levels(key
 
     model = build_encoder(tmp_path / "encoder.onnx", seq=16, dim=64, hidden=128, blocks=1, heads=4)
     x = np.random.default_rng(5).standard_normal((40, 16, 64)).astype(np.float32)
-    result = package(model, ["cpu"], "int4-weights", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
-                     allow_failed=True)  # fmt: skip
+    result = package(
+        model,
+        targets=["cpu"],
+        precision="int4-weights",
+        calib={"x": x},
+        key=keypair[0],
+        out_dir=tmp_path / "out",
+        allow_failed=True,
+    )
     m = result.manifests["cpu"]
     rows = {c.id: c for c in m.candidates.candidates}
     level4 = rows["ort MatMulNBits int4 block 32 accuracy-level 4"]
@@ -192,7 +215,7 @@ def test_engine_never_ships_int8_whose_one_scale_crushed_the_small_channels(keyp
     model = mixed_scale_head(tmp_path / "head.onnx")
     x = np.random.default_rng(2).standard_normal((80, 4, 8, 8)).astype(np.float32)
     with pytest.raises(PackageValidationError) as info:
-        package(model, ["cpu"], "int8", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "plain",
+        package(model, targets=["cpu"], precision="int8", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "plain",
                 options={"cpu": ORT_ONLY})  # fmt: skip
     report = _report(info.value.result)
     # every static INT8 candidate missed on the channel gate (the most accurate is "chosen" to report it)
@@ -200,7 +223,9 @@ def test_engine_never_ships_int8_whose_one_scale_crushed_the_small_channels(keyp
     assert static and all(c["cosine"] > 0.96 for c in static)  # the global gate alone would have shipped them
     assert all("crushed the small ones" in c["reason"] for c in static if c["status"] == "failed")
     assert "channel 2 cosine 0.00 (< 0.9)" in str(info.value)
-    result = package(model, ["cpu"], "auto", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "auto")
+    result = package(
+        model, targets=["cpu"], precision="auto", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "auto"
+    )
     m = result.manifests["cpu"]
     assert m.validation.passed and m.validation.channel_cosine is not None and m.validation.channel_cosine >= 0.9
 
@@ -212,7 +237,7 @@ def test_engine_mixed_precision_keeps_the_concat_that_crushed_the_scores_in_floa
 
     model = mixed_scale_head(tmp_path / "head.onnx")
     x = np.random.default_rng(2).standard_normal((80, 4, 8, 8)).astype(np.float32)
-    result = package(model, ["cpu"], "int8", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
+    result = package(model, targets=["cpu"], precision="int8", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
                      options={"cpu": ORT_ONLY}, mixed_precision=True)  # fmt: skip
     m = result.manifests["cpu"]
     report = _report(result)

@@ -15,7 +15,7 @@ from edgekit.optimize.candidates import CandidatePlan
 from edgekit.optimize.data import search_data
 from edgekit.optimize.engine import search
 from edgekit.optimize.margin import selection_margin, wilson_lower
-from edgekit.packager import PackageValidationError
+from edgekit.packaging.result import PackageValidationError
 from edgekit.validate.metrics import compare
 from tests.factories import package_small_data as package
 from tests.factories import tiny_dense
@@ -36,7 +36,13 @@ def test_package_ships_the_next_candidate_when_the_chosen_one_fails_the_final_ga
     model = tiny_dense(tmp_path / "dense.onnx")
     calib, held = _shifted_eval()
     result = package(
-        model, ["jetson"], "auto", calib={"image": calib}, eval={"image": held}, key=keypair[0], out_dir=tmp_path / "o"
+        model,
+        targets=["jetson"],
+        precision="auto",
+        calib={"image": calib},
+        eval={"image": held},
+        key=keypair[0],
+        out_dir=tmp_path / "o",
     )
     m = result.manifests["jetson"]
     assert result.passed and m.validation.passed and m.precision.weights == "fp16"
@@ -57,7 +63,7 @@ def test_package_fails_a_target_only_when_its_float_candidate_fails_and_says_so(
     calib, held = _shifted_eval()
     with pytest.raises(PackageValidationError) as info:  # a cosine above 1: nothing can pass
         package(
-            model, ["jetson"], "auto", calib={"image": calib}, eval={"image": held}, key=keypair[0],
+            model, targets=["jetson"], precision="auto", calib={"image": calib}, eval={"image": held}, key=keypair[0],
             out_dir=tmp_path / "o", tolerance={"min_cosine": 1.5},
         )  # fmt: skip
     message = str(info.value)

@@ -15,8 +15,9 @@ from edgekit.bundle.manifest import Precision, Signature, TensorSpec, Tolerance
 from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, RunFn
 from edgekit.optimize.choose import accuracy_key
 from edgekit.optimize.data import search_data
-from edgekit.optimize.engine import SearchResult, search
+from edgekit.optimize.engine import search
 from edgekit.optimize.flip_risk import gap_shrink, predicted_agreement, top1_margins
+from edgekit.optimize.search_state import SearchResult
 
 CLASSES = 4
 W = np.random.default_rng(3).standard_normal((8, CLASSES)).astype(np.float32) * 4.0

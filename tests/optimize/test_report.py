@@ -11,8 +11,8 @@ import numpy as np
 from edgekit.bundle.manifest import Precision
 from edgekit.optimize.candidates import Built
 from edgekit.optimize.data import search_data
-from edgekit.optimize.engine import SearchResult
 from edgekit.optimize.report import pareto, summarise, write_report
+from edgekit.optimize.search_state import SearchResult
 from edgekit.validate.latency import LatencyStats
 from tests.optimize.test_choose import _o
 

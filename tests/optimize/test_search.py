@@ -216,14 +216,15 @@ def _slow_exact(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def test_search_finalists_are_the_passing_candidates_close_to_the_fastest_with_the_baseline() -> None:
     import dataclasses
 
-    from edgekit.optimize.engine import Outcome, _finalists, _State
+    from edgekit.optimize.engine import _finalists
+    from edgekit.optimize.search_state import CandidateState, Outcome
     from edgekit.validate.latency import LatencyStats
 
     def state(name: str, p50: float, status: str = "passed", baseline: bool = False, precision: str = "int8"):
         cand = _candidate(name, "fp32" if baseline else precision, _exact, baseline=baseline)
         lat = LatencyStats(p50_ms=p50, p90_ms=p50, iqr_ms=0.0, calls=10)
         o = Outcome(name, cand.precision, "python", {}, status, latency=lat, timed_in="final", baseline=baseline)
-        return _State(cand, Path("."), run=_exact, outcome=o)
+        return CandidateState(cand, Path("."), run=_exact, outcome=o)
 
     base, a, b, slow, wrong = state("fp32", 1.0, baseline=True), state("a", 0.97), state("b", 1.05), state(
         "slow", 5.0), state("wrong", 0.5, status="failed")  # fmt: skip

@@ -20,15 +20,15 @@ def calib_npz(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Pat
 @pytest.fixture(scope="session")
 def int8_package(tmp_path_factory: pytest.TempPathFactory, calib_npz: Path, keypair: tuple[Path, Path]):
     """``edgekit.package`` of the tiny classifier for cpu int8, with progress lines recorded."""
-    from edgekit.packager import package
+    from edgekit import package
 
     root = tmp_path_factory.mktemp("int8")
     model = tiny_classifier(root / "tiny.onnx")  # the same weights as ``tiny_model``
     lines: list[str] = []
     result = package(
         model,
-        ["cpu"],
-        "int8",
+        targets=["cpu"],
+        precision="int8",
         calib=calib_npz,
         key=keypair[0],
         name="tiny",

@@ -10,6 +10,7 @@ import pytest
 
 from edgekit.compress.onnx_prep import prepare_model
 from edgekit.errors import ConfigError
+from edgekit.optimize.run import build as build_with_engine
 from edgekit.targets import BuildContext, get_target
 from edgekit.targets.cpu import CpuOptions, CpuTarget, candidate_configs
 from edgekit.targets.options import parse_option_args, resolve_options
@@ -77,7 +78,7 @@ def test_cpu_build_int8_outside_the_packager_searches_on_calibration_data(tmp_pa
         options=CpuOptions(max_candidates=3),
         progress=lines.append,
     )
-    result = CpuTarget().build(ctx)
+    result = build_with_engine(CpuTarget(), ctx)
     assert result.files == {"model.onnx": "artifact"} and (tmp_path / "out" / "model.onnx").is_file()
     assert result.runnable_here and result.artifact_signature == prepared.served and result.mapping == ()
     assert result.precision.method == "ort-static qdq u8s8 per-channel minmax"

@@ -64,10 +64,17 @@ def test_package_gates_a_detector_with_boxes_post_processing_on_its_detections(k
     images = rng.uniform(0, 1, (40, 3, 64, 64)).astype(np.float32)
     images[:, 0, 8:32, 8:32] = 1.0  # a red square in every image: something to detect
     result = package(
-        model, ["cpu"], "auto", calib={"images": images[:30]}, eval={"images": images[30:]}, key=keypair[0],
-        name="det", out_dir=tmp_path / "out", postprocess="boxes=yolo,score=0.25,iou=0.45",
+        model,
+        targets=["cpu"],
+        precision="auto",
+        calib={"images": images[:30]},
+        eval={"images": images[30:]},
+        key=keypair[0],
+        name="det",
+        out_dir=tmp_path / "out",
+        postprocess="boxes=yolo,score=0.25,iou=0.45",
         options={"cpu": {"openvino": False}},
-    )  # fmt: skip
+    )
     v = result.manifests["cpu"].validation
     assert v.passed, v.failures
     assert any(

@@ -212,9 +212,17 @@ def test_package_judges_a_raw_yolo_head_by_its_decoded_detections(keypair: tuple
 
     def run(task: str | None, out: str) -> dict[str, tuple[str, str]]:
         result = package(
-            model, ["cpu"], "auto", calib={"images": images[:30]}, eval={"images": images[30:]}, key=keypair[0],
-            name="det", out_dir=tmp_path / out, options={"cpu": {"openvino": False}}, task=task,
-        )  # fmt: skip
+            model,
+            targets=["cpu"],
+            precision="auto",
+            calib={"images": images[:30]},
+            eval={"images": images[30:]},
+            key=keypair[0],
+            name="det",
+            out_dir=tmp_path / out,
+            options={"cpu": {"openvino": False}},
+            task=task,
+        )
         v = result.manifests["cpu"].validation
         assert v.passed, v.failures
         if task is None:
@@ -248,9 +256,16 @@ def test_package_names_the_mask_gate_of_a_dbnet_map_and_its_held_out_iou(
         row = int(rng.integers(0, 48))
         images[i, :, row : row + 12, 8:56] = rng.uniform(0.6, 1.0, (3, 12, 48))
     result = package(
-        model, ["cpu"], "auto", calib={"x": images[:30]}, eval={"x": images[30:]}, key=keypair[0], name="text",
-        out_dir=tmp_path / "out", options={"cpu": {"openvino": False}},
-    )  # fmt: skip
+        model,
+        targets=["cpu"],
+        precision="auto",
+        calib={"x": images[:30]},
+        eval={"x": images[30:]},
+        key=keypair[0],
+        name="text",
+        out_dir=tmp_path / "out",
+        options={"cpu": {"openvino": False}},
+    )
     v = result.manifests["cpu"].validation
     assert v.passed, v.failures
     assert any(n.startswith("gate: output 'maps' judged as segment (thresholded at 0.3") for n in v.notes)

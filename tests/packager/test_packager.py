@@ -18,7 +18,7 @@ from edgekit.errors import (
     UnsupportedOpError,
     ValidationFailedError,
 )
-from edgekit.packager import PackageValidationError
+from edgekit.packaging.result import PackageValidationError
 from tests.factories import confident_inputs, sample_inputs, tiny_classifier, tiny_dense
 from tests.factories import package_small_data as package
 
@@ -130,7 +130,13 @@ def test_package_progress_lines_and_summary_table(int8_package) -> None:
 def test_package_dense_model_every_cpu_precision(precision: str, keypair, tmp_path: Path) -> None:
     model = tiny_dense(tmp_path / "dense.onnx")
     result = package(
-        model, "cpu", precision, calib={"image": sample_inputs(30)}, key=keypair[0], name="dense", out_dir=tmp_path
+        model,
+        targets="cpu",
+        precision=precision,
+        calib={"image": sample_inputs(30)},
+        key=keypair[0],
+        name="dense",
+        out_dir=tmp_path,
     )
     m = result.manifests["cpu"]
     assert m.validation.kind == "dense" and m.validation.passed
@@ -160,8 +166,8 @@ def test_package_opset11_dynamic_axes_per_channel_int8(keypair, tmp_path: Path) 
     x = confident_inputs(model, 40, size=20)
     result = package(
         model,
-        "cpu",
-        "int8",
+        targets="cpu",
+        precision="int8",
         calib={"input": x},
         key=keypair[0],
         name="o11",
@@ -186,8 +192,8 @@ def test_package_int8_across_opsets_keeps_the_source_interface(keypair, tmp_path
     model = tiny_classifier(tmp_path / f"o{opset}.onnx", opset=opset)
     result = package(
         model,
-        "cpu",
-        "int8",
+        targets="cpu",
+        precision="int8",
         calib={"input": confident_inputs(model, 40)},
         key=keypair[0],
         name=f"o{opset}",
@@ -214,8 +220,8 @@ def test_package_with_eval_and_labels_records_accuracy(keypair, tmp_path: Path) 
     labels[:2] = (labels[:2] + 1) % 10  # fp32 accuracy 0.9, so the drop is measured against it
     result = package(
         model,
-        "cpu",
-        "fp32",
+        targets="cpu",
+        precision="fp32",
         calib={"input": sample_inputs(10)},
         eval={"input": x_eval},
         labels=labels,
@@ -232,8 +238,8 @@ def test_package_search_bounded_and_restricted_by_options(keypair, tmp_path: Pat
     model = tiny_classifier(tmp_path / "m.onnx")
     result = package(
         model,
-        "cpu",
-        "int8",
+        targets="cpu",
+        precision="int8",
         calib={"input": sample_inputs(30)},
         key=keypair[0],
         name="m",
@@ -255,8 +261,8 @@ def test_package_tries_other_calibration_methods_when_minmax_fails(keypair, tmp_
     x[0, 0, 0, 0] = 300.0  # one outlier stretches MinMax ranges until accuracy fails
     result = package(
         model,
-        "cpu",
-        "int8",
+        targets="cpu",
+        precision="int8",
         calib={"input": x},
         eval={"input": sample_inputs(30, seed=7)},
         key=keypair[0],
@@ -284,7 +290,15 @@ def test_package_non_onnx_file_raises_model_format_error(content: bytes, keypair
     model = tmp_path / "model.pt"
     model.write_bytes(content)
     with pytest.raises(ModelFormatError, match=r"model\.pt is not (an|a valid) ONNX model") as exc:
-        package(model, "cpu", "int8", calib={"input": sample_inputs(4)}, key=keypair[0], name="m", out_dir=tmp_path)
+        package(
+            model,
+            targets="cpu",
+            precision="int8",
+            calib={"input": sample_inputs(4)},
+            key=keypair[0],
+            name="m",
+            out_dir=tmp_path,
+        )
     assert exc.value.exit_code == 2
     assert not list(tmp_path.glob("*.ekb"))
 
@@ -292,7 +306,12 @@ def test_package_non_onnx_file_raises_model_format_error(content: bytes, keypair
 def test_package_missing_model_file(keypair, tmp_path: Path) -> None:
     with pytest.raises(ModelFormatError, match="does not exist"):
         package(
-            tmp_path / "nope.onnx", "cpu", "fp32", calib={"input": sample_inputs(4)}, key=keypair[0], out_dir=tmp_path
+            tmp_path / "nope.onnx",
+            targets="cpu",
+            precision="fp32",
+            calib={"input": sample_inputs(4)},
+            key=keypair[0],
+            out_dir=tmp_path,
         )
 
 
@@ -315,15 +334,15 @@ def test_package_bad_calibration_data_names_the_input(
     calib, message: str, keypair, tiny_model: Path, tmp_path: Path
 ) -> None:
     with pytest.raises(CalibrationDataError, match=re.escape(message)) as exc:
-        package(tiny_model, "cpu", "int8", calib=calib, key=keypair[0], name="m", out_dir=tmp_path)
+        package(tiny_model, targets="cpu", precision="int8", calib=calib, key=keypair[0], name="m", out_dir=tmp_path)
     assert exc.value.exit_code == 2
 
 
 def test_package_calibration_float64_is_converted(keypair, tiny_model: Path, tmp_path: Path) -> None:
     result = package(
         tiny_model,
-        "cpu",
-        "fp32",
+        targets="cpu",
+        precision="fp32",
         calib={"input": sample_inputs(10).astype(np.float64)},
         key=keypair[0],
         name="m",
@@ -334,21 +353,30 @@ def test_package_calibration_float64_is_converted(keypair, tiny_model: Path, tmp
 
 def test_package_bad_calibration_files(keypair, tiny_model: Path, tmp_path: Path) -> None:
     with pytest.raises(CalibrationDataError, match=r"calibration data .*missing.npz does not exist"):
-        package(tiny_model, "cpu", "int8", calib=tmp_path / "missing.npz", key=keypair[0], out_dir=tmp_path)
+        package(
+            tiny_model,
+            targets="cpu",
+            precision="int8",
+            calib=tmp_path / "missing.npz",
+            key=keypair[0],
+            out_dir=tmp_path,
+        )
     junk = tmp_path / "junk.npz"
     junk.write_bytes(b"not numpy")
     with pytest.raises(CalibrationDataError, match=r"is not a readable .npz file"):
-        package(tiny_model, "cpu", "int8", calib=junk, key=keypair[0], out_dir=tmp_path)
+        package(tiny_model, targets="cpu", precision="int8", calib=junk, key=keypair[0], out_dir=tmp_path)
 
 
 def test_package_eval_and_labels_checked(keypair, tiny_model: Path, tmp_path: Path) -> None:
     kw = {"calib": {"input": sample_inputs(10)}, "key": keypair[0], "out_dir": tmp_path}
     with pytest.raises(CalibrationDataError, match=re.escape("evaluation data: input 'input' is int64")):
-        package(tiny_model, "cpu", "fp32", eval={"input": np.zeros((2, 3, 16, 16), np.int64)}, **kw)
+        package(tiny_model, targets="cpu", precision="fp32", eval={"input": np.zeros((2, 3, 16, 16), np.int64)}, **kw)
     with pytest.raises(CalibrationDataError, match="labels: 3 labels for 10 evaluation samples"):
-        package(tiny_model, "cpu", "fp32", eval={"input": sample_inputs(10)}, labels=np.arange(3), **kw)
+        package(
+            tiny_model, targets="cpu", precision="fp32", eval={"input": sample_inputs(10)}, labels=np.arange(3), **kw
+        )
     with pytest.raises(CalibrationDataError, match="labels: expected a 1-D integer array"):
-        package(tiny_model, "cpu", "fp32", labels=np.zeros(10, np.float32), **kw)
+        package(tiny_model, targets="cpu", precision="fp32", labels=np.zeros(10, np.float32), **kw)
 
 
 def test_package_failing_tolerance_writes_no_bundle(keypair, tmp_path: Path) -> None:
@@ -356,8 +384,8 @@ def test_package_failing_tolerance_writes_no_bundle(keypair, tmp_path: Path) -> 
     with pytest.raises(ValidationFailedError) as exc:
         package(
             model,
-            "cpu",
-            "int8",
+            targets="cpu",
+            precision="int8",
             calib={"image": sample_inputs(20)},
             key=keypair[0],
             name="d",
@@ -377,8 +405,8 @@ def test_package_allow_failed_writes_a_bundle_marked_failed(keypair, tmp_path: P
     model = tiny_dense(tmp_path / "dense.onnx")
     result = package(
         model,
-        "cpu",
-        "fp16",
+        targets="cpu",
+        precision="fp16",
         calib={"image": sample_inputs(20)},
         key=keypair[0],
         name="d",
@@ -414,7 +442,14 @@ def test_package_bad_precision_lists_choices(
     precision: str, message: str, keypair, tiny_model: Path, tmp_path: Path
 ) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
-        package(tiny_model, "cpu", precision, calib={"input": sample_inputs(4)}, key=keypair[0], out_dir=tmp_path)
+        package(
+            tiny_model,
+            targets="cpu",
+            precision=precision,
+            calib={"input": sample_inputs(4)},
+            key=keypair[0],
+            out_dir=tmp_path,
+        )
 
 
 def test_package_unknown_target_suggests_nearest(keypair, tiny_model: Path, tmp_path: Path) -> None:
@@ -422,7 +457,14 @@ def test_package_unknown_target_suggests_nearest(keypair, tiny_model: Path, tmp_
         ConfigError,
         match=re.escape("unknown target 'cpus' (choose from cpu, intel, coral, jetson, apple); did you mean 'cpu'?"),
     ):
-        package(tiny_model, "cpus", "int8", calib={"input": sample_inputs(4)}, key=keypair[0], out_dir=tmp_path)
+        package(
+            tiny_model,
+            targets="cpus",
+            precision="int8",
+            calib={"input": sample_inputs(4)},
+            key=keypair[0],
+            out_dir=tmp_path,
+        )
 
 
 @pytest.mark.parametrize(
@@ -441,8 +483,8 @@ def test_package_bad_target_options_name_their_path(
     with pytest.raises(ConfigError, match=re.escape(message)):
         package(
             tiny_model,
-            "cpu",
-            "int8",
+            targets="cpu",
+            precision="int8",
             calib={"input": sample_inputs(4)},
             key=keypair[0],
             out_dir=tmp_path,
@@ -469,8 +511,8 @@ def test_package_int8_weights_without_matmul_refused(keypair, tmp_path: Path) ->
     ):
         package(
             model,
-            "cpu",
-            "int8-weights",
+            targets="cpu",
+            precision="int8-weights",
             calib={"x": np.ones((4, 3, 8, 8), np.float32)},
             key=keypair[0],
             out_dir=tmp_path,
@@ -480,38 +522,47 @@ def test_package_int8_weights_without_matmul_refused(keypair, tmp_path: Path) ->
 def test_package_other_bad_arguments(keypair, tiny_model: Path, tmp_path: Path) -> None:
     kw = {"calib": {"input": sample_inputs(10)}, "out_dir": tmp_path}
     with pytest.raises(ConfigError, match="a signing key is required"):
-        package(tiny_model, "cpu", "fp32", **kw)
+        package(tiny_model, targets="cpu", precision="fp32", **kw)
     with pytest.raises(ConfigError, match="does not exist; make one with `edgekit keygen`"):
-        package(tiny_model, "cpu", "fp32", key=tmp_path / "none.key", **kw)
+        package(tiny_model, targets="cpu", precision="fp32", key=tmp_path / "none.key", **kw)
     with pytest.raises(ConfigError, match="--version must be an integer >= 1, got 0"):
-        package(tiny_model, "cpu", "fp32", key=keypair[0], version=0, **kw)
+        package(tiny_model, targets="cpu", precision="fp32", key=keypair[0], version=0, **kw)
     with pytest.raises(ConfigError, match="--name 'a b'"):
-        package(tiny_model, "cpu", "fp32", key=keypair[0], name="a b", **kw)
+        package(tiny_model, targets="cpu", precision="fp32", key=keypair[0], name="a b", **kw)
     with pytest.raises(ConfigError, match="is in the past"):
-        package(tiny_model, "cpu", "fp32", key=keypair[0], expires=datetime(2020, 1, 1, tzinfo=timezone.utc), **kw)
+        package(
+            tiny_model,
+            targets="cpu",
+            precision="fp32",
+            key=keypair[0],
+            expires=datetime(2020, 1, 1, tzinfo=timezone.utc),
+            **kw,
+        )
     with pytest.raises(ConfigError, match=r"tolerance.min_cosin: unknown key .*did you mean 'min_cosine'"):
-        package(tiny_model, "cpu", "fp32", key=keypair[0], tolerance={"min_cosin": 0.9}, **kw)
+        package(tiny_model, targets="cpu", precision="fp32", key=keypair[0], tolerance={"min_cosin": 0.9}, **kw)
     with pytest.raises(
         ConfigError, match="--input-shape image=1x3x16x16: the model has no input 'image' \\(inputs: input\\)"
     ):
-        package(tiny_model, "cpu", "fp32", key=keypair[0], input_shapes={"image": (1, 3, 16, 16)}, **kw)
+        package(
+            tiny_model, targets="cpu", precision="fp32", key=keypair[0], input_shapes={"image": (1, 3, 16, 16)}, **kw
+        )
     with pytest.raises(CalibrationDataError, match="int8 needs calibration data"):
-        package(tiny_model, "cpu", "int8", key=keypair[0], out_dir=tmp_path)
+        package(tiny_model, targets="cpu", precision="int8", key=keypair[0], out_dir=tmp_path)
 
 
 def test_package_existing_bundle_refused_unless_overwrite(keypair, tiny_model: Path, tmp_path: Path) -> None:
     kw = {"calib": {"input": sample_inputs(10)}, "key": keypair[0], "name": "m", "out_dir": tmp_path}
-    first = package(tiny_model, "cpu", "fp32", **kw).bundles["cpu"]
+    first = package(tiny_model, targets="cpu", precision="fp32", **kw).bundles["cpu"]
     with pytest.raises(ConfigError, match=r"m-cpu-v1.ekb already exists; publish a higher --version"):
-        package(tiny_model, "cpu", "fp32", **kw)
-    assert package(tiny_model, "cpu", "fp32", overwrite=True, **kw).bundles["cpu"] == first
+        package(tiny_model, targets="cpu", precision="fp32", **kw)
+    assert package(tiny_model, targets="cpu", precision="fp32", overwrite=True, **kw).bundles["cpu"] == first
 
 
 def test_package_expires_recorded(keypair, tiny_model: Path, tmp_path: Path) -> None:
     result = package(
         tiny_model,
-        "cpu",
-        "fp32",
+        targets="cpu",
+        precision="fp32",
         calib={"input": sample_inputs(10)},
         key=keypair[0],
         out_dir=tmp_path,
@@ -527,8 +578,8 @@ def test_package_several_targets_share_one_preparation_and_report_unmeasured(key
     lines: list[str] = []
     result = package(
         model,
-        "cpu,jetson",
-        "int8",
+        targets="cpu,jetson",
+        precision="int8",
         calib={"input": confident_inputs(model, 40)},
         key=keypair[0],
         name="m",
@@ -554,8 +605,14 @@ def test_package_frozen_bundle_serves_the_concrete_output_shapes_the_artifact_pr
     from tests.factories import tiny_yolo
 
     model = tiny_yolo(tmp_path / "yolo.onnx")
-    result = package(model, "jetson", "fp32", calib={"images": sample_inputs(10, size=64)}, key=keypair[0],
-                     out_dir=tmp_path / "o")  # fmt: skip
+    result = package(
+        model,
+        targets="jetson",
+        precision="fp32",
+        calib={"images": sample_inputs(10, size=64)},
+        key=keypair[0],
+        out_dir=tmp_path / "o",
+    )
     m = result.manifests["jetson"]
     assert m.signature.inputs[0].shape == (1, 3, 64, 64)
     assert m.signature.outputs[0].shape == (1, 7, 84) and m.signature.outputs[0].v2_shape == [1, 7, 84]
@@ -575,7 +632,12 @@ def test_package_size_ratio_counts_the_source_models_external_data(keypair, tmp_
     )
     assert (tmp_path / "ext.data").stat().st_size > 4 * model.stat().st_size
     result = package(
-        model, "cpu", "fp32", calib={"input": confident_inputs(model, 20)}, key=keypair[0], out_dir=tmp_path / "o"
+        model,
+        targets="cpu",
+        precision="fp32",
+        calib={"input": confident_inputs(model, 20)},
+        key=keypair[0],
+        out_dir=tmp_path / "o",
     )
     ratio = result.manifests["cpu"].validation.size_ratio
     assert ratio is not None and 0.8 < ratio < 1.3
@@ -587,8 +649,8 @@ def test_package_static_batch_validates_an_evaluation_set_it_does_not_divide(key
     model = tiny_classifier(tmp_path / "m.onnx")
     result = package(
         model,
-        "apple",
-        "fp16",
+        targets="apple",
+        precision="fp16",
         calib={"input": confident_inputs(model, 35)},
         key=keypair[0],
         out_dir=tmp_path,
@@ -607,8 +669,8 @@ def test_package_static_target_refuses_evaluation_data_of_another_shape(keypair,
     with pytest.raises(ConfigError, match=r"input 'input' has samples of shape \[3, 24, 24\].*\[1, 3, 20, 20\]"):
         package(
             model,
-            "jetson",
-            "fp32",
+            targets="jetson",
+            precision="fp32",
             calib={"input": sample_inputs(10, size=20)},
             eval={"input": sample_inputs(5, size=24)},
             key=keypair[0],
@@ -622,7 +684,8 @@ def test_package_golden_vectors_for_an_intermediate_skip_samples_it_disagreed_on
     # Golden outputs for an artifact that cannot run here are FP32's; the device must match their top-1,
     # so a sample the validated intermediate got wrong must not be one of them.
     from edgekit.bundle.manifest import Signature, TensorSpec, Tolerance
-    from edgekit.packager import GOLDEN_FILE, _Run, _write_golden
+    from edgekit.packaging.gate import write_golden
+    from edgekit.packaging.shared import GOLDEN_FILE, SharedRun
     from edgekit.validate.metrics import compare
 
     served = Signature(inputs=(TensorSpec("x", "float32", (1, 2)),), outputs=(TensorSpec("p", "float32", (1, 2)),))
@@ -631,15 +694,15 @@ def test_package_golden_vectors_for_an_intermediate_skip_samples_it_disagreed_on
     measured = {"p": reference["p"].copy()}
     measured["p"][0] = [0.1, 0.9]  # the intermediate disagrees with FP32 on sample 0 only
     tol = Tolerance(min_top1_agreement=0.8)
-    run = _Run(served, "classifier", tol, {"x": x}, {"x": x}, None, reference, lambda f: f, 1, (), print)
-    golden = _write_golden(tmp_path, run, served, None, compare(reference, measured, "classifier", tol), measured)
+    run = SharedRun(served, "classifier", tol, {"x": x}, {"x": x}, None, reference, lambda f: f, 1, (), print)
+    golden = write_golden(tmp_path, run, served, None, compare(reference, measured, "classifier", tol), measured)
     assert golden.count == 4 and golden.min_top1_agreement == 0.8  # 4 batches of the static batch 1
     with np.load(tmp_path / GOLDEN_FILE) as saved:
         np.testing.assert_array_equal(saved["in_x"], x[1:5])  # sample 0 is not among them
 
 
 class UncheckableTarget:
-    """A coral stand-in whose build raises ``ValidationFailedError``, as apple's W8A8 does on a real
+    """A coral stand-in whose candidates raise ``ValidationFailedError``, as apple's W8A8 does on a real
     MobileNetV3 (its activation quantization ops do not line up with the torch intermediate's)."""
 
     name = "coral"
@@ -651,7 +714,7 @@ class UncheckableTarget:
     def check_model(self, model_path: Path) -> None:
         pass
 
-    def build(self, ctx: object) -> object:
+    def candidates(self, ctx: object) -> object:
         raise ValidationFailedError("the package's numerics cannot be checked here: use --precision int8-weights")
 
 
@@ -664,8 +727,8 @@ def test_package_target_that_cannot_be_validated_fails_alone_and_the_others_ship
     with pytest.raises(PackageValidationError) as exc:
         package(
             tiny_model,
-            ["cpu", "coral"],
-            "fp32",
+            targets=["cpu", "coral"],
+            precision="fp32",
             eval={"input": sample_inputs(8)},
             key=keypair[0],
             name="m",

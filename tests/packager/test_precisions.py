@@ -125,8 +125,8 @@ def test_package_mixed_precisions_builds_each_target_at_its_own(keypair, tmp_pat
     lines: list[str] = []
     result = package(
         model,
-        "cpu,jetson",
-        {"*": "int8", "jetson": "fp16"},
+        targets="cpu,jetson",
+        precision={"*": "int8", "jetson": "fp16"},
         calib={"input": confident_inputs(model, 40)},
         key=keypair[0],
         name="m",

@@ -35,8 +35,8 @@ def test_package_detector_records_letterbox_boxes_and_labels(
     labels.write_text("red\ngreen\nblue\n")
     result = package(
         detector,
-        ["cpu"],
-        "fp32",
+        targets=["cpu"],
+        precision="fp32",
         eval=_images(4),
         key=keypair[0],
         name="det",
@@ -65,8 +65,8 @@ def test_package_classifier_topk_softmax_decided_on_its_outputs(keypair: tuple[P
     lines: list[str] = []
     result = package(
         model,
-        ["cpu"],
-        "fp32",
+        targets=["cpu"],
+        precision="fp32",
         eval={"input": np.random.default_rng(1).standard_normal((5, 3, 16, 16)).astype(np.float32)},
         key=keypair[0],
         name="cls",
@@ -109,4 +109,12 @@ def test_labels_file_without_postprocess_is_refused_before_any_work(
     labels = tmp_path / "classes.txt"
     labels.write_text("red\ngreen\nblue\n")
     with pytest.raises(ConfigError, match="--labels-file names the classes of --postprocess"):
-        package(detector, ["cpu"], "fp32", eval=_images(2), key=keypair[0], out_dir=tmp_path, labels_file=labels)
+        package(
+            detector,
+            targets=["cpu"],
+            precision="fp32",
+            eval=_images(2),
+            key=keypair[0],
+            out_dir=tmp_path,
+            labels_file=labels,
+        )

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from edgekit import package
 from edgekit.bundle.manifest import Golden, Signature, TensorSpec
-from edgekit.packager import package
 from edgekit.validate.row_independence import check_rows
 from tests.agent.bundles import reshape_model
 from tests.factories import tiny_dense
@@ -118,5 +118,14 @@ def test_package_records_rows_independent_in_the_manifest(build, expected: bool,
     shape = [4 if not isinstance(d, int) else d for d in spec.shape]
     rng = np.random.default_rng(0)
     calib, held_out = ({spec.name: rng.standard_normal([n, *shape[1:]]).astype(np.float32)} for n in (30, 50))
-    result = package(model, "cpu", "fp32", calib=calib, eval=held_out, key=keypair[0], name="rows", out_dir=tmp_path)
+    result = package(
+        model,
+        targets="cpu",
+        precision="fp32",
+        calib=calib,
+        eval=held_out,
+        key=keypair[0],
+        name="rows",
+        out_dir=tmp_path,
+    )
     assert result.manifests["cpu"].rows_independent is expected

@@ -81,7 +81,16 @@ def test_package_intel_leaves_no_sdk_lines_on_stdout(
     model = tiny_classifier(tmp_path / "m.onnx")
     calib = {"input": confident_inputs(model, 40)}
     capfd.readouterr()
-    result = package(model, "intel", "int8", calib=calib, key=keypair[0], name="m", out_dir=tmp_path, progress=print)
+    result = package(
+        model,
+        targets="intel",
+        precision="int8",
+        calib=calib,
+        key=keypair[0],
+        name="m",
+        out_dir=tmp_path,
+        progress=print,
+    )
     out, err = capfd.readouterr()
     assert "intel" in result.bundles
     lines = out.splitlines()

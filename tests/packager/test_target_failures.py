@@ -11,7 +11,7 @@ import pytest
 
 from edgekit.cli import main
 from edgekit.errors import UnsupportedOpError
-from edgekit.packager import PackageValidationError
+from edgekit.packaging.result import PackageValidationError
 from tests.factories import _save
 from tests.factories import package_small_data as package
 
@@ -49,7 +49,15 @@ def _data() -> dict[str, np.ndarray]:
 def test_package_builds_every_other_target_when_one_cannot_convert_the_model(keypair, tmp_path: Path) -> None:
     model = _thresholded_relu_mlp(tmp_path / "m.onnx")
     with pytest.raises(PackageValidationError) as info:
-        package(model, ["cpu", "apple", "jetson"], "fp32", calib=_data(), key=keypair[0], name="m", out_dir=tmp_path)
+        package(
+            model,
+            targets=["cpu", "apple", "jetson"],
+            precision="fp32",
+            calib=_data(),
+            key=keypair[0],
+            name="m",
+            out_dir=tmp_path,
+        )
     result = info.value.result
     assert set(result.bundles) == {"cpu", "jetson"} and all(p.is_file() for p in result.bundles.values())
     assert [r.target for r in result.rows] == ["cpu", "jetson"] and all(r.passed for r in result.rows)
@@ -62,7 +70,7 @@ def test_package_builds_every_other_target_when_one_cannot_convert_the_model(key
 def test_package_with_one_target_raises_its_own_error(keypair, tmp_path: Path) -> None:
     model = _thresholded_relu_mlp(tmp_path / "m.onnx")
     with pytest.raises(UnsupportedOpError, match="ThresholdedRelu"):
-        package(model, ["apple"], "fp32", calib=_data(), key=keypair[0], name="m", out_dir=tmp_path)
+        package(model, targets=["apple"], precision="fp32", calib=_data(), key=keypair[0], name="m", out_dir=tmp_path)
 
 
 def test_cli_package_multi_target_exits_non_zero_after_writing_what_it_could(tmp_path: Path, capsys) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from edgekit.bundle.manifest import Signature, TensorSpec, Tolerance
 from edgekit.errors import ConfigError
-from edgekit.packager import PackageValidationError
+from edgekit.packaging.result import PackageValidationError
 from edgekit.validate.metrics import compare, kind_of, output_tasks, parse_tasks
 from tests.factories import _save
 from tests.factories import package_small_data as package
@@ -105,7 +105,9 @@ def _quality_scores(path: Path) -> Path:
 def test_package_judges_regression_scores_by_their_error_and_says_so(keypair, tmp_path: Path) -> None:
     model = _quality_scores(tmp_path / "quality.onnx")
     x = np.random.default_rng(3).standard_normal((60, 8)).astype(np.float32)
-    result = package(model, ["cpu"], "int8", calib={"x": x}, key=keypair[0], name="q", out_dir=tmp_path)
+    result = package(
+        model, targets=["cpu"], precision="int8", calib={"x": x}, key=keypair[0], name="q", out_dir=tmp_path
+    )
     v = result.manifests["cpu"].validation
     assert v.passed and v.kind == "dense" and v.top1_agreement is None
     assert v.relative_error is not None and v.relative_error < 0.05
@@ -115,4 +117,13 @@ def test_package_judges_regression_scores_by_their_error_and_says_so(keypair, tm
     )
     # the same model judged as a classifier (what the shape alone said): int8 loses the close scores' order
     with pytest.raises(PackageValidationError, match=r"top-1 agreement with fp32 0\.\d+, needs >= 0\.98"):
-        package(model, ["cpu"], "int8", calib={"x": x}, key=keypair[0], name="c", out_dir=tmp_path, task="classify")
+        package(
+            model,
+            targets=["cpu"],
+            precision="int8",
+            calib={"x": x},
+            key=keypair[0],
+            name="c",
+            out_dir=tmp_path,
+            task="classify",
+        )

@@ -14,7 +14,7 @@ import pytest
 
 from edgekit.bundle import TrustStore, extract, read_verified_manifest
 from edgekit.bundle.manifest import Manifest
-from edgekit.packager import PackageResult
+from edgekit.packaging.result import PackageResult
 from tests.factories import confident_inputs, tiny_classifier
 from tests.factories import package_small_data as package
 
@@ -50,8 +50,8 @@ def package_tiny(
         model = tiny_classifier(root / "tiny.onnx")
         result = package(
             model,
-            [target],
-            precision,
+            targets=[target],
+            precision=precision,
             calib={"input": confident_inputs(model, samples)},
             key=keypair[0],
             name="tiny",

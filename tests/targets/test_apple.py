@@ -17,11 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from device_agents.errors import IncompatibleError
 from device_agents.runtimes import load_model
 from device_agents.runtimes.coreml import compute_units, package_dir
 from device_agents.runtimes.options import CoreMlOptions
 from edgekit.bundle import file_entries
-from edgekit.errors import BundleError, ConfigError, IncompatibleError, ValidationFailedError
+from edgekit.errors import BundleError, ConfigError, ValidationFailedError
+from edgekit.optimize.run import build as build_with_engine
 from edgekit.targets.apple import AppleOptions, AppleTarget
 from edgekit.targets.base import BuildContext
 from edgekit.targets.op_support import TargetOpError
@@ -68,7 +70,7 @@ def build(prepared, tmp_path_factory: pytest.TempPathFactory):
             ctx = _ctx(prepared, tmp_path_factory.mktemp(f"apple-{precision}"), precision)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                done[precision] = (ctx, AppleTarget().build(ctx))
+                done[precision] = (ctx, build_with_engine(AppleTarget(), ctx))
         return done[precision]
 
     return get
@@ -161,7 +163,7 @@ def test_apple_palettize4_per_grouped_channel_keeps_one_lut_per_channel_group(pr
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = AppleTarget().build(_ctx(prepared, tmp_path, "palettize4", options))
+        result = build_with_engine(AppleTarget(), _ctx(prepared, tmp_path, "palettize4", options))
     _, program = load_program(tmp_path / "out" / "model.mlpackage")
     luts = {
         op.outputs[0].name: op.inputs["lut"].val.shape
@@ -205,7 +207,7 @@ def test_apple_op_placement_comes_from_the_mil_program(build) -> None:
 def test_apple_refuses_to_label_uncompressed_weights_as_int8(prepared, tmp_path: Path) -> None:
     ctx = _ctx(prepared, tmp_path, "int8-weights", AppleOptions())  # default threshold 2048 > every weight here
     with pytest.raises(ConfigError, match=r"targets\.apple\.weight_threshold: no weight has 2048 or more elements"):
-        AppleTarget().build(ctx)
+        build_with_engine(AppleTarget(), ctx)
 
 
 def test_loading_package_weights_refuses_a_compressed_weight_with_no_torch_tensor(prepared, tmp_path: Path) -> None:
@@ -354,7 +356,7 @@ def test_apple_intermediate_takes_a_compressed_weight_coremltools_fused_a_scale_
     ctx = _ctx(prepared, tmp_path, precision)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = AppleTarget().build(ctx)
+        result = build_with_engine(AppleTarget(), ctx)
     _, program = load_program(ctx.out_dir / "model.mlpackage")
     (fused,) = [w for w in package_weights(program) if w.compressed and w.values.shape == (8, 4, 1, 1)]
     assert not fused.base_name.startswith("w_se2")  # renamed by the fusion: only its value can place it
@@ -467,7 +469,7 @@ def test_apple_w8a8_checks_a_residual_add_whose_output_scale_coremltools_normali
     ctx = _ctx(residual, tmp_path, "int8")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = AppleTarget().build(ctx)
+        result = build_with_engine(AppleTarget(), ctx)
     _, program = load_program(ctx.out_dir / "model.mlpackage")
     adds = [op for op in main_operations(program) if op.op_type == "add"]
     unit = [op.inputs[k].op for op in adds for k in ("x", "y") if op.inputs[k].op.op_type == "dequantize"]
@@ -527,7 +529,7 @@ def test_apple_w8a8_loads_a_conv_transpose_weight_quantized_along_its_output_axi
     ctx = dataclasses.replace(ctx, calib={"image": sample_inputs(8)}, static_shapes={"image": (1, 3, 16, 16)})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = AppleTarget().build(ctx)
+        result = build_with_engine(AppleTarget(), ctx)
     assert result.precision.label == "w8a8"
     _, program = load_program(ctx.out_dir / "model.mlpackage")
     assert [op.op_type for op in main_operations(program)].count("constexpr_affine_dequantize") == 3
@@ -571,7 +573,7 @@ def test_apple_refuses_w8a8_below_ios17(prepared, tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError, match=r"minimum_deployment_target=iOS16: --precision int8 \(W8A8\) needs Core ML 7"
     ):
-        AppleTarget().build(ctx)
+        build_with_engine(AppleTarget(), ctx)
 
 
 @pytest.mark.slow
@@ -582,9 +584,15 @@ def test_apple_w8a8_passes_its_gate_on_the_digits_example(keypair, tmp_path: Pat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = package(
-            digits / "model.onnx", ["apple"], "int8", calib=digits / "calib.npz", eval=digits / "eval.npz",
-            labels=digits / "eval_labels.npy", key=keypair[0], out_dir=tmp_path,
-        )  # fmt: skip
+            digits / "model.onnx",
+            targets=["apple"],
+            precision="int8",
+            calib=digits / "calib.npz",
+            eval=digits / "eval.npz",
+            labels=digits / "eval_labels.npy",
+            key=keypair[0],
+            out_dir=tmp_path,
+        )
     _, manifest = open_bundle(result.bundles["apple"])
     v = manifest.validation
     assert manifest.precision.label == "w8a8" and v.passed and v.samples == 450
@@ -610,9 +618,13 @@ def test_apple_w8a8_converts_a_dynamic_hw_yolo_style_detector_and_passes_its_gat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = package(
-            model, ["apple"], "int8", calib={"images": sample_inputs(24, size=64, seed=8)}, key=keypair[0],
+            model,
+            targets=["apple"],
+            precision="int8",
+            calib={"images": sample_inputs(24, size=64, seed=8)},
+            key=keypair[0],
             out_dir=tmp_path,
-        )  # fmt: skip
+        )
     _, manifest = open_bundle(result.bundles["apple"])
     v = manifest.validation
     assert manifest.precision.label == "w8a8" and v.kind == "dense" and v.passed and v.cosine > 0.99

@@ -149,13 +149,21 @@ def test_apple_names_the_op_coremltools_cannot_convert_in_one_line(tmp_path: Pat
 def test_package_ships_the_other_targets_when_coremltools_cannot_convert(
     keypair: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    from edgekit.packager import PackageValidationError
+    from edgekit.packaging.result import PackageValidationError
     from tests.factories import package_small_data as package
 
     model = _fmod(tmp_path / "fmod.onnx")
     x = np.random.default_rng(5).standard_normal((8, *SHAPE[1:])).astype(np.float32)
     with pytest.raises(PackageValidationError) as exc:
-        package(model, ["cpu", "apple"], "fp16", eval={"x": x}, key=keypair[0], name="m", out_dir=tmp_path / "out")
+        package(
+            model,
+            targets=["cpu", "apple"],
+            precision="fp16",
+            eval={"x": x},
+            key=keypair[0],
+            name="m",
+            out_dir=tmp_path / "out",
+        )
     result = exc.value.result
     assert set(result.bundles) == {"cpu"} and result.bundles["cpu"].exists()
     assert "no converter for the torch op 'fmod' (from ONNX node /blocks.0/wrap (Mod))" in result.errors["apple"]
@@ -172,7 +180,15 @@ def test_package_apple_bundle_serves_the_onnx_names_of_a_model_coreml_renames(
 
     model = _graph(tmp_path / "dotted.onnx", [helper.make_node("Relu", ["input.1"], ["h"])], {}, "input.1", "out.0")
     x = np.random.default_rng(6).standard_normal((8, *SHAPE[1:])).astype(np.float32)
-    result = package(model, ["apple"], "fp16", eval={"input.1": x}, key=keypair[0], name="m", out_dir=tmp_path / "out")
+    result = package(
+        model,
+        targets=["apple"],
+        precision="fp16",
+        eval={"input.1": x},
+        key=keypair[0],
+        name="m",
+        out_dir=tmp_path / "out",
+    )
     manifest = result.manifests["apple"]
     assert result.passed and result.bundles["apple"].exists()
     assert [s.name for s in manifest.signature.inputs] == ["input.1"]

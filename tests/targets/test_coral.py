@@ -23,14 +23,15 @@ import pytest
 from onnx import TensorProto, helper
 
 import edgekit
+from device_agents.errors import IncompatibleError
 from device_agents.runtimes import load_model
 from device_agents.runtimes.litert import LiteRtRunner
 from device_agents.runtimes.options import LiteRtOptions, RuntimesConfig
 from edgekit.bundle.manifest import Compatibility, Manifest
 from edgekit.compress.freeze import scope_name
 from edgekit.compress.onnx2tflite import signature_details
-from edgekit.errors import ConfigError, IncompatibleError
-from edgekit.packager import PackageResult
+from edgekit.errors import ConfigError
+from edgekit.packaging.result import PackageResult
 from edgekit.targets.base import BuildContext
 from edgekit.targets.coral import SIXTEEN_BY_EIGHT, CoralOptions, CoralTarget, edgetpu_placement
 from edgekit.targets.op_support import TargetOpError
@@ -232,7 +233,7 @@ def test_coral_edgetpu_true_without_the_compiler_is_refused_before_converting(tm
         out_dir=tmp_path, work_dir=tmp_path, options=CoralOptions(edgetpu=True), progress=lambda _m: None,
     )  # fmt: skip
     with pytest.raises(ConfigError, match=r"targets\.coral\.edgetpu=true but edgetpu_compiler is not on PATH"):
-        CoralTarget().build(ctx)
+        CoralTarget().candidates(ctx)
 
 
 def test_scope_names_are_valid_for_tensorflow_and_unique() -> None:

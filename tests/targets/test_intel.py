@@ -17,12 +17,14 @@ import pytest
 from onnx import TensorProto, helper
 
 import edgekit
+from device_agents.errors import IncompatibleError
 from device_agents.runtimes import load_model
 from device_agents.runtimes.openvino import OpenVinoRunner
 from device_agents.runtimes.options import OpenVinoOptions
 from edgekit.bundle.manifest import Manifest, Tolerance
 from edgekit.compress.onnx_prep import prepare_model
-from edgekit.errors import ConfigError, IncompatibleError, UnsupportedOpError
+from edgekit.errors import ConfigError, UnsupportedOpError
+from edgekit.optimize.run import build as build_with_engine
 from edgekit.targets.base import BuildContext
 from edgekit.targets.intel import IntelOptions, IntelTarget
 from edgekit.targets.op_support import TargetOpError
@@ -174,7 +176,7 @@ def test_intel_int4_group_size_that_divides_nothing_names_the_option(tmp_path: P
         options=IntelOptions(int4_group_size=48, int4_ratio=1.0, int4_all_layers=True), progress=lambda _m: None,
     )  # fmt: skip
     with pytest.raises(ConfigError, match=r"targets\.intel\.int4_group_size"):
-        IntelTarget().build(ctx)
+        build_with_engine(IntelTarget(), ctx)
 
 
 def test_intel_int4_that_nncf_leaves_in_int8_is_refused_not_mislabelled(tmp_path: Path) -> None:
@@ -186,18 +188,18 @@ def test_intel_int4_that_nncf_leaves_in_int8_is_refused_not_mislabelled(tmp_path
         options=IntelOptions(int4_group_size=32), progress=lambda _m: None,
     )  # fmt: skip
     with pytest.raises(ConfigError, match=r"targets\.intel\.int4_all_layers: NNCF put no weight in int4"):
-        IntelTarget().build(ctx)
+        build_with_engine(IntelTarget(), ctx)
 
 
 def test_intel_int8_tries_the_accurate_nncf_recipes_when_the_first_misses_the_gate(
     tmp_path: Path, classifier: Path
 ) -> None:
-    from edgekit.optimize.run import EngineSettings, optimise
+    from edgekit.optimize.run import EngineSettings, optimize
 
     # A gate no quantized model can meet (top-1 agreement > 100%), judged on real outputs.
     impossible = Tolerance(min_top1_agreement=1.01)
     ctx = _context(tmp_path, classifier, "int8", IntelOptions())
-    result = optimise(IntelTarget(), ctx, EngineSettings(tolerance=impossible)).build
+    result = optimize(IntelTarget(), ctx, EngineSettings(tolerance=impossible)).build
     tried = [n for n in result.notes if n.startswith("tried nncf")]
     assert [t.split(":")[0] for t in tried] == [
         "tried nncf int8 preset=performance bias_correction=fast",
@@ -265,11 +267,11 @@ def test_intel_accuracy_control_is_bounded_by_the_target_options(tmp_path: Path,
     import nncf
 
     from edgekit.optimize.openvino_candidates import NncfRecipe, restorer_parameters
-    from edgekit.optimize.run import EngineSettings, optimise
+    from edgekit.optimize.run import EngineSettings, optimize
 
     options = IntelOptions(accuracy_control_max_layers=2, accuracy_control_ranking_samples=5)
     ctx = _context(tmp_path, classifier, "int8", options)
-    search = optimise(IntelTarget(), ctx, EngineSettings(tolerance=Tolerance(min_top1_agreement=1.01))).search
+    search = optimize(IntelTarget(), ctx, EngineSettings(tolerance=Tolerance(min_top1_agreement=1.01))).search
     [control] = [o for o in search.outcomes if o.name.endswith("accuracy-control")]
     assert (control.settings["max_reverted_layers"], control.settings["ranking_samples"]) == (2, 5)
     assert control.status == "failed", control.reason  # it ran (bounded) and missed the impossible gate

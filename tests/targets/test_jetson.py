@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from device_agents.errors import IncompatibleError
 from device_agents.runtimes import load_model
 from device_agents.runtimes.options import TensorRtOptions
 from device_agents.runtimes.tensorrt import EngineCache, EngineKey, workspace_bound_mb
@@ -24,14 +25,8 @@ from edgekit.bundle.codec import from_data
 from edgekit.bundle.manifest import Tolerance
 from edgekit.compress.qdq_structure import QdqStructureError, check_tensorrt_qdq
 from edgekit.compress.trt_calibration_table import format_table, parse_table, scales_from_ranges, trt_version_number
-from edgekit.errors import (
-    CalibrationDataError,
-    ConfigError,
-    IncompatibleError,
-    MissingSDKError,
-    ModelFormatError,
-    UnsupportedOpError,
-)
+from edgekit.errors import CalibrationDataError, ConfigError, MissingSDKError, ModelFormatError, UnsupportedOpError
+from edgekit.optimize.run import build as build_with_engine
 from edgekit.targets.base import BuildContext
 from edgekit.targets.jetson import JetsonOptions, JetsonTarget
 from edgekit.targets.op_support import TargetOpError
@@ -88,7 +83,7 @@ def builds(prepared, tmp_path_factory: pytest.TempPathFactory):
             JetsonOptions(qdq_placement="weighted-inputs", int8_calibration="entropy") if precision == "int8" else None
         )
         ctx = _ctx(prepared, tmp_path_factory.mktemp(f"jetson-{precision}"), precision, options)
-        out[precision] = (ctx, JetsonTarget().build(ctx))
+        out[precision] = (ctx, build_with_engine(JetsonTarget(), ctx))
     return out
 
 
@@ -201,11 +196,11 @@ def test_jetson_fp16_ships_fp32_onnx_with_fp16_flag_and_emulates_fp16_weights(bu
 
 
 def test_jetson_int8_tries_every_calibration_of_every_placement_when_none_meets_the_gate(prepared, tmp_path) -> None:
-    from edgekit.optimize.run import EngineSettings, optimise
+    from edgekit.optimize.run import EngineSettings, optimize
 
     impossible = Tolerance(min_top1_agreement=1.01)  # no candidate can pass: every refinement is built
     ctx = _ctx(prepared, tmp_path, "int8")
-    searched = optimise(JetsonTarget(), ctx, EngineSettings(tolerance=impossible)).search
+    searched = optimize(JetsonTarget(), ctx, EngineSettings(tolerance=impossible)).search
     built = {o.name: o for o in searched.outcomes if o.status in ("failed", "chosen")}
     for placement in ("weighted-inputs", "all"):
         for method in ("entropy", "percentile 99.999", "minmax"):
@@ -216,7 +211,7 @@ def test_jetson_int8_tries_every_calibration_of_every_placement_when_none_meets_
 
 def test_jetson_all_ops_placement_quantizes_pooling_and_activation_outputs_too(prepared, tmp_path) -> None:
     ctx = _ctx(prepared, tmp_path, "int8", JetsonOptions(qdq_placement="all", int8_calibration="minmax"))
-    result = JetsonTarget().build(ctx)
+    result = build_with_engine(JetsonTarget(), ctx)
     model = _onnx(ctx.out_dir / "model.onnx")
     summary = check_tensorrt_qdq(model)  # still what TensorRT takes: symmetric int8, float biases
     assert set(summary.quantized_ops) == {"conv1", "conv2", "fc"}
@@ -413,7 +408,7 @@ def test_jetson_auto_rescues_int8_that_misses_the_dense_gate_by_leaving_layers_w
     x = np.random.default_rng(1).standard_normal((80, 16)).astype(np.float32)
     # MinMax: the outlier sets layer_a's output range (entropy clips it instead, a different failure)
     result = package(
-        model, ["jetson"], "auto", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
+        model, targets=["jetson"], precision="auto", calib={"x": x}, key=keypair[0], out_dir=tmp_path / "out",
         options={"jetson": {"int8_calibration": "minmax"}},
     )  # fmt: skip
     m = result.manifests["jetson"]

@@ -258,7 +258,7 @@ class Watcher:
     """Collects every message on some topics (QoS 1) with its arrival time, in a paho thread."""
 
     def __init__(self, broker_port: int, topics: list[str], *, tls: tuple[Path, Identity] | None = None) -> None:
-        from device_agents.updates.connection import BrokerAddress, new_client
+        from edgekit.bundle.fleet_connection import BrokerAddress, new_client
 
         ca, ident = tls if tls is not None else (None, None)
         address = BrokerAddress(

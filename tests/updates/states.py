@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from device_agents.updates.protocol import DesiredState, Notice, sign_document
 from edgekit.bundle import load_private_key
+from edgekit.bundle.fleet_protocol import DesiredState, Notice, sign_document
 from edgekit.fleet.publish import now_iso
 
 

@@ -7,7 +7,7 @@ import re
 import time
 from pathlib import Path
 
-from device_agents.updates.connection import BrokerAddress
+from edgekit.bundle.fleet_connection import BrokerAddress
 from edgekit.fleet.session import FleetSession
 from tests.updates.conftest import FLEET, AgentFactory, Keys, publish
 from tests.updates.services import FileServer, Mosquitto, wait_for

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from device_agents.updates.download import DownloadError, DownloadLimits, download
-from device_agents.updates.protocol import Notice
+from edgekit.bundle.fleet_protocol import Notice
 from edgekit.bundle.manifest import sha256_file
 from examples.fleet_processes import FileServer, Process, free_port
 from tests.updates.pki import TestCA

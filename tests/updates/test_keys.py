@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from device_agents.config import config_from_data
-from device_agents.updates.protocol import keys_topic, sign_document
 from device_agents.updates.trust import FleetTrust, RefusedError, bundle_trust
 from edgekit.bundle import (
     TrustStore,
@@ -20,6 +19,7 @@ from edgekit.bundle import (
     read_verified_manifest,
 )
 from edgekit.bundle.errors import ConfigError, SignatureError
+from edgekit.bundle.fleet_protocol import keys_topic, sign_document
 from edgekit.fleet.keys import build_keys_document
 from tests.updates.bundles import bundle
 from tests.updates.conftest import Keys

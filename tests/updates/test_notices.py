@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from device_agents.updates.connection import BrokerAddress
 from device_agents.updates.policy import rollout_bucket
-from device_agents.updates.protocol import Notice, device_desired_topic, group_desired_topic
 from edgekit.bundle import TrustStore, read_verified_manifest
+from edgekit.bundle.fleet_connection import BrokerAddress
+from edgekit.bundle.fleet_protocol import Notice, device_desired_topic, group_desired_topic
 from edgekit.bundle.manifest import sha256_file
 from edgekit.fleet.publish import build_notice, bundle_url, copy_bundle, now_iso
 from edgekit.fleet.session import FleetSession

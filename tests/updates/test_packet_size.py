@@ -10,8 +10,8 @@ import socket
 import threading
 from pathlib import Path
 
-from device_agents.updates.connection import BrokerAddress
-from device_agents.updates.protocol import device_desired_topic
+from edgekit.bundle.fleet_connection import BrokerAddress
+from edgekit.bundle.fleet_protocol import device_desired_topic
 from edgekit.fleet.session import FleetSession
 from tests.updates.conftest import FLEET, AgentFactory
 from tests.updates.services import Agent, Mosquitto, free_port, wait_for

@@ -11,7 +11,7 @@ import pytest
 from device_agents.config import UpdatesConfig
 from device_agents.store import ModelState, Slot
 from device_agents.updates.policy import decide, rollout_bucket, rollout_selected, seconds_until_window
-from device_agents.updates.protocol import Notice
+from edgekit.bundle.fleet_protocol import Notice
 
 NOW = datetime(2026, 3, 4, 12, 0, tzinfo=timezone.utc)
 UPDATES = UpdatesConfig(

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from device_agents.updates.backoff import Backoff
-from device_agents.updates.protocol import (
+from edgekit.bundle import generate_keypair, load_private_key
+from edgekit.bundle.fleet_protocol import (
     DesiredState,
     Notice,
     NoticeError,
@@ -25,7 +26,6 @@ from device_agents.updates.protocol import (
     reported_topic,
     sign_document,
 )
-from edgekit.bundle import generate_keypair, load_private_key
 
 NOTICE = Notice(
     notice_id="0123abcd",

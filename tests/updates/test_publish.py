@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from device_agents.updates.connection import BrokerAddress
-from device_agents.updates.protocol import parse_desired, parse_signed
 from edgekit.bundle import TrustStore, read_verified_manifest
+from edgekit.bundle.fleet_connection import BrokerAddress
+from edgekit.bundle.fleet_protocol import parse_desired, parse_signed
 from edgekit.bundle.manifest import sha256_file
 from edgekit.errors import ConfigError, SignatureError
 from edgekit.fleet.publish import PublishOptions, build_notice, bundle_url, copy_bundle, publish

@@ -17,9 +17,9 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from device_agents.updates.connection import BrokerAddress
 from device_agents.updates.download import download
-from device_agents.updates.protocol import Notice, device_desired_topic, parse_desired, parse_signed
+from edgekit.bundle.fleet_connection import BrokerAddress
+from edgekit.bundle.fleet_protocol import Notice, device_desired_topic, parse_desired, parse_signed
 from edgekit.bundle.manifest import sha256_file
 from edgekit.errors import MissingSDKError
 from edgekit.fleet.s3 import MAX_URL_EXPIRES_S, ObjectStoreError, S3Upload, store_bundle

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from device_agents.updates.connection import BrokerAddress
+from edgekit.bundle.fleet_connection import BrokerAddress
 from edgekit.fleet.acl import GroupsFile, render_acl
 from edgekit.fleet.session import BrokerError, FleetSession
 from tests.updates.conftest import FLEET, AgentFactory, Keys, edgekit, publish, require_mosquitto
@@ -144,7 +144,7 @@ class _Client:
     def __init__(self, fleet: Fleet, who: Identity, client_id: str) -> None:
         import threading
 
-        from device_agents.updates.connection import new_client
+        from edgekit.bundle.fleet_connection import new_client
 
         self.disconnects: list[str] = []
         self.connected = threading.Event()

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from device_agents.updates.connection import BrokerAddress
-from device_agents.updates.protocol import device_desired_topic, parse_signed
 from edgekit.bundle import TrustStore, generate_keypair, key_id, load_public_key, read_verified_manifest
+from edgekit.bundle.fleet_connection import BrokerAddress
+from edgekit.bundle.fleet_protocol import device_desired_topic, parse_signed
 from edgekit.fleet.publish import build_notice, bundle_url, copy_bundle
 from edgekit.fleet.session import FleetSession
 from tests.factories import make_cpu_bundle, tiny_classifier

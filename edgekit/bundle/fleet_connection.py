@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from edgekit.bundle.errors import ConfigError
 
@@ -39,8 +40,6 @@ class BrokerAddress:
         cls, url: str, *, ca: Path | None = None, cert: Path | None = None, key: Path | None = None
     ) -> BrokerAddress:
         """``mqtt://HOST:PORT`` or ``mqtts://HOST:PORT`` plus the TLS files, checked."""
-        from device_agents.config import parse_broker
-
         try:
             tls, host, port = parse_broker(url)
         except ValueError as exc:
@@ -57,6 +56,18 @@ class BrokerAddress:
     @property
     def url(self) -> str:
         return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
+
+
+def parse_broker(url: str) -> tuple[bool, str, int]:
+    """``"mqtts://host:8883"`` -> (tls, host, port)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise ValueError(f"broker {url!r} must be mqtt://HOST:PORT or mqtts://HOST:PORT")
+    return parts.scheme == "mqtts", parts.hostname, port
 
 
 def new_client(

@@ -1,8 +1,8 @@
 """What both command-line tools (``edgekit`` and ``edgekit-agent``) share: an argument parser that
 suggests the nearest flag, command or choice, and one-line messages for OS errors.
 
-Lives on the device side because ``device_agents`` may import nothing of ``edgekit`` but the
-bundle contract, while the host may import the device side.
+Part of the contract both sides import (``edgekit.bundle``): ``device_agents`` may import nothing
+of ``edgekit`` but it.
 """
 
 from __future__ import annotations
