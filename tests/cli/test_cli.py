@@ -292,7 +292,12 @@ def test_cli_package_default_precision_with_a_per_target_override(capsys, worksp
     assert rows[0].endswith(("passed", "passed, slower than fp32"))
     assert rows[1].startswith("apple ") and "int8-weights (w8a16)" in rows[1] and rows[1].endswith("passed")
     assert out.splitlines()[4].startswith("timed on ")
-    assert out.splitlines()[5:] == [f"cpu: {tmp_path}/m-cpu-v1.ekb", f"apple: {tmp_path}/m-apple-v1.ekb"]
+    # apple freezes the dynamic batch axis, and says so before the bundles
+    assert out.splitlines()[5:] == [
+        "apple static shapes: input 'input' axis 0 (batch) frozen to 1",
+        f"cpu: {tmp_path}/m-cpu-v1.ekb",
+        f"apple: {tmp_path}/m-apple-v1.ekb",
+    ]
 
 
 # -- inspect / verify / run -----------------------------------------------------------------
