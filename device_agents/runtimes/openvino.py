@@ -6,10 +6,18 @@ from the device the bundle was built for (``target_options.device``), else AUTO.
 ``NUM_STREAMS``, ``INFERENCE_NUM_THREADS``, ``CACHE_DIR``, ``CPU_RUNTIME_CACHE_CAPACITY`` on the
 CPU); ``inference_precision`` overrides the manifest's (``"bf16"`` trades accuracy the host did not
 validate for speed).
+
+A bundle whose manifest says ``inference_precision = "bf16"`` (activations bf16, gated on the host
+like any lossy candidate) is compiled with that hint where the CPU plugin reports ``BF16`` in its
+``OPTIMIZATION_CAPABILITIES`` (AVX512-BF16, AMX). Elsewhere OpenVINO would silently compute f32;
+the runner asks for f32 itself, serves (f32 is the more accurate of the two, only slower than the
+host measured) and says so: a warning in the log and a ``precision_note`` in ``describe()``, which
+the install/start log line and the self-test report carry.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,17 +36,32 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the SDK
     raise MissingSDKError("openvino", "openvino", "the openvino runtime") from exc
 
+log = logging.getLogger("edgekit.agent")
+NO_BF16 = "this CPU's OpenVINO reports no BF16"
 
-def precision_hint(device: str, promised: str) -> str:
+
+def cpu_capabilities(core: Any | None = None) -> tuple[str, ...]:
+    """The CPU plugin's ``OPTIMIZATION_CAPABILITIES`` (``BF16`` where it computes in bf16).
+
+    The one question host and agent both ask of the CPU (rather than ``/proc/cpuinfo``: OpenVINO
+    decides what it runs, and it answers on every architecture it supports).
+    """
+    return tuple(str(c) for c in (core or ov.Core()).get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+
+
+def precision_hint(device: str, promised: str, cpu_bf16: bool = False) -> str:
     """The ``INFERENCE_PRECISION_HINT`` that computes at least as precisely as the manifest promises.
 
     Left to itself the CPU plugin computes in bf16 where the CPU has it (AVX512-BF16, AMX), and
     maps an ``f16`` hint to bf16 too: less precise than an fp32, int8 or fp16 manifest promises.
     So ``f16`` is asked for only on GPU/NPU; elsewhere (CPU, or AUTO, which may pick the CPU) f32.
+    ``bf16`` is asked for only on the CPU and where it has it (``cpu_bf16``); elsewhere f32.
     """
     if not promised:
         return ""
     if promised == "f16" and device.split(".")[0] not in ("GPU", "NPU"):
+        return "f32"
+    if promised == "bf16" and not (device.split(".")[0] == "CPU" and cpu_bf16):
         return "f32"
     return promised
 
@@ -68,9 +91,17 @@ class OpenVinoRunner:
         if options.cache_dir is not None:
             self.core.set_property({"CACHE_DIR": str(options.cache_dir)})
         config: dict[str, Any] = {}
-        hint = options.inference_precision or precision_hint(
-            self.device, str(manifest.target_options.get("inference_precision", ""))
-        )
+        promised = str(manifest.target_options.get("inference_precision", ""))
+        asked = options.inference_precision or promised  # the agent's config overrides the manifest
+        on_cpu = self.device.split(".")[0] == "CPU"
+        bf16 = asked == "bf16" and on_cpu and "BF16" in cpu_capabilities(self.core)
+        hint = options.inference_precision or precision_hint(self.device, promised, cpu_bf16=bf16)
+        self.precision_note = ""
+        if asked == "bf16" and not bf16:
+            hint = "f32"  # what OpenVINO would compute anyway, asked for rather than left to chance
+            why = NO_BF16 if on_cpu else f"bf16 is a CPU plugin precision and the device is {self.device}"
+            self.precision_note = f"bf16 asked, computing in f32 ({why}): more accurate, slower than measured"
+            log.warning("%s: %s", manifest.name, self.precision_note)
         if hint:
             config["INFERENCE_PRECISION_HINT"] = hint
         if options.performance_hint:
@@ -108,6 +139,8 @@ class OpenVinoRunner:
             "version": ov.get_version(),
             "device": self.device,
             "execution_devices": list(self.compiled.get_property("EXECUTION_DEVICES")),
+            "inference_precision": str(self.config.get("INFERENCE_PRECISION_HINT", "")),
+            **({"precision_note": self.precision_note} if self.precision_note else {}),
         }
 
     def close(self) -> None:

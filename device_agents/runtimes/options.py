@@ -61,7 +61,8 @@ class OpenVinoOptions:
     performance_hint: Literal["", "LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT"] = ""  # PERFORMANCE_HINT
     num_streams: int = 0  # NUM_STREAMS; 0 = OpenVINO's default
     # INFERENCE_PRECISION_HINT; "" = what the manifest promises. bf16/f16 on a CPU trade accuracy the
-    # host did not validate for speed: set it only after measuring.
+    # host did not validate for speed: set it only after measuring. bf16 where the CPU's OpenVINO
+    # reports no BF16 computes f32, with a warning.
     inference_precision: Literal["", "f32", "f16", "bf16"] = ""
     # CPU_RUNTIME_CACHE_CAPACITY (CPU device only): how many input shapes' compiled kernels the CPU
     # plugin keeps; None = OpenVINO's default (5000), 0 under a [budgets] memory_mb

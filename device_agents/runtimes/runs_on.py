@@ -22,7 +22,8 @@ def runs_on(described: Mapping[str, Any]) -> str:
         return f"{head} on {_chain(described.get('providers') or [])}"
     if runtime == "openvino":
         devices = ", ".join(described.get("execution_devices") or []) or "?"
-        return f"{head} on {described.get('device', '?')} (execution devices: {devices})"
+        note = f"; {described['precision_note']}" if described.get("precision_note") else ""
+        return f"{head} on {described.get('device', '?')} (execution devices: {devices}){note}"
     if runtime == "litert":
         return f"{head} with the {described.get('delegate', '?')} delegate"
     if runtime == "tensorrt":
