@@ -217,7 +217,8 @@ class Precision:
     """
 
     weights: Literal["fp32", "fp16", "int8", "int4", "palettized-4bit", "palettized-6bit"]
-    activations: Literal["fp32", "fp16", "int8", "uint8", "int16"]
+    # bf16: OpenVINO's CPU plugin computing an FP32 IR in bf16 (label ``w32abf16``)
+    activations: Literal["fp32", "fp16", "bf16", "int8", "uint8", "int16"]
     method: str = ""  # what produced it, e.g. "ort-static-qdq minmax u8s8 per-channel"
     excluded_nodes: tuple[str, ...] = ()
     excluded_reason: str = ""
@@ -225,7 +226,9 @@ class Precision:
     @property
     def label(self) -> str:
         w = {"fp32": "w32", "fp16": "w16", "int8": "w8", "int4": "w4"}.get(self.weights, self.weights)
-        a = {"fp32": "a32", "fp16": "a16", "int8": "a8", "uint8": "a8", "int16": "a16"}[self.activations]
+        a = {"fp32": "a32", "fp16": "a16", "bf16": "abf16", "int8": "a8", "uint8": "a8", "int16": "a16"}[
+            self.activations
+        ]
         return f"{w}{a}" if w.startswith("w") else f"{w}-{a}"
 
 
