@@ -186,14 +186,14 @@ def _register_package(sub: Any) -> None:
         default=defaults.DEFAULT_PRECISION,
         metavar="P[,TARGET=P...]",
         help="a default precision, then per-target ones, e.g. int8,apple=int8-weights; targets not named get the "
-        f"default ({defaults.DEFAULT_PRECISION} when none is given). Names: fp32, fp16, int8, int8-weights, "
-        "int4-weights, palettize6, palettize4",
+        f"default ({defaults.DEFAULT_PRECISION} when none is given). Names: fp32, fp16, bf16, int8, "
+        "int8-weights, int4-weights, palettize6, palettize4",
     )
     p.add_argument(
         "--calib",
         metavar="DATA",
         help="calibration data: .npz (one array per input, samples on axis 0), .npy (one-input models), or a "
-        "folder / glob of images read with --preprocess; not needed when every target builds fp32/fp16 (with no "
+        "folder / glob of images read with --preprocess; not needed when every target builds fp32/fp16/bf16 (with no "
         "data at all, inputs drawn within the model's shapes validate them)",
     )
     p.add_argument(

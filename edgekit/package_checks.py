@@ -21,7 +21,7 @@ from edgekit.bundle.manifest import Signature
 from edgekit.errors import CalibrationDataError, ConfigError, ModelFormatError
 
 # Precisions built without calibration data (the evaluation data still validates them).
-NO_CALIBRATION = ("fp32", "fp16")
+NO_CALIBRATION = ("fp32", "fp16", "bf16")
 # Which tolerance keys gate which output kind (edgekit.validate.metrics.compare).
 TOLERANCE_KINDS = {
     "min_top1_agreement": "classifier",

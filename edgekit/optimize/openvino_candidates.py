@@ -5,6 +5,11 @@ Every candidate converts the *original* ONNX graph (``convert_onnx``), never ONN
 prepared one: NNCF INT8 of a MobileNetV3-class graph kept 100 % top-1 agreement on the original
 and 25 % after ONNX Runtime's optimisation had fused it. The op-placement report comes from
 OpenVINO's ``Core.query_model`` for the configured device.
+
+Every candidate is timed and gated compiled the way the ``openvino`` runtime compiles it, with the
+same ``INFERENCE_PRECISION_HINT``: f32 for FP32 / INT8 / FP16 IRs on the CPU (left to itself the
+CPU plugin computes in bf16 where the CPU has it), and bf16 for ``bf16_candidate``, the FP32 IR
+computed in bf16, offered only where this CPU's OpenVINO reports ``BF16`` (``bf16_unavailable``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ _OV_DTYPES = {"f32": "float32", "f16": "float16", "i8": "int8", "u8": "uint8", "
 # tiny classifier's layers badly enough that all of them were reverted).
 ACCURACY_CONTROL_MAX_LAYERS = 8
 ACCURACY_CONTROL_RANKING_SAMPLES = 300
+BF16_NAME = "openvino bf16 ir"
 
 
 def import_openvino() -> Any:
@@ -84,13 +90,14 @@ class NncfRecipe:
 
 
 # -- candidates ------------------------------------------------------------------------------------
-def ov_open(xml: Path, device: str = "CPU") -> Callable[[int], RunFn]:
-    """threads -> a runner of the IR compiled the way the device runtime compiles it for ``device``."""
+def ov_open(xml: Path, device: str = "CPU", hint: str = "f32") -> Callable[[int], RunFn]:
+    """threads -> a runner of the IR compiled the way the device runtime compiles it for ``device``
+    (``hint``: the ``INFERENCE_PRECISION_HINT`` the manifest will promise)."""
 
     def open_(threads: int) -> RunFn:
         ov = import_openvino()
         core = ov.Core()
-        config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": "f32"}
+        config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": hint}
         if threads:
             config["INFERENCE_NUM_THREADS"] = threads
         compiled = core.compile_model(core.read_model(str(xml)), device, config)
@@ -118,7 +125,7 @@ def ir_built(model: Any, space: BuildSpace, precision: Precision, device: str, f
     ov.save_model(model, str(xml), compress_to_fp16=fp16)
     core = ov.Core()
     here = device in ("CPU", "AUTO") or _available(core, device)
-    cpu = ov_open(xml, "CPU")
+    cpu = ov_open(xml, "CPU", "bf16" if precision.activations == "bf16" else "f32")
     return Built(
         files={ARTIFACT_XML: "artifact", ARTIFACT_BIN: "artifact"},
         runtime="openvino",
@@ -149,6 +156,43 @@ def ir_candidate(name: str, precision: str, source: Path, device: str, baseline:
         family=name,
         baseline=baseline,
     )
+
+
+def bf16_candidate(source: Path, device: str) -> Candidate:
+    """The FP32 IR computed in bf16 by the CPU plugin (``INFERENCE_PRECISION_HINT`` bf16): what
+    OpenVINO does by itself on CPUs with AVX512-BF16 / AMX, here a lossy candidate of its own, timed
+    and gated with that hint. Offer it only where ``bf16_unavailable(device)`` is empty."""
+
+    def build(space: BuildSpace) -> Built:
+        ov = import_openvino()
+        method = f"openvino {ov_version(ov)} convert, CPU plugin INFERENCE_PRECISION_HINT bf16"
+        return ir_built(convert_onnx(ov, source), space, Precision("fp32", "bf16", method), device)
+
+    return Candidate(
+        name=BF16_NAME,
+        precision="bf16",
+        runtime="openvino",
+        build=build,
+        settings={"recipe": BF16_NAME, "device": device, "inference_precision": "bf16"},
+        family=BF16_NAME,
+    )
+
+
+def bf16_unavailable(device: str) -> str:
+    """Why the bf16 candidate cannot be built and measured here; "" where it can.
+
+    Asks OpenVINO (``device_agents.runtimes.openvino.cpu_capabilities``, the agent's own question):
+    without ``BF16`` the CPU plugin computes f32 whatever the hint, so bf16 numerics cannot be
+    measured on this host.
+    """
+    if device != "CPU":
+        return f"bf16 is a CPU plugin precision (targets.intel.device is {device})"
+    from device_agents.runtimes import openvino as runtime
+
+    capabilities = runtime.cpu_capabilities()
+    if "BF16" not in capabilities:
+        return f"{runtime.NO_BF16} (OPTIMIZATION_CAPABILITIES: {', '.join(capabilities) or 'none'})"
+    return ""
 
 
 def nncf_candidate(source: Path, recipe: NncfRecipe, device: str, prepared: Path, model_type: str = "") -> Candidate:
@@ -272,6 +316,8 @@ def ir_build_result(
         notes.append(f"device {device} is not on this host: validated with the CPU plugin on the same IR")
     accelerator = {"GPU": "intel-gpu", "NPU": "intel-npu"}.get(device)
     precision_name = "fp16" if built.precision.weights == "fp16" else "fp32"
+    if built.precision.activations == "bf16":
+        precision_name = "bf16"
     return BuildResult(
         files={ARTIFACT_XML: "artifact", ARTIFACT_BIN: "artifact"},
         compatibility=Compatibility(runtime="openvino", runtime_version=ov_version(ov), accelerator=accelerator),
@@ -297,7 +343,10 @@ def inference_precision(device: str, precision: str) -> str:
 
     Left to itself the CPU plugin computes in bf16 on CPUs that have it (AVX512-BF16, AMX), which
     is not what an fp32 / int8 / fp16 manifest promises; the runtime sets this hint explicitly.
+    ``bf16`` (the bf16 candidate, CPU only) promises bf16.
     """
+    if precision == "bf16":
+        return "bf16"
     return "f16" if precision == "fp16" and device in ("GPU", "NPU") else "f32"
 
 

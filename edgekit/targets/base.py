@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 # CLI precision names, shared by every target. Each target lists the ones it can build.
 # ``auto``: the optimisation engine chooses among every candidate of the target (edgekit.optimize).
-PRECISIONS = ("fp32", "fp16", "int8", "int8-weights", "int4-weights", "palettize6", "palettize4", "auto")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int8-weights", "int4-weights", "palettize6", "palettize4", "auto")
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ and per CPU, so it is measured, never assumed. Candidates:
   ``MatMulNBits`` with float compute and with accuracy level 4 (int8 compute); under ``auto``
   only where the graph has MatMul/Gemm weights;
 - under ``auto`` with OpenVINO installed: OpenVINO FP32 IR and NNCF INT8 IR built from the
-  original graph (``edgekit.optimize.openvino_candidates`` says why), served by the ``openvino``
-  runtime when one wins.
+  original graph (``edgekit.optimize.openvino_candidates`` says why), and the FP32 IR computed in
+  bf16 where this CPU's OpenVINO reports ``BF16``, served by the ``openvino`` runtime when one wins.
 
 Explicit precisions keep ONNX Runtime as the runtime (a ``.onnx`` artifact); ``auto`` chooses the
 runtime too, and the manifest's runtime names it.
@@ -146,6 +146,11 @@ class CpuTarget:
                 first.append(
                     ov.nncf_candidate(source, ov.NncfRecipe("performance", True), device="CPU", prepared=prepared)
                 )
+                why = ov.bf16_unavailable("CPU")
+                if why:
+                    skipped.append((ov.BF16_NAME, why))
+                else:
+                    first.append(ov.bf16_candidate(source, device="CPU"))
         return CandidatePlan(
             first=tuple(first),
             refinements=tuple(refinements),

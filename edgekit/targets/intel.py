@@ -15,6 +15,11 @@ prepared one. Precisions:
   is refused rather than labelled int4.
 - ``fp16``: weights stored as FP16 (GPU/NPU run FP16; the CPU plugin upconverts).
 - ``fp32``: the IR as converted.
+- ``bf16``: the FP32 IR computed in bf16 by the CPU plugin (``INFERENCE_PRECISION_HINT`` bf16,
+  which the manifest records and the runtime sets): what OpenVINO does by itself on CPUs with
+  AVX512-BF16 / AMX, measured and gated as a lossy candidate of its own. Only for the CPU device
+  and only where this host's OpenVINO reports ``BF16`` (else ``auto`` records it as skipped and an
+  explicit ``bf16`` is refused: the host could not measure it).
 
 The op-placement report comes from OpenVINO's ``Core.query_model`` for the configured device.
 """
@@ -33,7 +38,10 @@ from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidateP
 from edgekit.optimize.openvino_candidates import (
     ACCURACY_CONTROL_MAX_LAYERS,
     ACCURACY_CONTROL_RANKING_SAMPLES,
+    BF16_NAME,
     NncfRecipe,
+    bf16_candidate,
+    bf16_unavailable,
     convert_onnx,
     import_nncf,
     import_openvino,
@@ -87,7 +95,7 @@ class IntelOptions:
 class IntelTarget:
     name: ClassVar[str] = "intel"
     runtime: ClassVar[str] = "openvino"
-    precisions: ClassVar[tuple[str, ...]] = ("int8", "fp16", "fp32", "int8-weights", "int4-weights", "auto")
+    precisions: ClassVar[tuple[str, ...]] = ("int8", "fp16", "fp32", "bf16", "int8-weights", "int4-weights", "auto")
     Options: ClassVar[type] = IntelOptions
     static_shapes: ClassVar[bool] = False
 
@@ -125,6 +133,17 @@ class IntelTarget:
         skipped: list[tuple[str, str]] = []
         if auto or want == "fp16":
             first.append(ir_candidate("openvino fp16 ir", "fp16", source, dev))
+        if auto or want == "bf16":
+            why = bf16_unavailable(dev)
+            if not why:
+                first.append(bf16_candidate(source, dev))
+            elif auto:
+                skipped.append((BF16_NAME, why))
+            else:
+                raise ConfigError(
+                    f"--precision bf16: {why}, so bf16 cannot be measured here; package on a host whose CPU "
+                    "has AVX512-BF16 or AMX, or choose fp32 / fp16"
+                )
         if auto or want == "int8":
             kind = opts.model_type
             base = NncfRecipe(opts.nncf_preset, True)

@@ -113,6 +113,7 @@ def check_precision(target: Target, precision: str, named: bool = False, several
 LABELS = {
     "w32a32": "fp32",
     "w16a16": "fp16",
+    "w32abf16": "bf16",
     "w8a8": "int8",
     "w8a16": "int8-weights",
     "w8a32": "int8-weights",

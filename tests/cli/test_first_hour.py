@@ -427,12 +427,12 @@ def test_cli_package_from_an_image_folder_with_preprocess(capsys, ws, tmp_path: 
     [
         (
             ["--precision", "INT8"],
-            "edgekit: error: --precision 'INT8' is not one of fp32, fp16, int8, int8-weights, int4-weights, "
+            "edgekit: error: --precision 'INT8' is not one of fp32, fp16, bf16, int8, int8-weights, int4-weights, "
             "palettize6, palettize4, auto; did you mean 'int8'?",
         ),
         (
             ["--precision", "w8a8"],
-            "edgekit: error: --precision 'w8a8' is not one of fp32, fp16, int8, int8-weights, int4-weights, "
+            "edgekit: error: --precision 'w8a8' is not one of fp32, fp16, bf16, int8, int8-weights, int4-weights, "
             "palettize6, palettize4, auto; did you mean 'int8'?",
         ),
         (["--targt", "cpu"], "edgekit package: error: unrecognized argument --targt; did you mean --target?"),

@@ -427,8 +427,8 @@ def test_package_allow_failed_writes_a_bundle_marked_failed(keypair, tmp_path: P
     [
         (
             "int9",
-            "--precision 'int9' is not one of fp32, fp16, int8, int8-weights, int4-weights, palettize6, palettize4, "
-            "auto; "
+            "--precision 'int9' is not one of fp32, fp16, bf16, int8, int8-weights, int4-weights, palettize6, "
+            "palettize4, auto; "
             "did you mean 'int8'?",
         ),
         (
