@@ -240,6 +240,55 @@ def tiny_yolo(path: Path, *, size: int = 64, classes: int = 3, seed: int = 0) ->
     return path
 
 
+def tiny_unet(path: Path, *, size: int = 32, channels: int = 4, seed: int = 0) -> Path:
+    """A U-Net-like segmenter exported by torch (TorchScript exporter) with a dynamic batch whose
+    sizes are computed at run time: two encoder strides, upsampling with
+    ``F.interpolate(x, size=skip.shape[-2:])`` (bilinear, then nearest; ``Shape -> Gather ->
+    Concat -> Resize(sizes)``), skip Concats, and a ``reshape(y.shape[0], y.shape[1], -1)`` head
+    (``Shape -> Gather -> Concat -> Reshape``). ``image`` [batch, 3, size, size] -> ``mask``
+    [batch, 2, size*size]."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    class UNet(nn.Module):
+        def __init__(self, c: int) -> None:
+            super().__init__()
+            self.e1 = nn.Conv2d(3, c, 3, padding=1)
+            self.e2 = nn.Conv2d(c, 2 * c, 3, padding=1, stride=2)
+            self.e3 = nn.Conv2d(2 * c, 4 * c, 3, padding=1, stride=2)
+            self.d2 = nn.Conv2d(6 * c, 2 * c, 3, padding=1)
+            self.d1 = nn.Conv2d(3 * c, c, 3, padding=1)
+            self.head = nn.Conv2d(c, 2, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a = F.relu(self.e1(x))
+            b = F.relu(self.e2(a))
+            c = F.relu(self.e3(b))
+            up = F.interpolate(c, size=b.shape[-2:], mode="bilinear", align_corners=False)
+            d = F.relu(self.d2(torch.cat([up, b], 1)))
+            up = F.interpolate(d, size=a.shape[-2:], mode="nearest")
+            y = self.head(F.relu(self.d1(torch.cat([up, a], 1))))
+            return y.reshape(y.shape[0], y.shape[1], -1)
+
+    torch.manual_seed(seed)
+    model = UNet(channels).eval()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        torch.onnx.export(
+            model,
+            (torch.zeros(1, 3, size, size),),
+            str(path),
+            input_names=["image"],
+            output_names=["mask"],
+            dynamic_axes={"image": {0: "batch"}, "mask": {0: "batch"}},
+            opset_version=17,
+            dynamo=False,  # the TorchScript exporter: sizes computed from Shape at run time
+        )
+    return path
+
+
 def _save(graph: object, path: Path, opset: int) -> Path:
     import onnx
     from onnx import helper

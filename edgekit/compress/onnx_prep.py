@@ -1,5 +1,6 @@
 """Prepare a source ONNX model once for every target: load and check it, upgrade the opset to
-13+, infer shapes, apply ONNX Runtime's basic graph optimisation, and read the served signature.
+13+, infer shapes, fold shape sub-graphs (``edgekit.compress.shape_fold``), apply ONNX Runtime's
+basic graph optimisation, and read the served signature.
 
 The prepared model is numerically the FP32 source model; targets build from it. The served
 signature is always read from the *source* model (names, dtypes, output order, dynamic axes).
@@ -30,6 +31,9 @@ class PreparedModel:
     served: Signature
     opset: int  # default-domain opset of the prepared model
     steps: tuple[str, ...]  # what preparation did, in order (for the manifest notes)
+    # The graph as given with only its shape sub-graphs folded (no fusion, no ORT optimisation), for
+    # toolchains that want the exported graph (OpenVINO / NNCF); the source file where nothing was folded.
+    graph_path: Path | None = None
 
 
 def load_onnx(path: Path) -> Any:
@@ -132,9 +136,19 @@ def _looks_like_protobuf(head: bytes) -> bool:
     return bool(head) and head[0] in (0x08, 0x12, 0x1A, 0x3A)
 
 
-def prepare_model(source_path: Path, work_dir: Path, progress: Callable[[str], None] | None = None) -> PreparedModel:
-    """Load ``source_path`` and write the prepared FP32 model into ``work_dir``."""
+def prepare_model(
+    source_path: Path,
+    work_dir: Path,
+    progress: Callable[[str], None] | None = None,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+) -> PreparedModel:
+    """Load ``source_path`` and write the prepared FP32 model into ``work_dir``.
+
+    ``input_shapes`` (``--input-shape``) size the dynamic non-batch axes the shape folding is
+    checked with; without them such a model is prepared unfolded (the steps say so)."""
     import onnx
+
+    from edgekit.compress.shape_fold import fold_shapes
 
     say = progress or (lambda _msg: None)
     source_path = Path(source_path)
@@ -160,8 +174,12 @@ def prepare_model(source_path: Path, work_dir: Path, progress: Callable[[str], N
         say(f"ONNX shape inference failed ({exc}); continuing with declared shapes")
     staged = work_dir / "staged.onnx"
     onnx.save(model, str(staged))
+    folded = fold_shapes(staged, work_dir / "folded.onnx", served, input_shapes)
+    if folded.note:
+        say(folded.note)
+        steps.append(folded.note)
     prepared = work_dir / "prepared.onnx"
-    steps.extend(_ort_preprocess(staged, prepared, say))
+    steps.extend(_ort_preprocess(folded.path, prepared, say))
     final = load_onnx(prepared)
     return PreparedModel(
         path=prepared,
@@ -170,6 +188,7 @@ def prepare_model(source_path: Path, work_dir: Path, progress: Callable[[str], N
         served=served,
         opset=default_opset(final),
         steps=tuple(steps),
+        graph_path=folded.path if folded.folded else source_path,
     )
 
 

@@ -169,7 +169,7 @@ def package(request: PackageRequest) -> PackageResult:
                 objective=request.objective, tolerance=tol,
             )  # fmt: skip
         say(f"preparing {model.name}")
-        prepared = prepare_model(model, work / "prepared", say)
+        prepared = prepare_model(model, work / "prepared", say, request.input_shapes)
         if original != model:
             check_same_interface(original, prepared.served)
         if profile is not None:
@@ -279,6 +279,7 @@ def package(request: PackageRequest) -> PackageResult:
             ):
                 ctx = BuildContext(
                     model_path=prepared.path,
+                    source_path=prepared.graph_path,  # shape sub-graphs folded, else the model as given
                     served=prepared.served,
                     precision=precisions[t],
                     calib=run.calib,
@@ -432,7 +433,7 @@ def _build_target(
     from edgekit.optimize.run import optimize
 
     kept_rows: list[dict[str, Any]] = []
-    ctx = dataclasses.replace(ctx, source_path=model)
+    ctx = dataclasses.replace(ctx, source_path=ctx.source_path or model)
     optimized = optimize(
         target, ctx, engine, reference_path=model, shared=shared_builds, holdout_reference=run.reference
     )
