@@ -184,6 +184,12 @@ BENCHMARKS: tuple[Entry, ...] = (
         "bottleneck at 1-1000 Mbit/s: segment times planned vs re-measured, the planned cut's regret, best vs "
         "local/remote on a device slowed by a measured cgroup CPU quota, and why each model's shape allows 2x or not",
     ),
+    Entry(
+        "prepare.shape-fold",
+        "bench.shape_fold:run",
+        "intel's OpenVINO FP32 IR of a U-Net-like torch export with run-time Resize sizes: converted from the graph "
+        "as exported vs the one preparation folded, p50 at 1x3x256x256 interleaved, IR ShapeOf counts",
+    ),
 )
 
 
