@@ -158,3 +158,20 @@ def test_package_of_a_model_the_folder_refuses_still_writes_a_bundle_with_the_no
     assert [t.name for t in manifest.signature.inputs] == ["input", "unused"]
     assert any(n.startswith("prepared: shape sub-graphs not folded (onnxslim") for n in manifest.validation.notes)
     assert any(s.kind == "prepare" and s.notes.startswith("shape sub-graphs not folded") for s in manifest.provenance)
+
+
+def test_intel_ir_is_converted_from_the_folded_graph(tmp_path: Path, keypair: tuple[Path, Path]) -> None:
+    pytest.importorskip("openvino", reason="the intel target needs openvino")
+    from edgekit import package
+    from edgekit.bundle import TrustStore, extract, read_verified_manifest
+
+    src = tiny_unet(tmp_path / "unet.onnx")
+    result = package(src, targets=["intel"], precision="fp32", key=keypair[0], name="unet", out_dir=tmp_path / "out")
+    assert result.passed
+    verified = read_verified_manifest(result.bundles["intel"], TrustStore.from_files([keypair[1]]))
+    files = extract(result.bundles["intel"], verified, tmp_path / "x")
+    xml = (files / "model.xml").read_text()
+    assert 'type="Interpolate"' in xml and 'type="ShapeOf"' not in xml  # the export's IR keeps 4 ShapeOf
+    notes = [s.notes for s in verified.manifest.provenance if s.kind == "prepare"]
+    assert any(n.startswith("shape sub-graphs folded (onnxslim") for n in notes)
+    assert verified.manifest.signature.inputs[0].shape == ("batch", 3, 32, 32)
