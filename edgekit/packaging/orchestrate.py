@@ -61,6 +61,7 @@ from edgekit.targets.sdk_output import sdk_output_to
 from edgekit.validate.calib import data_manifest_fields, sample_count
 from edgekit.validate.drawn_inputs import drawn_for_validation
 from edgekit.validate.eval_size import check_eval_size
+from edgekit.validate.heads import head_outputs
 from edgekit.validate.metrics import (
     Comparison,
     kind_of,
@@ -289,6 +290,7 @@ def package(request: PackageRequest) -> PackageResult:
                     options=target_options[t],
                     progress=target_say,
                     evaluate=evaluator(run, static_signature(prepared.served, static_shapes)),
+                    heads=head_outputs(tasks, given_tasks),
                 )
                 target_say(f"[{t}] building {precisions[t]}")
                 try:

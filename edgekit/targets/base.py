@@ -63,6 +63,10 @@ class BuildContext:
     # The source model as given (before opset upgrade and ORT's optimisation): toolchains that
     # expect the original graph (OpenVINO / NNCF) build from it. ``None``: use ``model_path``.
     source_path: Path | None = None
+    # Outputs that are a detector's or segmenter's head: recognised (``validate.heads``) or declared
+    # ``detect`` / ``segment`` by ``--task``; output -> task (``heads.head_outputs``). Targets offer
+    # their INT8 with the head's decode kept in float (``optimize.head_scope``).
+    heads: Mapping[str, str] = field(default_factory=dict)
 
 
 def static_signature(served: Signature, shapes: Mapping[str, tuple[int, ...]]) -> Signature:

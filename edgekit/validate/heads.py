@@ -56,6 +56,17 @@ def base_task(task: str) -> str:
     return task.partition(":")[0]
 
 
+def head_outputs(tasks: Mapping[str, str], given: Mapping[str, str]) -> dict[str, str]:
+    """The outputs of ``tasks`` (``validate.metrics.output_tasks``) that are a detector's or
+    segmenter's head: recognised here, or ``detect`` / ``segment`` as ``given`` by ``--task`` (a
+    rank-3 or rank-4 output's task inferred from its shape alone is not a head)."""
+    return {
+        name: task
+        for name, task in tasks.items()
+        if task in (YOLO_TASK, DBNET_TASK) or (name in given and base_task(task) in ("detect", "segment"))
+    }
+
+
 def recognise(values: np.ndarray, inputs: Sequence[TensorSpec] = ()) -> tuple[str, str] | None:
     """(task, why) when the FP32 ``values`` of one output (samples on axis 0) are a YOLO-style
     head or a DBNet-style map; ``inputs``: the model's, whose image size a DBNet map matches."""
