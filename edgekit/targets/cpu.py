@@ -11,6 +11,8 @@ and per CPU, so it is measured, never assumed. Candidates:
 - ``int8``: ORT static QDQ / QOperator, U8S8 / S8S8, per-channel / per-tensor (bounded by
   ``max_candidates``), with Percentile / Entropy calibration as refinements of a layout that
   missed the budget; QDQ layouts can keep their most sensitive layers in float (mixed precision);
+  under ``auto``, where an output is a detector's or segmenter's head, the first QDQ layout with
+  the head's decode kept in float (``edgekit.optimize.head_scope``);
 - ``int8-weights``: ORT dynamic INT8 of MatMul/Gemm weights, per-tensor and per-channel, on the
   prepared graph and, where ONNX Runtime's transformer optimizer fuses something (attention,
   SkipLayerNormalization, Gelu), on the fused graph; 7-bit weights (``reduce_range``) as a
@@ -47,6 +49,7 @@ from edgekit.compress.ort_quant import (
 )
 from edgekit.errors import MissingSDKError
 from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, Refinement
+from edgekit.optimize.head_scope import head_offer
 from edgekit.targets.base import BuildContext, BuildResult
 from edgekit.validate.calib import fixed_batch, take
 from edgekit.validate.ort_runner import ort_open
@@ -116,6 +119,11 @@ class CpuTarget:
                     for method in ("percentile", "entropy")
                 )
             max_refinements = max(0, opts.max_candidates - len(configs))
+            if auto:  # a detector's / segmenter's decode in float: the recipe INT8 detectors ship with
+                qdq = next((_static_candidate(prepared, c) for c in configs if c.quant_format == "qdq"), None)
+                offered, refused = head_offer(qdq, prepared, ctx.heads)
+                first.extend(offered)
+                skipped.extend(refused)
         share = matmul_weight_share(prepared)  # weight-only pays where MatMul/Gemm hold most weights
         for precision in ("int8-weights", "int4-weights"):
             if want == precision or (auto and share >= WEIGHT_ONLY_SHARE):

@@ -9,6 +9,8 @@ prepared one. Precisions:
   and activations); if the configured preset misses the budget, refinements: the ``mixed``
   preset with full bias correction, and ``quantize_with_accuracy_control``; then (``auto`` or
   ``--mixed-precision``) the most sensitive layers kept in float through NNCF's ``IgnoredScope``.
+  Under ``auto``, where an output is a detector's or segmenter's head, also the head's decode kept
+  in float from the start (``edgekit.optimize.head_scope``).
 - ``int8-weights`` / ``int4-weights``: ``nncf.compress_weights`` (weights only, activations stay
   float; meant for MatMul-heavy models). INT4 keeps a share of the layers (``1 - int4_ratio``)
   and, by NNCF's default, the first and last layers in INT8; a build that put no weight in INT4
@@ -35,6 +37,7 @@ from typing import Any, ClassVar, Literal
 from edgekit.bundle.manifest import Precision
 from edgekit.errors import ConfigError, ModelFormatError
 from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, Refinement
+from edgekit.optimize.head_scope import head_offer
 from edgekit.optimize.openvino_candidates import (
     ACCURACY_CONTROL_MAX_LAYERS,
     ACCURACY_CONTROL_RANKING_SAMPLES,
@@ -148,6 +151,10 @@ class IntelTarget:
             kind = opts.model_type
             base = NncfRecipe(opts.nncf_preset, True)
             first.append(nncf_candidate(source, base, dev, ctx.model_path, kind))
+            if auto:  # a detector's / segmenter's decode in float (NNCF IgnoredScope), as Ultralytics exports
+                offered, refused = head_offer(first[-1], source, ctx.heads)
+                first.extend(offered)
+                skipped.extend(refused)
             control = NncfRecipe(
                 opts.nncf_preset,
                 True,
