@@ -79,7 +79,7 @@ def plan(
 ) -> CascadePlan:
     import onnx
 
-    from edgekit.compress.onnx_prep import served_signature
+    from edgekit.compress.signature import served_signature
     from edgekit.validate.calib import check_arrays, load_data, pop_labels
     from edgekit.validate.metrics import run_all
     from edgekit.validate.ort_runner import ort_cpu_runner

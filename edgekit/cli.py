@@ -391,7 +391,8 @@ def _register_package(sub: Any) -> None:
 
 def _note_default_preprocess(model: Path, calib: str) -> None:
     """Images given without --preprocess are read with the default pre-processing: say which."""
-    from edgekit.compress.onnx_prep import load_onnx, served_signature
+    from edgekit.compress.onnx_prep import load_onnx
+    from edgekit.compress.signature import served_signature
     from edgekit.validate.preprocess import Preprocess, image_files
 
     files = image_files(calib)
@@ -912,7 +913,8 @@ def _register_calib(sub: Any) -> None:
 
 
 def _calib_make(args: argparse.Namespace) -> int:
-    from edgekit.compress.onnx_prep import load_onnx, served_signature
+    from edgekit.compress.onnx_prep import load_onnx
+    from edgekit.compress.signature import served_signature
     from edgekit.errors import CalibrationDataError
     from edgekit.package_checks import check_model_path, check_out_dir
     from edgekit.validate.calib import LABELS_KEY, folder_labels, write_npz

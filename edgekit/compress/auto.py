@@ -180,8 +180,9 @@ def _quantize_and_time(
     """Every model quantized alike, run on the evaluation data and timed side by side."""
     import onnx
 
-    from edgekit.compress.onnx_prep import prepare_model, served_signature
+    from edgekit.compress.onnx_prep import prepare_model
     from edgekit.compress.ort_quant import StaticQuantConfig, quantize_static_int8
+    from edgekit.compress.signature import served_signature
     from edgekit.validate.latency import call_with, speedup_interval, stats_side_by_side
     from edgekit.validate.metrics import compare, output_kind, run_all
     from edgekit.validate.ort_runner import ort_open

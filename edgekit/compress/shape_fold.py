@@ -112,7 +112,7 @@ def fold_shapes(
     model the folder cannot handle: ``refused`` says why and ``path`` is ``src``."""
     import onnx
 
-    from edgekit.compress.onnx_prep import served_signature
+    from edgekit.compress.signature import served_signature
 
     model = onnx.load(str(src))
     before = len(model.graph.node)

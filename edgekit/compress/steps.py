@@ -365,7 +365,7 @@ def measure(
     """(comparison with the original on ``data``, candidate ms, original ms): ONNX Runtime, side by side."""
     import onnx
 
-    from edgekit.compress.onnx_prep import served_signature
+    from edgekit.compress.signature import served_signature
     from edgekit.validate.latency import call_with, stats_side_by_side
     from edgekit.validate.ort_runner import ort_open
 

@@ -151,7 +151,7 @@ def compress_first(
 def check_same_interface(original: Path, served: Signature) -> None:
     import onnx
 
-    from edgekit.compress.onnx_prep import served_signature
+    from edgekit.compress.signature import served_signature
 
     want = served_signature(onnx.load(str(original), load_external_data=False))
     names = ([s.name for s in want.inputs], [s.name for s in want.outputs])

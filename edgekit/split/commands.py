@@ -383,7 +383,8 @@ def _calib_npz(args: Any, work: Path) -> Path | None:
         return None
     if str(args.calib).lower().endswith(".npz"):
         return Path(args.calib)
-    from edgekit.compress.onnx_prep import load_onnx, served_signature
+    from edgekit.compress.onnx_prep import load_onnx
+    from edgekit.compress.signature import served_signature
     from edgekit.validate.calib import load_data
     from edgekit.validate.preprocess import Preprocess
 

@@ -13,8 +13,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgekit.compress.onnx_prep import prepare_model, served_signature
+from edgekit.compress.onnx_prep import prepare_model
 from edgekit.compress.shape_fold import resize_sizes_as_scales
+from edgekit.compress.signature import served_signature
 from tests.factories import tiny_unet
 
 
