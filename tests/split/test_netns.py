@@ -1,7 +1,8 @@
 """Split inference across a real shaped link: two network namespaces joined by a veth pair made
 here, the tail server (``edgekit serve-tail``) in one, the agent in the other under a CPU quota
-(a slower device), bandwidth shaped with ``tc tbf`` on both ends. The cut the agent picks follows
-the bandwidth: the cheap head at 100 Mbit/s, local at 1 Mbit/s, the head again at 100 Mbit/s.
+(a slower device), both serving the bundles ``edgekit package --split`` wrote; bandwidth shaped
+with ``tc tbf`` on both ends. The cut the agent picks follows the bandwidth: the cheap head at
+100 Mbit/s, local at 1 Mbit/s, the head again at 100 Mbit/s.
 
 Needs root and iproute2 (skipped elsewhere). Every namespace, link and cgroup made here is
 removed in a ``finally``; test traffic stays inside the two namespaces.
@@ -25,9 +26,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from edgekit.cli import main as cli_main
 from edgekit.split import graph
-from edgekit.split.bundles import write_split_bundles
-from edgekit.split.planner import plan_model
 from tests.split.models import HEAVY_SIZE, heavy_middle_convnet
 from tests.split.servers import ROOT, _end, _env
 
@@ -117,21 +117,20 @@ def test_chosen_cut_follows_the_shaped_bandwidth_between_namespaces(tmp_path: Pa
     model = heavy_middle_convnet(tmp_path / "m.onnx")
     device, server = _profiles(tmp_path, model)
     calib = np.random.default_rng(3).standard_normal((64, 3, HEAVY_SIZE, HEAVY_SIZE)).astype(np.float32)
-    run = plan_model(
-        model, tmp_path / "plan", [1.0, 100.0], rtt_ms=1.0, device_profile=device, server_profile=server,
-        budget_s=0.3, plot=False, samples=4,
-    )  # fmt: skip
-    assert [c.best for c in run.plan.choices] == ["local", "cut1"]  # the plan itself: local at 1, the stem at 100
-    bundles = write_split_bundles(
-        model,
-        run.plan,
-        {m.cut.id: m.head_path for m in run.measured.cuts},
-        {m.cut.id: m.tail_path for m in run.measured.cuts},
-        {"x": calib},
-        key=keypair[0],
-        name="m",
-        out_dir=tmp_path / "bundles",
-    )
+    np.savez(tmp_path / "calib.npz", x=calib)
+    # the bundles as a user makes them: ``edgekit package --split`` (device bundle + signed tails)
+    args = [
+        "package", str(model), "--calib", str(tmp_path / "calib.npz"), "--target", "cpu", "--precision", "fp32",
+        "--split", "--key", str(keypair[0]), "--name", "m", "--version", "1", "-o", str(tmp_path / "bundles"), "-q",
+        "--split-device-profile", str(device), "--server-profile", str(server), "--bandwidth-mbps", "1,100",
+        "--rtt-ms", "1", "--split-budget-s", "0.3", "--split-dir", str(tmp_path / "plan"),
+    ]  # fmt: skip
+    assert cli_main(args) == 0
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert [c["best"] for c in plan["choices"]] == ["local", "cut1"]  # the plan: local at 1, the stem at 100
+    device_bundle = tmp_path / "bundles" / "m-cpu-v1.ekb"
+    tails = sorted((tmp_path / "bundles").glob("m-tail-*-cpu-v1.ekb"))
+    assert device_bundle.is_file() and tails
     config = tmp_path / "agent.toml"
     config.write_text(
         f'store = "{tmp_path / "store"}"\ntrusted_keys = ["{keypair[1]}"]\n'
@@ -142,13 +141,13 @@ def test_chosen_cut_follows_the_shaped_bandwidth_between_namespaces(tmp_path: Pa
     with _namespaces():
         _shape(100)
         tail = _spawn(
-            TAIL_NS, "-m", "edgekit", "serve-tail", *map(str, bundles.tails.values()), "--trust", str(keypair[1]),
+            TAIL_NS, "-m", "edgekit", "serve-tail", *map(str, tails), "--trust", str(keypair[1]),
             "--listen", f"{NET}.2:{PORT}",
         )  # fmt: skip
         agent: subprocess.Popen[str] | None = None
         try:
             _expect(tail, lambda line: "serving" in line, 180, "the tail server to start")
-            agent = _spawn(DEV_NS, str(ROOT / "tests" / "split" / "netns_driver.py"), str(config), str(bundles.device))
+            agent = _spawn(DEV_NS, str(ROOT / "tests" / "split" / "netns_driver.py"), str(config), str(device_bundle))
             with _cpu_quota(agent.pid, 0.25):
                 lines = _json_lines(agent)
                 at_100 = _until(lines, lambda s: s["chosen"] == "cut1", 5, 120)
