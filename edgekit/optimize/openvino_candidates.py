@@ -196,8 +196,8 @@ def bf16_unavailable(device: str) -> str:
 
 
 def nncf_candidate(source: Path, recipe: NncfRecipe, device: str, prepared: Path, model_type: str = "") -> Candidate:
-    """NNCF INT8 of the original graph; ``prepared``: the ORT-prepared graph layer sensitivity is
-    ranked on (its node names are the source graph's)."""
+    """NNCF INT8 of the source graph (shape sub-graphs folded); ``prepared``: the ORT-prepared
+    graph layer sensitivity is ranked on (its node names are the source graph's)."""
 
     def build(space: BuildSpace) -> Built:
         ov, nncf = import_openvino(), import_nncf()

@@ -60,8 +60,9 @@ class BuildContext:
     # requested tolerance (``.passed``, ``.failures``, ``.summary()``). Targets that choose among
     # candidates (quantization settings, calibration methods) call it; ``None`` outside the packager.
     evaluate: Callable[[Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]]], Any] | None = None
-    # The source model as given (before opset upgrade and ORT's optimisation): toolchains that
-    # expect the original graph (OpenVINO / NNCF) build from it. ``None``: use ``model_path``.
+    # The source model as given with its shape sub-graphs folded (before opset upgrade and ORT's
+    # optimisation): toolchains that expect the exporter's graph (OpenVINO / NNCF) build from it.
+    # ``None``: use ``model_path``.
     source_path: Path | None = None
     # Outputs that are a detector's or segmenter's head: recognised (``validate.heads``) or declared
     # ``detect`` / ``segment`` by ``--task``; output -> task (``heads.head_outputs``). Targets offer

@@ -20,7 +20,7 @@ and per CPU, so it is measured, never assumed. Candidates:
   ``MatMulNBits`` with float compute and with accuracy level 4 (int8 compute); under ``auto``
   only where the graph has MatMul/Gemm weights;
 - under ``auto`` with OpenVINO installed: OpenVINO FP32 IR and NNCF INT8 IR built from the
-  original graph (``edgekit.optimize.openvino_candidates`` says why), and the FP32 IR computed in
+  source graph, shape sub-graphs folded (``edgekit.optimize.openvino_candidates`` says why), and the FP32 IR computed in
   bf16 where this CPU's OpenVINO reports ``BF16``, served by the ``openvino`` runtime when one wins.
 
 Explicit precisions keep ONNX Runtime as the runtime (a ``.onnx`` artifact); ``auto`` chooses the
@@ -105,7 +105,8 @@ class CpuTarget:
         if auto:
             first.append(_ort_candidate("ort fp32 offline-optimised (extended)", "fp32", prepared, _offline))
             if ctx.source_path is not None and ctx.source_path != prepared:
-                # the graph as given: preparation (opset upgrade, basic optimisation) is measured too
+                # the graph as given (shape sub-graphs folded): the rest of preparation (opset
+                # upgrade, basic optimisation) is measured too
                 first.append(_ort_candidate("ort fp32 source graph", "fp32", ctx.source_path, _copy_source))
         if auto or want == "fp16":
             first.append(_ort_candidate("ort fp16", "fp16", prepared, _fp16))
@@ -282,7 +283,7 @@ def _copy_source(src: Path, dst: Path, space: BuildSpace) -> Precision:
     if model_size_bytes(src) != src.stat().st_size:
         raise ValueError("the source model keeps its weights in external data files; the prepared graph ships instead")
     shutil.copyfile(src, dst)
-    return Precision("fp32", "fp32", "onnx fp32, the source graph as given")
+    return Precision("fp32", "fp32", "onnx fp32, the source graph (shape sub-graphs folded)")
 
 
 def _offline(src: Path, dst: Path, space: BuildSpace) -> Precision:

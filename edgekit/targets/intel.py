@@ -125,8 +125,8 @@ class IntelTarget:
             raise ModelFormatError(f"{model_path}: OpenVINO could not convert {', '.join(unconverted)}")
 
     def candidates(self, ctx: BuildContext) -> CandidatePlan:
-        """OpenVINO/NNCF get the original graph, not ORT's prepared one (see
-        ``edgekit.optimize.openvino_candidates``)."""
+        """OpenVINO/NNCF get the graph as given with its shape sub-graphs folded, not ORT's
+        prepared one (see ``edgekit.optimize.openvino_candidates``)."""
         opts: IntelOptions = ctx.options or IntelOptions()
         want, auto = ctx.precision, ctx.precision == "auto"
         source = ctx.source_path or ctx.model_path
