@@ -139,7 +139,11 @@ def fold_shapes(
     changed = signature_change(served, served_signature(folded))
     if changed:
         return refuse(tool, changed)
-    onnx.save(folded, str(dst))
+    try:
+        onnx.save(folded, str(dst))
+    except (OSError, ValueError) as exc:  # a graph over protobuf's 2 GB, a full disk: convert unfolded
+        dst.unlink(missing_ok=True)
+        return refuse(tool, f"the folded graph could not be written: {_first_line(exc)}")
     try:
         diff = _max_abs_diff(src, dst, served, input_shapes)
     except _Unchecked as exc:
