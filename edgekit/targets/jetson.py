@@ -41,6 +41,7 @@ from edgekit.bundle.manifest import Compatibility, Precision, Signature
 from edgekit.compress.trt_calibration_table import CALIBRATORS, write_table
 from edgekit.errors import MissingSDKError
 from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, Refinement
+from edgekit.optimize.head_scope import head_offer
 from edgekit.targets.base import BuildContext, BuildResult
 from edgekit.targets.op_support import UnsupportedNode, raise_unsupported
 from edgekit.targets.shape_profile import PROFILE_KEY, optimization_profile, profile_data, profiled_signature
@@ -145,19 +146,23 @@ class JetsonTarget:
         prepared = ctx.model_path
         first: list[Candidate] = [_float_candidate("fp32", prepared)]
         refinements: list[Refinement] = []
+        skipped: tuple[tuple[str, str], ...] = ()
         if auto or want == "fp16":
             first.append(_float_candidate("fp16", prepared))
         if auto or want == "int8":
             placements = PLACEMENTS if opts.qdq_placement == "auto" else (opts.qdq_placement,)
             methods = CALIBRATIONS if opts.int8_calibration == "auto" else (opts.int8_calibration,)
-            for placement in placements:
-                plain = _int8_candidate(prepared, opts, placement, methods[0])
+            plains = [_int8_candidate(prepared, opts, placement, methods[0]) for placement in placements]
+            for placement, plain in zip(placements, plains, strict=True):
                 first.append(plain)
                 refinements.extend(
                     Refinement(_int8_candidate(prepared, opts, placement, method), of=plain.name)
                     for method in methods[1:]
                 )
-        return CandidatePlan(first=tuple(first), refinements=tuple(refinements))
+            if auto:  # a detector's / segmenter's decode without Q/DQ (FP16 on the device), ranked as mixed INT8
+                offered, skipped = head_offer(plains[0], prepared, ctx.heads)
+                first.extend(offered)
+        return CandidatePlan(first=tuple(first), refinements=tuple(refinements), skipped=skipped)
 
     def finish(self, ctx: BuildContext, built: Built, built_dir: Path) -> BuildResult:
         """The chosen candidate's files in ``ctx.out_dir``, described for the manifest."""

@@ -190,3 +190,31 @@ def test_package_auto_lists_the_head_in_float_candidate_with_its_decoded_gate(
     # the random-weight head's scores sit near 0.5, so its detections are fragile; sharing one int8
     # scale with the box pixels in the output Concat loses most of them, the head in float does not
     assert f1(head) > f1(plain)
+
+
+def test_jetson_auto_head_in_float_leaves_the_decode_without_qdq_and_ranks_it_as_mixed_int8(
+    tmp_path: Path, yolo: Path
+) -> None:
+    from edgekit.targets.jetson import ARTIFACT, DEVICE_RANK, JetsonOptions, JetsonTarget
+
+    ctx = _context(tmp_path, yolo, JetsonOptions(), HEAD)
+    plan = JetsonTarget().candidates(ctx)
+    [head] = [c for c in plan.first if "head in float" in c.name]
+    plain = next(c for c in plan.first if c.name.startswith("tensorrt int8 q/dq") and "head" not in c.name)
+    assert head.name.startswith(plain.name) and head.name.endswith(", detect head in float")
+    # TensorRT runs the decode in FP16 (int8 + fp16 flags): after plain INT8, before FP16
+    assert head.device_rank == DEVICE_RANK["int8-mixed"] and plain.device_rank < head.device_rank
+    assert not [c for c in JetsonTarget().candidates(_with(ctx, heads={})).first if "head in float" in c.name]
+
+    def dequantized_inputs(cand: object) -> set[str]:
+        """Names of the nodes that read a DequantizeLinear output (their inputs are INT8 on TensorRT)."""
+        folder = tmp_path / cand.name.replace(" ", "_").replace(",", "").replace("/", "")  # type: ignore[attr-defined]
+        folder.mkdir()
+        cand.build(BuildSpace(folder, {"images": IMAGES[:8]}, ctx.served, 1, lambda _msg: None))  # type: ignore[attr-defined]
+        graph = onnx.load(str(folder / ARTIFACT)).graph
+        dq = {o for n in graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+        return {n.name for n in graph.node if n.op_type != "QuantizeLinear" and dq & set(n.input)}
+
+    scope = set(head_scope(ctx.model_path, HEAD).nodes)
+    assert "/head/dfl/Conv" in dequantized_inputs(plain) & scope  # the DFL projection is Q/DQ'd by default
+    assert not dequantized_inputs(head) & scope
