@@ -26,11 +26,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from edgekit.validate.metrics import Comparison, channel_axis, live_channels
+from edgekit.validate.metrics import SAMPLE_CHUNK as CHUNK
+from edgekit.validate.metrics import Comparison, channel_axis, live_channels, per_sample
 
 Z_95 = 1.959964  # two-sided 95 %
 BOOTSTRAP_RESAMPLES = 200
-CHUNK = 16  # samples converted to float64 at a time: a detector's outputs are large
 
 
 def wilson_lower(successes: int, n: int, z: float = Z_95) -> float:
@@ -71,7 +71,7 @@ def selection_margin(
     draws = rng.integers(0, n, size=(BOOTSTRAP_RESAMPLES, n)) if n > 1 else np.zeros((0, n), dtype=np.int64)
     for name in names:
         r, c = np.asarray(reference[name]), np.asarray(candidate[name])
-        cos, err, ref_abs = _per_sample(r, c)
+        cos, err, ref_abs, _ = per_sample(r, c)
         if t.min_cosine is not None and n > 1:
             low = float(cos.mean() - Z_95 * cos.std(ddof=1) / math.sqrt(n))
             if low < t.min_cosine:
@@ -97,22 +97,6 @@ def selection_margin(
     if not why:
         return ""
     return f"within the sampling error of the gate on {n} selection samples: " + "; ".join(why)
-
-
-def _per_sample(r: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per sample: the cosine, sum |c - r| and sum |r| (a few samples at a time, in float64)."""
-    n = r.shape[0]
-    cos, err, ref_abs = np.empty(n), np.empty(n), np.empty(n)
-    for start in range(0, n, CHUNK):
-        a = r[start : start + CHUNK].reshape(min(CHUNK, n - start), -1).astype(np.float64)
-        b = c[start : start + CHUNK].reshape(a.shape).astype(np.float64)
-        na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            got = np.sum(a * b, axis=1) / (na * nb)
-        cos[start : start + len(a)] = np.where((na == 0) & (nb == 0), 1.0, np.nan_to_num(got, nan=0.0))
-        err[start : start + len(a)] = np.abs(a - b).sum(axis=1)
-        ref_abs[start : start + len(a)] = np.abs(a).sum(axis=1)
-    return cos, err, ref_abs
 
 
 def _channel_lower(r: np.ndarray, c: np.ndarray, axis: int, draws: np.ndarray) -> float | None:
