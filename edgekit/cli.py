@@ -312,6 +312,14 @@ def _register_package(sub: Any) -> None:
         help=f"calibration subset size, stratified (default {defaults.DEFAULT_CALIB_SAMPLES}; every target)",
     )
     p.add_argument(
+        "--max-memory-gb",
+        type=float,
+        default=defaults.DEFAULT_MAX_MEMORY_GB,
+        metavar="GB",
+        help="memory bound of the run: a candidate estimated to need more to calibrate or measure is skipped, "
+        f"its reason in the report (default {defaults.DEFAULT_MAX_MEMORY_GB:g})",
+    )
+    p.add_argument(
         "--runtime-threads",
         type=int,
         default=0,
@@ -519,6 +527,7 @@ def _package_or_raise(args: argparse.Namespace) -> int:
             mixed_precision=args.mixed_precision,
             threads=args.runtime_threads,
             calib_samples=args.calib_samples,
+            max_memory_gb=args.max_memory_gb,
             max_drop=args.max_drop,
             keep_candidates=args.keep_candidates,
             device_profile=args.device_profile,

@@ -23,6 +23,8 @@ DEFAULT_TARGETS = ("cpu",)
 DEFAULT_PRECISION = "int8"  # for targets a precision mapping does not name (and no "*")
 DEFAULT_OBJECTIVE = "latency"
 DEFAULT_CALIB_SAMPLES = 128  # the stratified calibration subset, every target
+# the packaging run's memory bound: a candidate estimated to need more is skipped (optimize.memory)
+DEFAULT_MAX_MEMORY_GB = 4.0
 DEFAULT_FALSE_HIT_BUDGET = 0.01  # --cache approximate
 # Bundles expire by default (TUF: no metadata lives forever); `--expires-days 0` for none.
 DEFAULT_EXPIRES_DAYS = 365

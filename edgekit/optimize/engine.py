@@ -57,6 +57,7 @@ from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidateP
 from edgekit.optimize.choose import SPEED_TIE, choose
 from edgekit.optimize.data import SearchData
 from edgekit.optimize.margin import selection_margin
+from edgekit.optimize.memory import REFUSAL, MemoryModel, gb, peak_rss_bytes
 from edgekit.optimize.profile import DeviceLatency
 from edgekit.optimize.search_state import CandidateState, Outcome, SearchResult, SearchState
 from edgekit.optimize.timing import (
@@ -116,6 +117,7 @@ def search(
     clock: Callable[[], float] = time.perf_counter,
     tasks: Mapping[str, str] | None = None,
     post: Any = None,
+    memory: MemoryModel | None = None,
 ) -> SearchResult:
     """Run the search for one target. ``precision``: ``auto`` or the CLI precision requested
     (then only candidates of that precision are chosen; the baseline is measured for comparison).
@@ -131,7 +133,9 @@ def search(
     it has none) and more than ``DOMINATED_MIN_MS`` is recorded as skipped (dominated) before its
     accuracy run; None: never. ``clock``: what the timing rounds read (seconds). ``tasks``: each
     output's task (``validate.metrics.output_tasks``), how ``compare`` judges it; ``post``: the
-    bundle's post-processing (a boxes one judges the detections)."""
+    bundle's post-processing (a boxes one judges the detections). ``memory``: the run's memory
+    bound (``optimize.memory``); a candidate whose estimate exceeds it is skipped with its reason
+    before it is built."""
     t0 = time.perf_counter()
     batch = fixed_batch(served) or 16
     state = SearchState(
@@ -143,6 +147,10 @@ def search(
         ref_out=run_all(reference, data.selection, batch, pad=fixed_batch(served) is not None),
         one=pad_samples(take(data.selection, 0, fixed_batch(served) or 1), fixed_batch(served) or 1),
     )  # fmt: skip
+    if memory is not None:  # the selection outputs are held too
+        state.memory = dataclasses.replace(
+            memory, held_bytes=memory.held_bytes + sum(int(np.asarray(v).nbytes) for v in state.ref_out.values())
+        )
     state.notes.append(f"selection on {data.selection_source}")
     if kind == "classifier":
         state.notes.append(
@@ -155,6 +163,12 @@ def search(
     _rescue(state)
     _fallbacks(state)
     _final_rounds(state)
+    if state.memory is not None:
+        state.notes.append(
+            f"memory: peak RSS of this process {gb(peak_rss_bytes())} GB so far, "
+            f"bound {gb(state.memory.bound_bytes)} GB "
+            "(--max-memory-gb; the estimate leaves out the sessions of candidates already built)"
+        )
     return _choice(state)
 
 
@@ -416,6 +430,11 @@ def _attempt(state: SearchState, cand: Candidate, screen: bool = False) -> Candi
     st = CandidateState(cand, folder)
     states.append(st)
     say(f"[{target}] candidate {len(states)}: {cand.name}")
+    refused = state.memory.refusal(cand.precision) if state.memory is not None else ""
+    if refused:  # refused before it is built: the process would go over the bound, or be killed
+        say(f"[{target}]   skipped: {refused}")
+        st.outcome = _skipped(cand.name, refused, cand)
+        return st
     started = time.perf_counter()
     key = (cand.runtime, cand.name, *(f"{k}={v}" for k, v in sorted(cand.settings.items())))
     try:
@@ -721,6 +740,12 @@ def _raise_none_built(states: list[CandidateState], precision: str, target: str)
         if isinstance(s.error, EdgekitError):
             raise s.error
     reasons = "; ".join(f"{s.candidate.name}: {_reason(s.error)}" for s in errors if s.error is not None)
+    refused = [s for s in states if s.outcome is not None and s.outcome.reason.startswith(REFUSAL)]
+    if refused and not reasons:  # the memory bound refused every one: the first says what to do
+        raise OptimizationError(
+            f"{target}: no {precision} candidate fits the memory bound; {refused[0].candidate.name} "
+            f"{refused[0].outcome.reason if refused[0].outcome else ''}"
+        )
     raise OptimizationError(
         f"{target}: no {precision} candidate could be built ({reasons or 'none described'}); "
         "try another --precision for this target"

@@ -8,7 +8,7 @@ the same outside the packager (defaults: the default gate, selection on the cali
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,10 +20,11 @@ from edgekit.errors import ConfigError
 from edgekit.optimize.candidates import OBJECTIVES, RunFn
 from edgekit.optimize.data import search_data
 from edgekit.optimize.engine import record_of, search
+from edgekit.optimize.memory import bound_bytes, memory_model
 from edgekit.optimize.profile import DeviceProfile
 from edgekit.optimize.record import choice_step
 from edgekit.optimize.search_state import Outcome, SearchResult
-from edgekit.package_defaults import DEFAULT_CALIB_SAMPLES, DEFAULT_OBJECTIVE
+from edgekit.package_defaults import DEFAULT_CALIB_SAMPLES, DEFAULT_MAX_MEMORY_GB, DEFAULT_OBJECTIVE
 from edgekit.targets.base import BuildContext, BuildResult, static_signature
 from edgekit.validate.calib import even_batch, fixed_batch, sample_count
 from edgekit.validate.metrics import kind_of, output_kind, run_all
@@ -50,6 +51,8 @@ class EngineSettings:
     # the bundle's post-processing (``device_agents.processing.post.Postprocessor``): a boxes one
     # judges a detector by its detections (``validate.detections``)
     post: Any = None
+    # the run's memory bound (``optimize.memory``): a candidate estimated over it is skipped; None: none
+    max_memory_gb: float | None = DEFAULT_MAX_MEMORY_GB
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -58,6 +61,9 @@ class EngineSettings:
             raise ConfigError(f"--calib-samples must be >= 1, got {self.calib_samples}")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
+        gb = self.max_memory_gb
+        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0):
+            raise ConfigError(f"--max-memory-gb must be a number of GB > 0 (such as 4 or 0.5), got {gb!r}")
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ def optimize(
     reference_path: Path | None = None,
     shared: dict[Any, Any] | None = None,
     holdout_reference: Mapping[str, np.ndarray] | None = None,
+    also_held: Sequence[Mapping[str, np.ndarray]] = (),
 ) -> Optimized:
     """Search ``target``'s candidates for ``ctx.precision`` and finish the chosen one into
     ``ctx.out_dir``. ``reference_path``: the FP32 model accuracy is compared with and latency
@@ -80,7 +87,8 @@ def optimize(
     one dict per ``package`` call, so targets reuse each other's identical builds.
     ``holdout_reference``: the FP32 outputs on the held-out evaluation inputs; for a classifier,
     their top-1 margins are what the selection predicts agreement at (``optimize.flip_risk``):
-    only the FP32 model's outputs on them are used, never a candidate's."""
+    only the FP32 model's outputs on them are used, never a candidate's. ``also_held``: the caller's
+    arrays held while the search runs (the packager's evaluation inputs), counted under the bound."""
     settings = settings or EngineSettings()
     ref_path = reference_path or ctx.source_path or ctx.model_path
     reference_open = ort_open(ref_path)
@@ -105,6 +113,11 @@ def optimize(
         data = dataclasses.replace(data, margins=top1_margins(held), margins_source=source)
     calib_batch = fixed_batch(served) or even_batch(sample_count(data.calib))
     plan = target.candidates(ctx)
+    memory = None
+    if settings.max_memory_gb is not None:
+        per_sample = {k: tuple(int(d) for d in np.asarray(v).shape[1:]) for k, v in ctx.calib.items()}
+        arrays = (ctx.calib, data.calib, data.selection, holdout_reference, *also_held)
+        memory = memory_model(ctx.model_path, per_sample, arrays, bound_bytes(settings.max_memory_gb), batch)
     result = search(
         plan,
         target=target.name,
@@ -127,6 +140,7 @@ def optimize(
         device_latency=settings.device_profile.for_target(target.name) if settings.device_profile else None,
         tasks=tasks,
         post=settings.post,
+        memory=memory,
     )
     return _finished(target, ctx, settings, result)
 

@@ -136,6 +136,7 @@ class SearchState:
     rounds: dict[str, Mapping[str, LatencyStats]] = field(default_factory=dict)  # round -> its stats by name
     reference_latency: LatencyStats | None = None
     finalists: list[CandidateState] = field(default_factory=list)
+    memory: Any = None  # optimize.memory.MemoryModel: the run's memory bound, None for none
 
     @property
     def auto(self) -> bool:

@@ -116,6 +116,7 @@ def package(request: PackageRequest) -> PackageResult:
         threads=request.threads,
         calib_samples=request.calib_samples,
         tolerance=tol,
+        max_memory_gb=request.max_memory_gb,
     )
     profile = None
     if request.device_profile is not None:
@@ -437,8 +438,9 @@ def _build_target(
     kept_rows: list[dict[str, Any]] = []
     ctx = dataclasses.replace(ctx, source_path=ctx.source_path or model)
     optimized = optimize(
-        target, ctx, engine, reference_path=model, shared=shared_builds, holdout_reference=run.reference
-    )
+        target, ctx, engine, reference_path=model, shared=shared_builds, holdout_reference=run.reference,
+        also_held=(run.eval,),
+    )  # fmt: skip
     result, searched = optimized.build, optimized.search
     if keep_dir is not None:
         kept_rows = kept_candidate_rows(

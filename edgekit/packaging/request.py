@@ -24,6 +24,7 @@ from edgekit.package_defaults import (
     DEFAULT_CALIB_SAMPLES,
     DEFAULT_EXPIRES,
     DEFAULT_FALSE_HIT_BUDGET,
+    DEFAULT_MAX_MEMORY_GB,
     DEFAULT_OBJECTIVE,
     DEFAULT_PRECISION,
     DEFAULT_TARGETS,
@@ -74,7 +75,9 @@ class PackageRequest:
     (``latency`` or ``size``) orders the candidates within the gate, ``mixed_precision`` lets an
     explicit ``int8`` keep its most sensitive layers in float (``auto`` always may), ``threads``
     is the device runtime's thread count latency is measured at (0: the runtime's default),
-    ``calib_samples`` bounds the stratified calibration subset. ``max_drop``: the accuracy budget
+    ``calib_samples`` bounds the stratified calibration subset. ``max_memory_gb``: the run's memory
+    bound; a candidate estimated to need more to build and measure (``edgekit.optimize.memory``) is
+    skipped with its reason in the report (None: no bound). ``max_drop``: the accuracy budget
     as a top-1 drop (``Tolerance.max_top1_drop``) for classifiers; dense outputs keep their default
     gate (cosine, relative error). Every candidate is recorded in the manifest and in
     ``OUTDIR/<name>-<target>-v<version>.report.{md,json,png}``. ``keep_candidates``: a folder (new
@@ -116,6 +119,7 @@ class PackageRequest:
     mixed_precision: bool = False
     threads: int = 0
     calib_samples: int = DEFAULT_CALIB_SAMPLES
+    max_memory_gb: float | None = DEFAULT_MAX_MEMORY_GB
     max_drop: float | None = None
     keep_candidates: str | Path | None = None
     device_profile: str | Path | None = None

@@ -1,0 +1,173 @@
+"""The packaging run's memory bound: what a candidate needs before it is built, and a refusal
+(with its reason) where that exceeds ``--max-memory-gb``.
+
+The estimate is deterministic (ONNX shape inference and array sizes, never a reading of the
+process's memory), so the same request refuses the same candidates on every host:
+
+    held        the arrays the search holds whatever the candidate (calibration subset,
+                selection samples, the FP32 reference outputs on them, the held-out reference)
+  + model       ``MODEL_COPIES`` x the model file (the runtime's copy, the converter's, the quantizer's)
+  + running     samples per call x the largest node's inputs and outputs on one sample x
+                ``ARENA_FACTOR`` (the runtimes' arenas grow by powers of two)
+  + calibrating (static int8 only) samples per calibration call x every tensor of one sample: the
+                calibrators keep each tensor's values for the call (ONNX Runtime's histograms
+                held 2.46 GB for YOLOv8n 320² entropy on 32 samples)
+  + ``RUNTIME_BYTES``, the runtimes' libraries and the interpreter.
+
+What it leaves out: the sessions of candidates already built, which the search keeps open for
+its side-by-side timing rounds (``SearchResult.notes`` records the run's measured peak RSS next
+to the bound, so the gap shows).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GB = 1024**3
+MODEL_COPIES = 3
+ARENA_FACTOR = 2.0
+RUNTIME_BYTES = 512 * 1024**2
+# samples per calibration call: ONNX Runtime's (``compress.ort_quant.CALIB_CHUNK_SAMPLES``);
+# NNCF's statistics collection runs one subset sample at a time, so this bounds it too
+CALIB_CALL_SAMPLES = 16
+REFUSAL = "needs ~"  # how a refusal's reason starts
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """What the estimate needs of one model and one search, worked out once per target."""
+
+    bound_bytes: int  # --max-memory-gb
+    held_bytes: int  # arrays held whatever the candidate
+    model_bytes: int
+    node_peak_bytes: int  # the largest node's inputs + outputs on one sample
+    all_tensors_bytes: int  # every tensor of one sample (what a calibrator keeps)
+    run_samples: int  # samples per accuracy call
+
+    def needs(self, calibrates: bool) -> int:
+        """Bytes a candidate needs to be built and measured (``calibrates``: static int8)."""
+        running = int(self.run_samples * self.node_peak_bytes * ARENA_FACTOR)
+        calibrating = CALIB_CALL_SAMPLES * self.all_tensors_bytes if calibrates else 0
+        return self.held_bytes + MODEL_COPIES * self.model_bytes + running + calibrating + RUNTIME_BYTES
+
+    def refusal(self, precision: str) -> str:
+        """Why a candidate of CLI ``precision`` is not built under the bound, or "" when it fits."""
+        calibrates = precision == "int8"
+        need = self.needs(calibrates)
+        if need <= self.bound_bytes:
+            return ""
+        what = "calibrate" if calibrates else "build and measure"
+        return (
+            f"{REFUSAL}{gb(need)} GB to {what} (model {gb(MODEL_COPIES * self.model_bytes)} GB, data held "
+            f"{gb(self.held_bytes)} GB, activations of {CALIB_CALL_SAMPLES if calibrates else self.run_samples} "
+            f"samples per call), over the bound of {gb(self.bound_bytes)} GB: raise --max-memory-gb, or give "
+            "fewer --calib samples (--calib-samples) or a smaller input shape"
+        )
+
+
+def gb(n: float) -> str:
+    return f"{n / GB:.3g}"
+
+
+def bound_bytes(max_memory_gb: float) -> int:
+    return int(max_memory_gb * GB)
+
+
+def memory_model(
+    model: Path,
+    per_sample: Mapping[str, tuple[int, ...]],
+    held: Iterable[Mapping[str, np.ndarray] | None],
+    bound: int,
+    run_samples: int,
+) -> MemoryModel:
+    """The ``MemoryModel`` of ``model`` fed one sample of ``per_sample`` shapes (an input's shape
+    without its sample axis), holding the arrays of ``held``."""
+    import onnx
+
+    proto = onnx.load(str(model), load_external_data=False)  # shapes only: no weights read
+    node_peak, all_tensors = activation_bytes(proto, per_sample)
+    unique = {id(a): int(a.nbytes) for arrays in held if arrays is not None for a in arrays.values()}
+    held_bytes = sum(unique.values())  # an array held under two names counts once
+    return MemoryModel(
+        bound_bytes=bound,
+        held_bytes=held_bytes,
+        model_bytes=_model_file_bytes(model, proto),
+        node_peak_bytes=node_peak,
+        all_tensors_bytes=all_tensors,
+        run_samples=run_samples,
+    )
+
+
+def activation_bytes(proto: Any, per_sample: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
+    """(the largest node's inputs + outputs, every tensor) in bytes for one sample of ``proto`` (an
+    ``onnx.ModelProto``, changed: its inputs fixed to one sample), from ONNX
+    shape inference with each input fixed to one sample; a dimension inference leaves unknown
+    counts as 1 (the estimate is then low), an input missing from ``per_sample`` keeps its shape."""
+    import onnx
+    from onnx import helper
+
+    graph = proto.graph
+    initializers = {i.name for i in graph.initializer}
+    for inp in graph.input:
+        if inp.name in initializers or inp.name not in per_sample:
+            continue
+        dims = inp.type.tensor_type.shape.dim
+        shape = (1, *per_sample[inp.name])
+        if len(dims) != len(shape):
+            continue
+        for d, size in zip(dims, shape, strict=True):
+            d.ClearField("dim_param")
+            d.dim_value = int(size)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto)
+    except Exception:  # a model shape inference cannot take: the graph's own annotations
+        inferred = proto
+    sizes: dict[str, int] = {}
+    for info in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
+        if info.name in initializers or not info.type.HasField("tensor_type"):
+            continue
+        t = info.type.tensor_type
+        try:
+            item = np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type)).itemsize
+        except (KeyError, TypeError, ValueError):
+            item = 4
+        count = 1
+        for d in t.shape.dim:
+            count *= d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else 1
+        sizes[info.name] = count * item
+    node_peak = max(
+        (sum(sizes.get(n, 0) for n in (*node.input, *node.output)) for node in inferred.graph.node), default=0
+    )
+    return node_peak, sum(sizes.values())
+
+
+def _model_file_bytes(model: Path, proto: Any) -> int:
+    """The model file and its external-data files (the same folder's files ``proto`` names)."""
+    import onnx
+
+    total = model.stat().st_size
+    try:
+        names = {
+            e.value
+            for t in proto.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL
+            for e in t.external_data
+            if e.key == "location"
+        }
+        total += sum((model.parent / n).stat().st_size for n in names if (model.parent / n).is_file())
+    except Exception:  # the size of the file alone: the estimate is then low
+        pass
+    return total
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
