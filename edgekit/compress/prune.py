@@ -11,11 +11,14 @@ The layers that produce the model's outputs are never pruned: their channels are
 Per-layer ratios by measured sensitivity (when data is given): each prunable layer is pruned
 alone, at the requested ratio, on a copy of the model, and the divergence of the copy's outputs
 from the unpruned model's is measured on a batch of inputs (KL divergence of class scores, else
-relative squared error). With ``d_l`` that divergence and ``p_l`` the parameters the layer's
-cut removes, and a divergence growing with the square of a layer's ratio, the ratios that remove
-as many parameters as a uniform cut at the least total divergence are ``r_l = min(r_max, mu *
-p_l / d_l)`` (``mu`` found by bisection): layers that cost much accuracy per parameter keep
-more channels, cheap ones give more (up to ``r_max``).
+relative squared error). With ``d_l`` that divergence and ``c_l`` the multiply-adds per sample the
+layer's cut removes (what latency follows; parameters would spare the early, high-resolution
+layers where most of the compute is: 50 % of the digits example's parameters cut that way removed
+16 % of its multiply-adds and ran 1.3x faster, a uniform cut 3.0x), and a divergence growing with
+the square of a layer's ratio, the ratios that remove as much compute as a uniform cut at the
+least total divergence are ``r_l = min(r_max, mu * c_l / d_l)`` (``mu`` found by bisection):
+layers that cost much accuracy per multiply-add keep more channels, cheap ones give more (up to
+``r_max``).
 
 Mean compensation (when data is given): a channel with small weights may still carry a large
 constant (a bias, or a BatchNorm folded into the convolution), which the next layers rely on as
@@ -24,6 +27,16 @@ classifier answered one class for everything after 10 % of its channels went). A
 each Conv/Linear layer's bias is moved, in execution order on one batch, so that the mean of each
 of its kept output channels equals that channel's mean in the unpruned model (the bias
 correction that post-training quantization uses for its rounding shift).
+
+Channel multiples: the kept channel count of every pruned layer is a multiple of
+``channel_multiple`` (8 where every prunable layer has at least 16 channels, 4 where at least 8,
+else no rounding). CPU runtimes block channels for their SIMD width (ONNX Runtime's NCHWc layout,
+OpenVINO's blocked layouts), and a layer whose channels fit no block takes a slower path: the
+digits example pruned by sensitivity to 31/63/126 channels ran 1.4x slower than the unpruned
+model on ONNX Runtime (AVX-512). Uniform 50 % cuts kept at multiples of 1, 4, 8 and 16 ran
+2.9x, 3.0x, 3.1x and 3.0x faster; 25 % cuts at multiples of 8 (24/48/96 channels) as fast as at
+16, so 8, which keeps a 25 % cut of a 32-channel layer possible. Each layer's ratio is rounded to
+the nearest such count (at least one multiple) before the cut.
 
 Unstructured magnitude pruning zeroes the smallest weights of each Conv/Gemm/MatMul weight
 tensor in the ONNX graph to a target sparsity. Dense CPU runtimes do not run faster on it: what
@@ -57,6 +70,7 @@ class PruneReport:
     macs_after: int
     kept_layers: tuple[str, ...]  # layers left whole, each "name (why)"
     layer_ratios: tuple[tuple[str, float], ...] = ()  # per-layer ratios by sensitivity; empty when uniform
+    channel_multiple: int = 1  # every pruned layer keeps a multiple of this many channels
     refitted_layers: int = 0  # layers refitted to the unpruned outputs by least squares (``reconstruct``)
     bias_moved_layers: int = 0  # layers whose bias alone was moved (too few values for their weights)
 
@@ -104,7 +118,7 @@ def fixed_layers(module: Any) -> dict[str, str]:
 @dataclass(frozen=True)
 class LayerSensitivity:
     layer: str
-    params_removed: int  # by cutting this layer alone at the probe ratio
+    macs_removed: int  # multiply-adds per sample removed by cutting this layer alone at the probe ratio
     divergence: float  # of the outputs from the unpruned model's, with this layer alone cut
 
 
@@ -155,7 +169,7 @@ def layer_sensitivity(
         names[id(group[0].dep.target.module)]
         for group in graph.get_all_groups(ignored_layers=keep, root_module_types=[torch.nn.Conv2d, torch.nn.Linear])
     ]
-    total = sum(p.numel() for p in module.parameters())
+    total, _ = tp.utils.count_ops_and_params(module, example)
     found = []
     for name in dict.fromkeys(roots):
         trial = copy.deepcopy(module)
@@ -171,24 +185,24 @@ def layer_sensitivity(
         trial.eval()
         with torch.no_grad():
             moved = _divergence(reference, _first_output(trial(*inputs)))
-        removed = total - sum(p.numel() for p in trial.parameters())
+        removed = total - tp.utils.count_ops_and_params(trial, example)[0]
         if removed > 0:
             found.append(LayerSensitivity(name, int(removed), moved))
     return found
 
 
 def allocate(sensitivities: list[LayerSensitivity], ratio: float, max_ratio: float | None = None) -> dict[str, float]:
-    """Per-layer ratios removing as many parameters as ``ratio`` everywhere, at the least total
-    divergence under a quadratic model (the module doc): ``r_l = min(r_max, mu * p_l / d_l)``."""
+    """Per-layer ratios removing as many multiply-adds as ``ratio`` everywhere, at the least total
+    divergence under a quadratic model (the module doc): ``r_l = min(r_max, mu * c_l / d_l)``."""
     if not sensitivities:
         return {}
     cap = max_ratio if max_ratio is not None else min(0.85, 1.75 * ratio)
     floor = max(max(s.divergence for s in sensitivities) * 1e-6, 1e-12)
-    worth = {s.layer: s.params_removed / max(s.divergence, floor) for s in sensitivities}
-    goal = sum(s.params_removed for s in sensitivities)  # what a uniform cut removes (at ratio)
+    worth = {s.layer: s.macs_removed / max(s.divergence, floor) for s in sensitivities}
+    goal = sum(s.macs_removed for s in sensitivities)  # what a uniform cut removes (at ratio)
 
     def removed(mu: float) -> float:
-        return sum(s.params_removed * min(cap, mu * worth[s.layer]) / ratio for s in sensitivities)
+        return sum(s.macs_removed * min(cap, mu * worth[s.layer]) / ratio for s in sensitivities)
 
     low, high = 0.0, 1.0
     while removed(high) < goal and high < 1e30:
@@ -197,6 +211,27 @@ def allocate(sensitivities: list[LayerSensitivity], ratio: float, max_ratio: flo
         mid = (low + high) / 2
         low, high = (mid, high) if removed(mid) < goal else (low, mid)
     return {s.layer: min(cap, high * worth[s.layer]) for s in sensitivities}
+
+
+def _channels(layer: Any) -> int:
+    return int(getattr(layer, "out_channels", 0) or getattr(layer, "out_features", 0) or 0)
+
+
+def channel_multiple(module: Any, fixed: dict[str, str]) -> int:
+    """The multiple the pruned layers keep their channels at (the module doc): 8, 4 or 1."""
+    counts = [_channels(layer) for name, layer in _weighted_layers(module).items() if name not in fixed]
+    smallest = min((c for c in counts if c > 0), default=0)
+    return 8 if smallest >= 16 else 4 if smallest >= 8 else 1
+
+
+def _rounded_ratio(layer: Any, ratio: float, multiple: int) -> float:
+    """``ratio`` moved so that the layer keeps the nearest multiple of ``multiple`` channels (at
+    least one multiple); a hair under the exact ratio, as Torch-Pruning floors ``channels x ratio``."""
+    channels = _channels(layer)
+    if multiple <= 1 or channels < multiple:
+        return ratio
+    kept = max(multiple, round(channels * (1.0 - ratio) / multiple) * multiple)
+    return max(0.0, (channels - kept) / channels - 1e-6)
 
 
 def _weighted_layers(module: Any) -> dict[str, Any]:
@@ -366,17 +401,25 @@ def prune_channels(
     keep = [module.get_submodule(name) for name in fixed]
     macs_before, params_before = tp.utils.count_ops_and_params(module, example)
     ratios: dict[str, float] = {}
+    multiple = channel_multiple(module, fixed)
     try:
         if data is not None and by_sensitivity:
             ratios = allocate(layer_sensitivity(module, example, data, ratio, criterion), ratio)
+        uniform = not ratios
+        if uniform:
+            ratios = {n: ratio for n in _weighted_layers(module) if n not in fixed}
+        # every layer's kept count rounded here, at least one multiple: Torch-Pruning's round_to
+        # alone floors the kept count, to zero channels where fewer than a multiple remain
+        ratios = {n: _rounded_ratio(module.get_submodule(n), r, multiple) for n, r in ratios.items()}
         pruner = tp.pruner.MagnitudePruner(
             module,
             example,
             importance=_importance(criterion),
-            pruning_ratio=0.0 if ratios else ratio,
+            pruning_ratio=0.0,
             pruning_ratio_dict={module.get_submodule(n): r for n, r in ratios.items()} or None,
             ignored_layers=keep,
             global_pruning=False,
+            round_to=multiple if multiple > 1 else None,
         )
     except Exception as exc:  # DepGraph raises plain errors on graphs it cannot trace
         raise UnsupportedOpError(
@@ -415,7 +458,8 @@ def prune_channels(
         macs_before=int(macs_before),
         macs_after=int(macs_after),
         kept_layers=tuple(f"{name} ({why})" for name, why in sorted(fixed.items())),
-        layer_ratios=tuple(sorted(ratios.items())),
+        layer_ratios=() if uniform else tuple(sorted(ratios.items())),
+        channel_multiple=multiple,
         refitted_layers=refitted[0],
         bias_moved_layers=refitted[1],
     )

@@ -200,7 +200,12 @@ def _student(spec: str, current: Path, chain: _Chain) -> tuple[Any, str]:
         if not 0.0 < width < 1.0:
             raise ConfigError(f"distill={spec}: width must be between 0 and 1, e.g. width=0.5")
         student = load_module(current)
-        report = prune_channels(student, chain.example(), 1.0 - width, criterion="l2", data=chain.sensitivity_inputs())
+        # a student is the teacher at one width everywhere (a width multiplier): training recovers
+        # what the uniform cut loses, and the early high-resolution layers, where most of the
+        # compute is, shrink as much as the rest
+        report = prune_channels(
+            student, chain.example(), 1.0 - width, criterion="l2", data=chain.sensitivity_inputs(), by_sensitivity=False
+        )
         return (
             student,
             f"student: the teacher at width {width:g} ({report.params_after:,} of {report.params_before:,} parameters)",
@@ -286,6 +291,7 @@ def _run_step(step: Step, current: Path, out: Path, chain: _Chain) -> tuple[str,
         return (
             f"{prep.criterion} importance: parameters {prep.params_before:,} -> {prep.params_after:,}, multiply-adds "
             f"{prep.macs_before / max(prep.macs_after, 1):.2f}x fewer; {_ratios(prep.layer_ratios, chain)}; "
+            f"channels kept in multiples of {prep.channel_multiple}; "
             f"{prep.refitted_layers} layers refitted to the original's outputs by least squares, "
             f"{prep.bias_moved_layers} by their bias alone; "
             f"kept whole: {', '.join(prep.kept_layers) or '-'}; {tuned}",
@@ -294,6 +300,7 @@ def _run_step(step: Step, current: Path, out: Path, chain: _Chain) -> tuple[str,
                 "criterion": prep.criterion,
                 "params_after": str(prep.params_after),
                 "allocation": "sensitivity" if prep.layer_ratios else "uniform",
+                "channel_multiple": str(prep.channel_multiple),
             },
         )
     if step.kind == "low-rank":

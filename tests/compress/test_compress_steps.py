@@ -114,15 +114,15 @@ def test_allocate_cuts_less_where_a_layer_costs_more_divergence_per_parameter() 
     from edgekit.compress.prune import LayerSensitivity, allocate
 
     found = [
-        LayerSensitivity("cheap", params_removed=1000, divergence=0.01),
-        LayerSensitivity("costly", params_removed=1000, divergence=1.0),
-        LayerSensitivity("free", params_removed=10, divergence=0.0),
+        LayerSensitivity("cheap", macs_removed=1000, divergence=0.01),
+        LayerSensitivity("costly", macs_removed=1000, divergence=1.0),
+        LayerSensitivity("free", macs_removed=10, divergence=0.0),
     ]
     ratios = allocate(found, 0.3)
     assert ratios["costly"] < 0.3 < ratios["cheap"] <= ratios["free"]
     # as many parameters go as a uniform cut at 0.3 would take
-    removed = sum(s.params_removed * ratios[s.layer] / 0.3 for s in found)
-    assert abs(removed - sum(s.params_removed for s in found)) < 1e-3 * removed
+    removed = sum(s.macs_removed * ratios[s.layer] / 0.3 for s in found)
+    assert abs(removed - sum(s.macs_removed for s in found)) < 1e-3 * removed
 
 
 def test_prune_channels_with_data_refits_the_kept_layers_to_the_original_outputs(tmp_path: Path) -> None:
@@ -155,6 +155,35 @@ def test_prune_channels_by_sensitivity_records_per_layer_ratios(tmp_path: Path) 
     )
     assert "per-layer ratios by sensitivity measured on --train" in result.final.details
     assert result.final.provenance.settings["allocation"] == "sensitivity"
+
+
+def test_prune_channels_keeps_every_pruned_layer_at_a_multiple_of_eight_channels(tmp_path: Path) -> None:
+    # runtimes block channels for their SIMD width: 31 or 63 channels took a slower path than the
+    # unpruned model. By sensitivity the layers get uneven ratios; each kept count is rounded.
+    model, train, evaluation = _export(tmp_path)
+    out = tmp_path / "p.onnx"
+    result = compress(
+        model,
+        [parse_step("prune-channels=0.3")],
+        out,
+        Data(eval={"pixels": evaluation}, train={"pixels": train}),
+        settings=TrainSettings(epochs=0),
+    )
+    assert result.final.provenance.settings["channel_multiple"] == "8"
+    assert "channels kept in multiples of 8" in result.final.details
+    convs = [tuple(i.dims) for i in onnx.load(str(out)).graph.initializer if len(i.dims) == 4]
+    assert all(dims[0] % 8 == 0 for dims in convs), convs
+    assert _params(out) < _params(model)  # 0.3 of 32 channels rounds to 24 kept, not to nothing pruned
+
+
+def test_rounded_ratio_keeps_at_least_one_multiple_and_the_nearest_count() -> None:
+    from edgekit.compress.prune import _rounded_ratio
+
+    layer = torch.nn.Conv2d(3, 32, 3)
+    # Torch-Pruning keeps int(channels x (1 - ratio)) channels
+    kept = {r: int(32 * (1 - _rounded_ratio(layer, r, 8))) for r in (0.05, 0.25, 0.3, 0.5, 0.95)}
+    assert kept == {0.05: 32, 0.25: 24, 0.3: 24, 0.5: 16, 0.95: 8}
+    assert _rounded_ratio(torch.nn.Linear(4, 6), 0.5, 8) == 0.5  # fewer channels than a multiple: as asked
 
 
 def test_distill_redraws_image_batches_and_asks_the_teacher_about_them() -> None:
