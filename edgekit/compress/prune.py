@@ -28,15 +28,16 @@ each Conv/Linear layer's bias is moved, in execution order on one batch, so that
 of its kept output channels equals that channel's mean in the unpruned model (the bias
 correction that post-training quantization uses for its rounding shift).
 
-Channel multiples: the kept channel count of every pruned layer is a multiple of
-``channel_multiple`` (8 where every prunable layer has at least 16 channels, 4 where at least 8,
-else no rounding). CPU runtimes block channels for their SIMD width (ONNX Runtime's NCHWc layout,
-OpenVINO's blocked layouts), and a layer whose channels fit no block takes a slower path: the
-digits example pruned by sensitivity to 31/63/126 channels ran 1.4x slower than the unpruned
-model on ONNX Runtime (AVX-512). Uniform 50 % cuts kept at multiples of 1, 4, 8 and 16 ran
-2.9x, 3.0x, 3.1x and 3.0x faster; 25 % cuts at multiples of 8 (24/48/96 channels) as fast as at
-16, so 8, which keeps a 25 % cut of a 32-channel layer possible. Each layer's ratio is rounded to
-the nearest such count (at least one multiple) before the cut.
+Channel multiples: every pruned layer keeps a multiple of ``CHANNEL_MULTIPLE`` channels (a layer
+of fewer than 16 channels a multiple of 4, one of fewer than 8 any count). CPU runtimes block
+channels for their SIMD width (ONNX Runtime's NCHWc layout, OpenVINO's blocked layouts), and a
+layer whose channels fit no block takes a slower path: the digits example pruned by sensitivity
+to 31/63/126 channels ran 1.4x slower than the unpruned model on ONNX Runtime (AVX-512).
+Uniform 50 % cuts kept at multiples of 1, 4, 8 and 16 ran 2.9x, 3.0x, 3.1x and 3.0x faster; 25 %
+cuts at multiples of 8 (24/48/96 channels) as fast as at 16, so 8, which keeps a 25 % cut of a
+32-channel layer possible. Each layer's ratio is rounded to the nearest such count (at least one
+multiple) before the cut, per layer, so a model with small squeeze-excitation layers still has
+its wide layers rounded.
 
 Unstructured magnitude pruning zeroes the smallest weights of each Conv/Gemm/MatMul weight
 tensor in the ONNX graph to a target sparsity. Dense CPU runtimes do not run faster on it: what
@@ -58,6 +59,7 @@ from edgekit.errors import ConfigError, UnsupportedOpError
 
 Criterion = Literal["l1", "l2", "taylor"]
 CRITERIA: tuple[Criterion, ...] = ("l1", "l2", "taylor")
+CHANNEL_MULTIPLE = 8  # pruned layers keep a multiple of this many channels (the module doc)
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class PruneReport:
     macs_after: int
     kept_layers: tuple[str, ...]  # layers left whole, each "name (why)"
     layer_ratios: tuple[tuple[str, float], ...] = ()  # per-layer ratios by sensitivity; empty when uniform
-    channel_multiple: int = 1  # every pruned layer keeps a multiple of this many channels
+    channel_multiple: int = 1  # pruned layers keep a multiple of this many channels (narrow ones: ``layer_multiple``)
     refitted_layers: int = 0  # layers refitted to the unpruned outputs by least squares (``reconstruct``)
     bias_moved_layers: int = 0  # layers whose bias alone was moved (too few values for their weights)
 
@@ -217,18 +219,18 @@ def _channels(layer: Any) -> int:
     return int(getattr(layer, "out_channels", 0) or getattr(layer, "out_features", 0) or 0)
 
 
-def channel_multiple(module: Any, fixed: dict[str, str]) -> int:
-    """The multiple the pruned layers keep their channels at (the module doc): 8, 4 or 1."""
-    counts = [_channels(layer) for name, layer in _weighted_layers(module).items() if name not in fixed]
-    smallest = min((c for c in counts if c > 0), default=0)
-    return 8 if smallest >= 16 else 4 if smallest >= 8 else 1
+def layer_multiple(channels: int) -> int:
+    """The multiple a pruned layer of ``channels`` output channels keeps (the module doc)."""
+    return CHANNEL_MULTIPLE if channels >= 2 * CHANNEL_MULTIPLE else 4 if channels >= 8 else 1
 
 
-def _rounded_ratio(layer: Any, ratio: float, multiple: int) -> float:
-    """``ratio`` moved so that the layer keeps the nearest multiple of ``multiple`` channels (at
-    least one multiple); a hair under the exact ratio, as Torch-Pruning floors ``channels x ratio``."""
+def _rounded_ratio(layer: Any, ratio: float) -> float:
+    """``ratio`` moved so that the layer keeps the nearest multiple of its ``layer_multiple``
+    channels (at least one multiple); a hair under the exact ratio, as Torch-Pruning keeps
+    ``int(channels x (1 - ratio))``."""
     channels = _channels(layer)
-    if multiple <= 1 or channels < multiple:
+    multiple = layer_multiple(channels)
+    if multiple <= 1 or ratio <= 0.0:
         return ratio
     kept = max(multiple, round(channels * (1.0 - ratio) / multiple) * multiple)
     return max(0.0, (channels - kept) / channels - 1e-6)
@@ -401,16 +403,15 @@ def prune_channels(
     keep = [module.get_submodule(name) for name in fixed]
     macs_before, params_before = tp.utils.count_ops_and_params(module, example)
     ratios: dict[str, float] = {}
-    multiple = channel_multiple(module, fixed)
     try:
         if data is not None and by_sensitivity:
             ratios = allocate(layer_sensitivity(module, example, data, ratio, criterion), ratio)
         uniform = not ratios
         if uniform:
             ratios = {n: ratio for n in _weighted_layers(module) if n not in fixed}
-        # every layer's kept count rounded here, at least one multiple: Torch-Pruning's round_to
-        # alone floors the kept count, to zero channels where fewer than a multiple remain
-        ratios = {n: _rounded_ratio(module.get_submodule(n), r, multiple) for n, r in ratios.items()}
+        # every layer's kept count rounded here, per layer and at least one multiple (Torch-Pruning's
+        # round_to is one multiple for all layers, and floors a kept count below it to zero channels)
+        ratios = {n: _rounded_ratio(module.get_submodule(n), r) for n, r in ratios.items()}
         pruner = tp.pruner.MagnitudePruner(
             module,
             example,
@@ -419,7 +420,6 @@ def prune_channels(
             pruning_ratio_dict={module.get_submodule(n): r for n, r in ratios.items()} or None,
             ignored_layers=keep,
             global_pruning=False,
-            round_to=multiple if multiple > 1 else None,
         )
     except Exception as exc:  # DepGraph raises plain errors on graphs it cannot trace
         raise UnsupportedOpError(
@@ -459,7 +459,7 @@ def prune_channels(
         macs_after=int(macs_after),
         kept_layers=tuple(f"{name} ({why})" for name, why in sorted(fixed.items())),
         layer_ratios=() if uniform else tuple(sorted(ratios.items())),
-        channel_multiple=multiple,
+        channel_multiple=CHANNEL_MULTIPLE,
         refitted_layers=refitted[0],
         bias_moved_layers=refitted[1],
     )

@@ -291,7 +291,7 @@ def _run_step(step: Step, current: Path, out: Path, chain: _Chain) -> tuple[str,
         return (
             f"{prep.criterion} importance: parameters {prep.params_before:,} -> {prep.params_after:,}, multiply-adds "
             f"{prep.macs_before / max(prep.macs_after, 1):.2f}x fewer; {_ratios(prep.layer_ratios, chain)}; "
-            f"channels kept in multiples of {prep.channel_multiple}; "
+            f"channels kept in multiples of {prep.channel_multiple} (4 in layers under 16); "
             f"{prep.refitted_layers} layers refitted to the original's outputs by least squares, "
             f"{prep.bias_moved_layers} by their bias alone; "
             f"kept whole: {', '.join(prep.kept_layers) or '-'}; {tuned}",

@@ -181,9 +181,10 @@ def test_rounded_ratio_keeps_at_least_one_multiple_and_the_nearest_count() -> No
 
     layer = torch.nn.Conv2d(3, 32, 3)
     # Torch-Pruning keeps int(channels x (1 - ratio)) channels
-    kept = {r: int(32 * (1 - _rounded_ratio(layer, r, 8))) for r in (0.05, 0.25, 0.3, 0.5, 0.95)}
+    kept = {r: int(32 * (1 - _rounded_ratio(layer, r))) for r in (0.05, 0.25, 0.3, 0.5, 0.95)}
     assert kept == {0.05: 32, 0.25: 24, 0.3: 24, 0.5: 16, 0.95: 8}
-    assert _rounded_ratio(torch.nn.Linear(4, 6), 0.5, 8) == 0.5  # fewer channels than a multiple: as asked
+    assert int(12 * (1 - _rounded_ratio(torch.nn.Linear(4, 12), 0.5))) == 8  # under 16 channels: a multiple of 4
+    assert _rounded_ratio(torch.nn.Linear(4, 6), 0.5) == 0.5  # fewer than 8 channels: as asked
 
 
 def test_distill_redraws_image_batches_and_asks_the_teacher_about_them() -> None:
