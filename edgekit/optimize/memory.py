@@ -15,8 +15,10 @@ process's memory), so the same request refuses the same candidates on every host
   + ``RUNTIME_BYTES``, the runtimes' libraries and the interpreter.
 
 What it leaves out: the sessions of candidates already built, which the search keeps open for
-its side-by-side timing rounds (``SearchResult.notes`` records the run's measured peak RSS next
-to the bound, so the gap shows).
+its side-by-side timing rounds. Where one accuracy pass's working set is large
+(``REOPEN_ABOVE_BYTES``) such a session is opened again after that pass, so it holds one sample's
+arena, not the pass's (``SearchResult.notes`` records the run's measured peak RSS next to the
+bound, so what is left of the gap shows).
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ RUNTIME_BYTES = 512 * 1024**2
 # NNCF's statistics collection runs one subset sample at a time, so this bounds it too
 CALIB_CALL_SAMPLES = 16
 REFUSAL = "needs ~"  # how a refusal's reason starts
+# an accuracy pass whose working set is over this: the candidate's session is opened again for
+# the timing rounds (a second open costs ~0.3 s for ONNX Runtime; below this it is not worth it)
+REOPEN_ABOVE_BYTES = 256 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,12 @@ class MemoryModel:
         calibrating = CALIB_CALL_SAMPLES * self.all_tensors_bytes if calibrates else 0
         return self.held_bytes + MODEL_COPIES * self.model_bytes + running + calibrating + RUNTIME_BYTES
 
+    def reopen_after_accuracy(self) -> bool:
+        """Whether a candidate's session is opened again after its accuracy pass: where that pass's
+        working set (``run_samples`` per call) is over ``REOPEN_ABOVE_BYTES``, a session kept open
+        for the timing rounds (one sample per call) would keep it."""
+        return self.run_samples > 1 and self.run_samples * self.node_peak_bytes * ARENA_FACTOR > REOPEN_ABOVE_BYTES
+
     def refusal(self, precision: str) -> str:
         """Why a candidate of CLI ``precision`` is not built under the bound, or "" when it fits."""
         calibrates = precision == "int8"
@@ -65,15 +76,16 @@ class MemoryModel:
             return ""
         what = "calibrate" if calibrates else "build and measure"
         return (
-            f"{REFUSAL}{gb(need)} GB to {what} (model {gb(MODEL_COPIES * self.model_bytes)} GB, data held "
-            f"{gb(self.held_bytes)} GB, activations of {CALIB_CALL_SAMPLES if calibrates else self.run_samples} "
-            f"samples per call), over the bound of {gb(self.bound_bytes)} GB: raise --max-memory-gb, or give "
+            f"{REFUSAL}{gb(need)} to {what} (model {gb(MODEL_COPIES * self.model_bytes)}, data held "
+            f"{gb(self.held_bytes)}, activations of {CALIB_CALL_SAMPLES if calibrates else self.run_samples} "
+            f"samples per call), over the bound of {gb(self.bound_bytes)}: raise --max-memory-gb, or give "
             "fewer --calib samples (--calib-samples) or a smaller input shape"
         )
 
 
 def gb(n: float) -> str:
-    return f"{n / GB:.3g}"
+    """``n`` bytes for a reason: ``4.32 GB``, ``310 MB`` below a tenth of a GB."""
+    return f"{n / GB:.3g} GB" if n >= GB / 10 else f"{n / 1024**2:.3g} MB"
 
 
 def bound_bytes(max_memory_gb: float) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 
 from edgekit.bundle.manifest import Tolerance
 from edgekit.errors import ConfigError
-from edgekit.optimize.candidates import OBJECTIVES, RunFn
+from edgekit.optimize.candidates import OBJECTIVES
 from edgekit.optimize.data import search_data
 from edgekit.optimize.engine import record_of, search
 from edgekit.optimize.memory import bound_bytes, memory_model
@@ -92,7 +92,6 @@ def optimize(
     settings = settings or EngineSettings()
     ref_path = reference_path or ctx.source_path or ctx.model_path
     reference_open = ort_open(ref_path)
-    reference: RunFn = reference_open(0)
     served = ctx.served
     if getattr(target, "static_shapes", False):  # the artifact takes the static shapes only: measure at them
         served = static_signature(ctx.served, ctx.static_shapes)
@@ -102,7 +101,7 @@ def optimize(
     classes = None
     if kind == "classifier":
         first = ctx.served.outputs[0].name
-        scores = run_all(reference, dict(ctx.calib), batch, pad=fixed_batch(ctx.served) is not None)[first]
+        scores = run_all(reference_open(0), dict(ctx.calib), batch, pad=fixed_batch(ctx.served) is not None)[first]
         classes = np.asarray(scores).reshape(sample_count(ctx.calib), -1).argmax(-1)
     data = search_data(ctx.calib, settings.calib_samples, classes)
     if kind == "classifier" and holdout_reference is not None:
@@ -124,7 +123,7 @@ def optimize(
         work_dir=ctx.work_dir / "candidates",
         data=data,
         served=served,
-        reference=reference,
+        reference=reference_open(0),  # held by search alone: it frees the session once it has its outputs
         reference_open=reference_open,
         kind=kind,
         tolerance=settings.tolerance,
