@@ -100,3 +100,13 @@ def test_nothing_fits_is_a_one_line_error(tmp_path: Path, keypair: tuple[Path, P
     assert code != 0
     assert "fits the memory bound" in err and "--max-memory-gb" in err and "Traceback" not in err
     assert not list((tmp_path / "out").glob("*.ekb"))
+
+
+def test_a_large_accuracy_pass_gets_its_session_reopened(tmp_path: Path) -> None:
+    model = tiny_dense(tmp_path / "d.onnx", size=SIZE, features=FEATURES)
+    small = memory_model(model, {"image": (3, SIZE, SIZE)}, [], int(GB), 16)
+    assert not small.reopen_after_accuracy()  # 16 samples x 4 MB x 2: a second open is not worth it
+    large = memory_model(model, {"image": (3, 4 * SIZE, 4 * SIZE)}, [], int(GB), 16)
+    assert large.reopen_after_accuracy()  # 16 samples x 64 MB x 2
+    one = memory_model(model, {"image": (3, 4 * SIZE, 4 * SIZE)}, [], int(GB), 1)
+    assert not one.reopen_after_accuracy()  # one sample per call: what the timing rounds hold anyway
