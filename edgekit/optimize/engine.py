@@ -150,9 +150,9 @@ def search(
     # a session keeps its arena at the largest call's size (16 samples: 0.6 GB for a 512x512 conv
     # model); the timing rounds open their own
     del reference
-    if memory is not None:  # the selection outputs are held too
+    if memory is not None:  # the reference's selection outputs are held too, and a candidate's while measured
         state.memory = dataclasses.replace(
-            memory, held_bytes=memory.held_bytes + sum(int(np.asarray(v).nbytes) for v in state.ref_out.values())
+            memory, held_bytes=memory.held_bytes + 2 * sum(int(np.asarray(v).nbytes) for v in state.ref_out.values())
         )
     state.notes.append(f"selection on {data.selection_source}")
     if kind == "classifier":

@@ -46,7 +46,7 @@ def test_activation_bytes_from_shape_inference(tmp_path: Path) -> None:
 def test_calibrating_needs_more_than_measuring(tmp_path: Path) -> None:
     model = tiny_dense(tmp_path / "d.onnx", size=SIZE, features=FEATURES)
     held = {"image": np.zeros((10, 3, SIZE, SIZE), np.float32)}
-    m = memory_model(model, {"image": (3, SIZE, SIZE)}, [held, held, None], int(GB), 16)
+    m = memory_model(model, {"image": (3, SIZE, SIZE)}, [held, held, None], 2 * GB, 16)
     assert m.held_bytes == held["image"].nbytes  # one array held twice counts once
     assert m.needs(True) - m.needs(False) == CALIB_CALL_SAMPLES * m.all_tensors_bytes
     assert m.refusal("int8") == "" and m.refusal("fp32") == ""
