@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from edgekit.bundle.manifest import Precision, Signature, Tolerance
-from edgekit.errors import EdgekitError
+from edgekit.errors import ConfigError, EdgekitError
 from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, RunFn
 from edgekit.optimize.choose import SPEED_TIE, choose
 from edgekit.optimize.data import SearchData
@@ -750,8 +750,8 @@ def _raise_none_built(states: list[CandidateState], precision: str, target: str)
             raise s.error
     reasons = "; ".join(f"{s.candidate.name}: {_reason(s.error)}" for s in errors if s.error is not None)
     refused = [s for s in states if s.outcome is not None and s.outcome.reason.startswith(REFUSAL)]
-    if refused and not reasons:  # the memory bound refused every one: the first says what to do
-        raise OptimizationError(
+    if refused and not reasons:  # the memory bound refused every one, before any build: an argument to change
+        raise ConfigError(
             f"{target}: no {precision} candidate fits the memory bound; {refused[0].candidate.name} "
             f"{refused[0].outcome.reason if refused[0].outcome else ''}"
         )
