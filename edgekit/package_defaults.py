@@ -23,8 +23,10 @@ DEFAULT_TARGETS = ("cpu",)
 DEFAULT_PRECISION = "int8"  # for targets a precision mapping does not name (and no "*")
 DEFAULT_OBJECTIVE = "latency"
 DEFAULT_CALIB_SAMPLES = 128  # the stratified calibration subset, every target
-# the packaging run's memory bound: a candidate estimated to need more is skipped (optimize.memory)
-DEFAULT_MAX_MEMORY_GB = 4.0
+# the packaging run's memory bound by default: this share of the memory the process may use (the
+# machine's RAM, or a cgroup's limit below it); a candidate estimated to need more is skipped
+# (optimize.memory) instead of the kernel's OOM killer ending the whole run
+MEMORY_BOUND_SHARE = 0.75
 DEFAULT_FALSE_HIT_BUDGET = 0.01  # --cache approximate
 # Bundles expire by default (TUF: no metadata lives forever); `--expires-days 0` for none.
 DEFAULT_EXPIRES_DAYS = 365
@@ -87,3 +89,26 @@ def development_key_warning(key: Path, pub: Path, made: bool) -> str:
         f"{key_id(load_public_key(pub))}); devices accept these bundles only if their agent.toml lists "
         f'trusted_keys = ["{pub}"]; for bundles you ship, make a key with `edgekit keygen` and pass --signing-key'
     )
+
+
+def usable_memory_bytes() -> int:
+    """The memory this process may use: physical RAM, or the cgroup's limit where that is lower
+    (a container, a CI job, a systemd unit with MemoryMax)."""
+    import os
+
+    pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    usable = int(pages * page)
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            usable = min(usable, int(text))
+        break
+    return usable
+
+
+def default_max_memory_gb() -> float:
+    """``--max-memory-gb`` when none is given: ``MEMORY_BOUND_SHARE`` of ``usable_memory_bytes``."""
+    return round(MEMORY_BOUND_SHARE * usable_memory_bytes() / 2**30, 1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from edgekit.optimize.memory import bound_bytes, memory_model
 from edgekit.optimize.profile import DeviceProfile
 from edgekit.optimize.record import choice_step
 from edgekit.optimize.search_state import Outcome, SearchResult
-from edgekit.package_defaults import DEFAULT_CALIB_SAMPLES, DEFAULT_MAX_MEMORY_GB, DEFAULT_OBJECTIVE
+from edgekit.package_defaults import DEFAULT_CALIB_SAMPLES, DEFAULT_OBJECTIVE, default_max_memory_gb
 from edgekit.targets.base import BuildContext, BuildResult, static_signature
 from edgekit.validate.calib import even_batch, fixed_batch, sample_count
 from edgekit.validate.metrics import kind_of, output_kind, run_all
@@ -52,7 +52,7 @@ class EngineSettings:
     # judges a detector by its detections (``validate.detections``)
     post: Any = None
     # the run's memory bound (``optimize.memory``): a candidate estimated over it is skipped; None: none
-    max_memory_gb: float | None = DEFAULT_MAX_MEMORY_GB
+    max_memory_gb: float | None = field(default_factory=default_max_memory_gb)
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:

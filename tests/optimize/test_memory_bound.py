@@ -110,3 +110,17 @@ def test_a_large_accuracy_pass_gets_its_session_reopened(tmp_path: Path) -> None
     assert large.reopen_after_accuracy()  # 16 samples x 64 MB x 2
     one = memory_model(model, {"image": (3, 4 * SIZE, 4 * SIZE)}, [], int(GB), 1)
     assert not one.reopen_after_accuracy()  # one sample per call: what the timing rounds hold anyway
+
+
+def test_default_bound_is_three_quarters_of_what_the_machine_or_its_cgroup_allows() -> None:
+    import os
+
+    from edgekit.package_defaults import default_max_memory_gb, usable_memory_bytes
+    from edgekit.packaging.request import PackageRequest
+
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < usable_memory_bytes() <= physical
+    assert default_max_memory_gb() == round(0.75 * usable_memory_bytes() / 2**30, 1)
+    # a machine-sized bound, not a fixed one that would refuse int8 on a large model with RAM to spare
+    assert EngineSettings().max_memory_gb == default_max_memory_gb()
+    assert PackageRequest(model=Path("m.onnx")).max_memory_gb == default_max_memory_gb()
