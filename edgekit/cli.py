@@ -317,7 +317,7 @@ def _register_package(sub: Any) -> None:
         default=None,
         metavar="GB",
         help="memory bound of the run: a candidate estimated to need more to calibrate or measure is skipped, "
-        f"its reason in the report (default {defaults.MEMORY_BOUND_SHARE:.0%} of the memory this machine or "
+        f"its reason in the report (default {defaults.MEMORY_BOUND_SHARE:.0%}% of the memory this machine or "
         f"container allows: {defaults.default_max_memory_gb():g} here)",
     )
     p.add_argument(
@@ -528,7 +528,7 @@ def _package_or_raise(args: argparse.Namespace) -> int:
             mixed_precision=args.mixed_precision,
             threads=args.runtime_threads,
             calib_samples=args.calib_samples,
-            max_memory_gb=defaults.default_max_memory_gb() if args.max_memory_gb is None else args.max_memory_gb,
+            max_memory_gb=args.max_memory_gb,
             max_drop=args.max_drop,
             keep_candidates=args.keep_candidates,
             device_profile=args.device_profile,

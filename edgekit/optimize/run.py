@@ -8,8 +8,9 @@ the same outside the packager (defaults: the default gate, selection on the cali
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ class EngineSettings:
     # judges a detector by its detections (``validate.detections``)
     post: Any = None
     # the run's memory bound (``optimize.memory``): a candidate estimated over it is skipped; None: none
-    max_memory_gb: float | None = field(default_factory=default_max_memory_gb)
+    max_memory_gb: float | None = None  # None: default_max_memory_gb() of this machine; inf: no bound
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -113,10 +114,11 @@ def optimize(
     calib_batch = fixed_batch(served) or even_batch(sample_count(data.calib))
     plan = target.candidates(ctx)
     memory = None
-    if settings.max_memory_gb is not None:
+    bound_gb = default_max_memory_gb() if settings.max_memory_gb is None else settings.max_memory_gb
+    if math.isfinite(bound_gb):
         per_sample = {k: tuple(int(d) for d in np.asarray(v).shape[1:]) for k, v in ctx.calib.items()}
         arrays = (ctx.calib, data.calib, data.selection, holdout_reference, *also_held)
-        memory = memory_model(ctx.model_path, per_sample, arrays, bound_bytes(settings.max_memory_gb), batch)
+        memory = memory_model(ctx.model_path, per_sample, arrays, bound_bytes(bound_gb), batch)
     result = search(
         plan,
         target=target.name,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -28,7 +28,6 @@ from edgekit.package_defaults import (
     DEFAULT_PRECISION,
     DEFAULT_TARGETS,
     DEFAULT_VERSION,
-    default_max_memory_gb,
 )
 
 if TYPE_CHECKING:
@@ -76,9 +75,9 @@ class PackageRequest:
     explicit ``int8`` keep its most sensitive layers in float (``auto`` always may), ``threads``
     is the device runtime's thread count latency is measured at (0: the runtime's default),
     ``calib_samples`` bounds the stratified calibration subset. ``max_memory_gb``: the run's memory
-    bound (default: 3/4 of the memory the machine or its container allows); a candidate estimated
-    to need more to build and measure (``edgekit.optimize.memory``) is skipped with its reason in
-    the report (None: no bound). ``max_drop``: the accuracy budget
+    bound (None: 3/4 of the memory the machine or its container allows; ``math.inf``: no bound); a
+    candidate estimated to need more to build and measure (``edgekit.optimize.memory``) is skipped
+    with its reason in the report. ``max_drop``: the accuracy budget
     as a top-1 drop (``Tolerance.max_top1_drop``) for classifiers; dense outputs keep their default
     gate (cosine, relative error). Every candidate is recorded in the manifest and in
     ``OUTDIR/<name>-<target>-v<version>.report.{md,json,png}``. ``keep_candidates``: a folder (new
@@ -120,7 +119,7 @@ class PackageRequest:
     mixed_precision: bool = False
     threads: int = 0
     calib_samples: int = DEFAULT_CALIB_SAMPLES
-    max_memory_gb: float | None = field(default_factory=default_max_memory_gb)
+    max_memory_gb: float | None = None
     max_drop: float | None = None
     keep_candidates: str | Path | None = None
     device_profile: str | Path | None = None

@@ -18,7 +18,7 @@ from edgekit.bundle.errors import ConfigError
 from tests.agent.conftest import AgentFactory, RunningAgent, agent_cli, write_config
 from tests.factories import make_cpu_bundle
 
-N = 1024
+N = 4096  # the full variant a 4096 x 4096 MatMul: milliseconds, far above the scaling variant
 X = np.ones((1, N), np.float32)
 
 
