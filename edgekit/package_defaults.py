@@ -96,19 +96,23 @@ def usable_memory_bytes() -> int:
     (a container, a CI job, a systemd unit with MemoryMax)."""
     import os
 
-    pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-    usable = int(pages * page)
+    try:
+        usable = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):  # no such sysconf name here (not Linux): 0, "unknown"
+        usable = 0
     for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
             text = Path(limit_file).read_text().strip()
         except OSError:
             continue
         if text.isdigit():
-            usable = min(usable, int(text))
+            usable = min(usable, int(text)) if usable else int(text)
         break
     return usable
 
 
 def default_max_memory_gb() -> float:
-    """``--max-memory-gb`` when none is given: ``MEMORY_BOUND_SHARE`` of ``usable_memory_bytes``."""
-    return round(MEMORY_BOUND_SHARE * usable_memory_bytes() / 2**30, 1)
+    """``--max-memory-gb`` when none is given: ``MEMORY_BOUND_SHARE`` of ``usable_memory_bytes``
+    (no bound, ``inf``, where the memory cannot be read)."""
+    usable = usable_memory_bytes()
+    return round(MEMORY_BOUND_SHARE * usable / 2**30, 1) if usable else float("inf")
