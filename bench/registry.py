@@ -73,8 +73,8 @@ class Entry:
 _QUANT = "INT8 (and FP16) vs FP32 bundles of the digits example for the {} target, through its device runtime"
 
 _ENGINE = (
-    "edgekit --precision auto (cpu, intel) vs ORT FP32, OV FP32, nncf.quantize defaults and ORT static QDQ U8S8 "
-    "per-channel on {}, side by side"
+    "edgekit --precision auto (cpu, intel) vs ORT FP32, OV FP32, nncf.quantize (defaults, preset=MIXED, head in "
+    "float by ignored_scope) and ORT static QDQ U8S8 per-channel on {}, side by side"
 )
 
 BENCHMARKS: tuple[Entry, ...] = (
@@ -100,6 +100,24 @@ BENCHMARKS: tuple[Entry, ...] = (
         "bench.engine:run",
         _ENGINE.format("PP-OCRv4's pretrained text detector"),
         {"model": "ppocr-det"},
+    ),
+    Entry(
+        "engine.nudenet-320n",
+        "bench.engine:run",
+        _ENGINE.format(
+            "NudeNet's pretrained YOLOv8n detector (320x320 photo crops, judged by its detections after "
+            "--postprocess boxes=yolo; wheel downloaded once)"
+        ),
+        {"model": "nudenet-320n"},
+    ),
+    Entry(
+        "engine.u2netp",
+        "bench.engine:run",
+        _ENGINE.format(
+            "rembg's pretrained U^2-Net-p salient-object segmenter (320x320 photo crops, run-time Resize sizes; "
+            "wheel downloaded once)"
+        ),
+        {"model": "u2netp"},
     ),
     Entry(
         "engine.transformer",
