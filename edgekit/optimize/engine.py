@@ -14,7 +14,9 @@ Order of work:
    skipped (FP32 already beats it), and the record says so;
 5. mixed precision, when the fastest quantized candidate missed the budget (``auto``, or with
    ``mixed_precision``): rank its layers by sensitivity and keep the fewest in float that meet
-   the budget (1, 2, 4, ... layers, then the smallest count in between that passes);
+   the budget (1, 2, 4, ... layers, then the smallest count in between that passes); where it
+   failed on a task measure (detection F1, mask IoU, the worst channel alone), the most sensitive
+   groups are first re-ranked by that measure, each kept in float alone (``optimize.aimed``);
    then, under ``auto`` and only when still nothing met the budget, the plan's fallbacks (a
    float artifact of an integer target), so what ships meets the gate and says what it is;
 6. a final side-by-side round with full repeats of every candidate the choice may pick, the
@@ -44,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -53,6 +56,7 @@ import numpy as np
 
 from edgekit.bundle.manifest import Precision, Signature, Tolerance
 from edgekit.errors import ConfigError, EdgekitError
+from edgekit.optimize.aimed import MAX_MEASURED_GROUPS, AimedRanking, aim_of, aimed_ranking
 from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan, RunFn
 from edgekit.optimize.choose import SPEED_TIE, choose
 from edgekit.optimize.data import SearchData
@@ -237,10 +241,14 @@ def _rescue(state: SearchState) -> None:
         if over:
             notes.append(f"over the search time budget ({state.time_budget_s:.0f} s) with nothing within the budget: "
                          "mixed precision tried anyway")  # fmt: skip
-        _mixed(
+        before = len(state.states)
+        aimed = _mixed(
             state.states, lambda cand: _attempt(state, cand), lambda folder: _space(state, folder), auto, precision,
-            state.base_p50, notes, state.say, state.target,
+            state.base_p50, notes, state.say, state.target, measure=lambda cand: _measure(state, cand),
         )  # fmt: skip
+        if aimed is not None:  # what the manifest says of the layers each mixed try keeps in float
+            for s in state.states[before:]:
+                state.excluded_by[s.candidate.name] = aimed.reason()
 
 
 def _fallbacks(state: SearchState) -> None:
@@ -387,6 +395,7 @@ def _choice(state: SearchState) -> SearchResult:
         },
         chain=tuple(o.name for o in chain if o is not chosen),
         pending=pending,
+        excluded_by=dict(state.excluded_by),
         build_late=functools.partial(_build_late, state),
     )
 
@@ -485,6 +494,31 @@ def _attempt(state: SearchState, cand: Candidate, screen: bool = False) -> Candi
     st.outcome = _outcome(cand, status, reason, comparison, st, time.perf_counter() - started)
     st.outcome = dataclasses.replace(st.outcome, marginal=marginal)
     return st
+
+
+def _measure(state: SearchState, cand: Candidate) -> Comparison:
+    """``cand`` built in a scratch folder and judged as ``_attempt`` judges it (the gate's
+    ``compare`` on the selection samples), without a record: what keeping a layer group in float
+    does, for the mixed-precision ranking. The folder is removed afterwards; it sits beside the
+    candidates' folders, where the calibration ranges are cached."""
+    refused = state.memory.refusal(cand.precision) if state.memory is not None else ""
+    if refused:
+        raise ValueError(refused)
+    folder = state.work_dir / f"measure-{_slug(cand.name)}"
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        built = cand.build(_space(state, folder))
+        run = built.open(state.threads) if built.open is not None else built.intermediate
+        if run is None:
+            raise ValueError("the candidate can neither run here nor gave an intermediate to measure")
+        outputs = run_all(run, state.data.selection, state.batch, pad=fixed_batch(state.served) is not None)
+        del run
+        comparison = compare(state.ref_out, outputs, state.kind, state.tolerance, tasks=state.tasks, post=state.post)
+        if state.kind == "classifier":
+            comparison = flip_gate(comparison, state.ref_out, outputs, state.data, state.tolerance)
+        return comparison
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _build_late(state: SearchState, cand: Candidate) -> tuple[Built, Path]:
@@ -653,8 +687,13 @@ def _mixed(
     notes: list[str],
     say: Callable[[str], None],
     target: str,
-) -> None:
-    """Mixed-precision rescue of the fastest quantized candidate that missed the budget."""
+    measure: Callable[[Candidate], Comparison] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> AimedRanking | None:
+    """Mixed-precision rescue of the fastest quantized candidate that missed the budget.
+    ``measure``: a candidate -> the gate's comparison of it on the selection samples, unrecorded;
+    where the candidate failed on a task measure (``optimize.aimed``), the most sensitive layer
+    groups are re-ranked by that measure with it, and that ranking is returned (else None)."""
 
     def eligible(s: CandidateState) -> bool:
         o = s.outcome
@@ -669,12 +708,12 @@ def _mixed(
 
     quantized = [s for s in states if eligible(s) and s.outcome is not None]
     if not quantized:
-        return
+        return None
     # by latency; where nothing is timed, by the target's device order, then the most accurate
     fastest = min(quantized, key=lambda s: (_p50(s) or float("inf"), _rank(s), _inaccuracy(s)))
     o = fastest.outcome
     if o is None or o.status != "failed":
-        return
+        return None
 
     def as_fast(s: CandidateState) -> bool:
         if _p50(fastest) is not None:
@@ -690,30 +729,42 @@ def _mixed(
         and as_fast(s)
     ]
     if passing_faster:
-        return  # a candidate at least as fast already meets the budget
+        return None  # a candidate at least as fast already meets the budget
     if auto and base_p50 is not None and o.p50_ms is not None and o.p50_ms > base_p50 * (1 + SPEED_TIE):
         notes.append(f"mixed precision skipped: {o.name} is slower than fp32, keeping layers in float only slows it")
-        return
+        return None
     assert fastest.built is not None and fastest.candidate.rank_layers is not None
     say(f"[{target}] {o.name} missed the budget; ranking its layers by sensitivity")
     try:
         ranked = fastest.candidate.rank_layers(space(fastest.folder), fastest.built)
     except Exception as exc:
         notes.append(f"mixed precision: ranking the layers of {o.name} failed ({_reason(exc)})")
-        return
+        return None
     if not ranked:
         notes.append(f"mixed precision: {o.name} has no quantized layers to keep in float")
-        return
+        return None
     notes.append(
         "layer sensitivity (most sensitive first): " + ", ".join(f"{'+'.join(g)} {s:.3g}" for g, s in ranked[:8])
     )
-
-    def top(k: int) -> tuple[str, ...]:  # the union of the k most sensitive groups, in rank order
-        return tuple(dict.fromkeys(n for group, _ in ranked[:k] for n in group))
-
     exclude = fastest.candidate.exclude
     if exclude is None:
-        return
+        return None
+    aim = aim_of(o.comparison)
+    aimed = None
+    if aim is not None and measure is not None and o.comparison is not None:
+        count = min(MAX_MEASURED_GROUPS, len(ranked))
+        say(f"[{target}] {o.name} missed on {aim.name}: measuring it with each of the {count} most sensitive layer "
+            "groups kept in float")  # fmt: skip
+        keep = exclude
+        aimed = aimed_ranking(ranked, aim, o.comparison, lambda group: measure(keep(group)), clock)
+        say(f"[{target}]   layers ranked by {aim.name} ({len(aimed.measured)} groups measured, "
+            f"{aimed.elapsed_s:.0f} s)")  # fmt: skip
+        notes.append(aimed.text())
+        ranked = aimed.ranked
+
+    def top(k: int) -> tuple[str, ...]:  # the union of the k first groups, in rank order
+        return tuple(dict.fromkeys(n for group, _ in ranked[:k] for n in group))
+
     every = set(top(len(ranked)))
     # keeping every quantized layer in float is FP32 under another name: never a candidate
     usable = next((k for k in range(1, len(ranked) + 1) if set(top(k)) >= every), len(ranked) + 1) - 1
@@ -739,6 +790,7 @@ def _mixed(
             lo = mid
     if hi is None:
         notes.append(f"mixed precision: keeping up to {len(top(lo))} layers in float did not meet the budget")
+    return aimed
 
 
 def _raise_none_built(states: list[CandidateState], precision: str, target: str) -> None:

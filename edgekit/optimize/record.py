@@ -79,7 +79,8 @@ def with_excluded(precision: Precision, result: SearchResult) -> Precision:
     nodes = result.chosen.excluded_nodes
     if not nodes:
         return precision
-    return dataclasses.replace(precision, excluded_nodes=nodes, excluded_reason=EXCLUDED_REASON)
+    reason = result.excluded_by.get(result.chosen.name, EXCLUDED_REASON)
+    return dataclasses.replace(precision, excluded_nodes=nodes, excluded_reason=reason)
 
 
 def _text(value: Any) -> str:

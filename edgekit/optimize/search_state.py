@@ -82,6 +82,9 @@ class SearchResult:
     chain: tuple[str, ...] = ()
     pending: tuple[Candidate, ...] = ()
     build_late: Callable[[Candidate], tuple[Built, Path]] | None = None
+    # candidate name -> how the layers it keeps in float were chosen, where not by the per-layer
+    # sensitivity alone (``optimize.aimed``)
+    excluded_by: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,6 +140,7 @@ class SearchState:
     reference_latency: LatencyStats | None = None
     finalists: list[CandidateState] = field(default_factory=list)
     memory: Any = None  # optimize.memory.MemoryModel: the run's memory bound, None for none
+    excluded_by: dict[str, str] = field(default_factory=dict)  # SearchResult.excluded_by
 
     @property
     def auto(self) -> bool:

@@ -225,3 +225,72 @@ def served_coral(conversion: object, quantized: bytes, x: np.ndarray, out_shape:
     )
     run = served_runner(quantized, _artifact_signature(tm, signature), _mapping(tm), signature)
     return np.concatenate([run({"x": x[i : i + 1]})["y"] for i in range(len(x))])
+
+
+def misleading_detector(path: Path, seed: int = 0) -> Path:
+    """A one-class YOLO-style detector, x [N,8,12,16] -> output0 [N,5,192] (cx, cy, w, h in 0-1
+    and the score per grid cell), where the layer with the largest INT8 error of its own is not the
+    one that breaks the detections.
+
+    - ``conv_h``: one output channel's weights scaled by 1000, so INT8 rounds its other channels to
+      nothing (its worst channel is crushed: the largest local error of the graph); its output
+      reaches the boxes scaled by 1e-5, far below what moves a box.
+    - ``conv_s``: the class logit, a large weight on input channel 0 (always 0 in the data) next to
+      small ones on the others: the per-channel INT8 weight scale rounds the small weights to 0,
+      every score falls to sigmoid(bias) just under the 0.25 threshold and every detection is lost,
+      while its relative error is a fraction of ``conv_h``'s.
+    - the boxes are fixed grid cells (no two overlap) plus a small ``conv_box`` term.
+
+    Feed it ``detector_inputs``: channel 0 is 0, the others +-1, so every FP32 logit lies at least
+    0.05 from the threshold's.
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    wh = (rng.standard_normal((4, 8, 1, 1)) * 0.5).astype(np.float32)
+    wh[0] *= 1000.0
+    wb = (rng.standard_normal((4, 8, 1, 1)) * 0.001).astype(np.float32)
+    ws = np.full((1, 8, 1, 1), 0.15, np.float32)
+    ws[0, 0] = 100.0  # on the dead input channel: sets the weight scale, rounds the 0.15s to 0
+    bs = np.array([-1.1], np.float32)
+    rows, cols = np.meshgrid((np.arange(12) + 0.5) / 12, (np.arange(16) + 0.5) / 16, indexing="ij")
+    grid = np.stack([cols, rows, np.full_like(rows, 0.04), np.full_like(rows, 0.05)])[None].astype(np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "wh"], ["h"], name="conv_h"),
+        helper.make_node("Mul", ["h", "tiny"], ["hs"], name="scale_h"),
+        helper.make_node("Conv", ["x", "wb"], ["bx"], name="conv_box"),
+        helper.make_node("Add", ["bx", "grid"], ["b1"], name="add_grid"),
+        helper.make_node("Add", ["b1", "hs"], ["boxes"], name="add_h"),
+        helper.make_node("Conv", ["x", "ws", "bs"], ["logit"], name="conv_s"),
+        # Sub is not an op ORT quantizes: with conv_s excluded nothing requantizes the logit, and
+        # its weights stay float (ORT quantizes a float weight between a DQ and a Q when it loads)
+        helper.make_node("Sub", ["logit", "offset"], ["shifted"], name="offset_s"),
+        helper.make_node("Sigmoid", ["shifted"], ["score"], name="sigmoid"),
+        helper.make_node("Concat", ["boxes", "score"], ["cat"], name="concat", axis=1),
+        helper.make_node("Reshape", ["cat", "shape"], ["output0"], name="as_anchors"),
+    ]
+    weights = {
+        "wh": wh,
+        "wb": wb,
+        "ws": ws,
+        "bs": bs,
+        "grid": grid,
+        "tiny": np.array(1e-5, np.float32),
+        "offset": np.array(0.1, np.float32),
+    }
+    graph = helper.make_graph(
+        nodes,
+        "misleading_detector",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8, 12, 16])],
+        [helper.make_tensor_value_info("output0", TensorProto.FLOAT, ["batch", 5, 192])],
+        [numpy_helper.from_array(v, n) for n, v in weights.items()]
+        + [numpy_helper.from_array(np.array([-1, 5, 192], dtype=np.int64), "shape")],
+    )
+    return _save(graph, path, 13)
+
+
+def detector_inputs(n: int, seed: int = 0) -> np.ndarray:
+    """Inputs for ``misleading_detector``: channel 0 is 0, channels 1-7 are +-1."""
+    x = np.random.default_rng(seed).choice(np.array([-1.0, 1.0], np.float32), size=(n, 8, 12, 16))
+    x[:, 0] = 0.0
+    return x
