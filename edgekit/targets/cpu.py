@@ -20,8 +20,10 @@ and per CPU, so it is measured, never assumed. Candidates:
   ``MatMulNBits`` with float compute and with accuracy level 4 (int8 compute); under ``auto``
   only where the graph has MatMul/Gemm weights;
 - under ``auto`` with OpenVINO installed: OpenVINO FP32 IR and NNCF INT8 IR built from the
-  source graph, shape sub-graphs folded (``edgekit.optimize.openvino_candidates`` says why), and the FP32 IR computed in
-  bf16 where this CPU's OpenVINO reports ``BF16``, served by the ``openvino`` runtime when one wins.
+  source graph, shape sub-graphs folded (``edgekit.optimize.openvino_candidates`` says why), the
+  NNCF INT8 IR with a detector's or segmenter's decode in float where there is such a head (as the
+  ``intel`` target offers it, so both targets share the build), and the FP32 IR computed in bf16
+  where this CPU's OpenVINO reports ``BF16``, served by the ``openvino`` runtime when one wins.
 
 Explicit precisions keep ONNX Runtime as the runtime (a ``.onnx`` artifact); ``auto`` chooses the
 runtime too, and the manifest's runtime names it.
@@ -155,6 +157,11 @@ class CpuTarget:
                 first.append(
                     ov.nncf_candidate(source, ov.NncfRecipe("performance", True), device="CPU", prepared=prepared)
                 )
+                # the NNCF INT8 with the head's decode in float (IgnoredScope), as the intel target
+                # offers it: the same candidate, so a run packaging both builds it once
+                offered, refused = head_offer(first[-1], source, ctx.heads)
+                first.extend(offered)
+                skipped.extend(refused)
                 why = ov.bf16_unavailable("CPU")
                 if why:
                     skipped.append((ov.BF16_NAME, why))

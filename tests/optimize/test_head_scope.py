@@ -218,3 +218,20 @@ def test_jetson_auto_head_in_float_leaves_the_decode_without_qdq_and_ranks_it_as
     scope = set(head_scope(ctx.model_path, HEAD).nodes)
     assert "/head/dfl/Conv" in dequantized_inputs(plain) & scope  # the DFL projection is Q/DQ'd by default
     assert not dequantized_inputs(head) & scope
+
+
+def test_cpu_auto_offers_the_nncf_int8_with_the_head_in_float_that_intel_builds(tmp_path: Path, yolo: Path) -> None:
+    pytest.importorskip("nncf")
+    from edgekit.targets.intel import IntelOptions, IntelTarget
+
+    ctx = _context(tmp_path, yolo, CpuOptions(), HEAD)
+    name = "nncf int8 preset=performance bias_correction=fast, detect head in float"
+    [cpu] = [c for c in CpuTarget().candidates(ctx).first if c.name == name]
+    [intel] = [c for c in IntelTarget().candidates(_with(ctx, options=IntelOptions())).first if c.name == name]
+    # the engine's build identity (runtime, name, settings): packaging cpu and intel builds it once
+    assert (cpu.runtime, cpu.settings) == (intel.runtime, intel.settings)
+    assert cpu.runtime == "openvino" and cpu.settings["exclude"] == list(head_scope(yolo, HEAD).nodes)
+    # mixed precision on top of it keeps the head in float too
+    assert cpu.exclude is not None and "/head/Sigmoid" in cpu.exclude(("/p3/p3.0/conv/Conv",)).settings["exclude"]
+    plain = CpuTarget().candidates(_with(ctx, heads={})).first
+    assert not [c for c in plain if c.runtime == "openvino" and "head in float" in c.name]
