@@ -2,7 +2,8 @@
 
 Each candidate step (structured pruning at two ratios, low-rank factorisation) is applied to the
 original model (``edgekit.compress.steps``, fine-tuned by distillation where training data is
-given) and gated against the ORIGINAL in float; a variant that fails is dropped there. The
+given) and gated against the ORIGINAL in float (a classifier with labels by its top-1 accuracy
+against the original's, ``steps.gate_for``); a variant that fails is dropped there. The
 original and every surviving variant are then quantized the same way (ONNX Runtime static INT8,
 QDQ u8s8 per-channel, on the calibration data: the cpu target's plain recipe) and measured side by
 side on this host: file size, latency at batch 1 (interleaved rounds, the speed-up's 95 % interval
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from edgekit.bundle.manifest import CompressionStep, Tolerance
-from edgekit.compress.steps import Data, parse_step
+from edgekit.compress.steps import Data, gate_for, parse_step
 from edgekit.errors import ConfigError, EdgekitError
 
 AUTO = "auto"
@@ -92,6 +93,7 @@ def choose(
     *,
     objective: Objective = "latency",
     tolerance: Tolerance | None = None,
+    agreement_given: bool = False,
     candidates: Sequence[str] | None = None,
     settings: Any = None,
     progress: Callable[[str], None] | None = None,
@@ -112,7 +114,10 @@ def choose(
         path = work / f"variant{i}.onnx"
         say(f"compress auto: trying {step}")
         try:
-            result = compress(original, [step], path, data, settings=settings, tolerance=tol, progress=progress)
+            result = compress(
+                original, [step], path, data, settings=settings, tolerance=tol, agreement_given=agreement_given,
+                progress=progress,
+            )  # fmt: skip
         except EdgekitError as exc:  # a step this model does not take (untraceable graph, ...): the others go on
             rows.append(Row(str(step), 0, f"not made ({' '.join(str(exc).split())})", False, verdict="dropped"))
             continue
@@ -129,7 +134,9 @@ def choose(
         )
         if passed:
             variants[str(step)] = (path, outcome.provenance)
-    measured = _quantize_and_time(original, variants, calib, data, tol, work, timing_budget_s, say)
+    # the variants' int8 forms are judged as the variants were (``compressed_gate``), the original's as quantization
+    variant_tol, _ = gate_for(original, data.eval_labels is not None, tol, agreement_given)
+    measured = _quantize_and_time(original, variants, calib, data, (tol, variant_tol), work, timing_budget_s, say)
     rows = [measured.get(r.label, r) for r in rows]
     rows, chosen = _decide(rows, objective)
     for row in rows:
@@ -172,12 +179,13 @@ def _quantize_and_time(
     variants: Mapping[str, tuple[Path, CompressionStep]],
     calib: Mapping[str, np.ndarray],
     data: Data,
-    tol: Tolerance,
+    tols: tuple[Tolerance, Tolerance],
     work: Path,
     budget_s: float,
     say: Callable[[str], None],
 ) -> dict[str, Row]:
-    """Every model quantized alike, run on the evaluation data and timed side by side."""
+    """Every model quantized alike, run on the evaluation data and timed side by side; ``tols``:
+    the original's gate (quantization alone) and the variants' (``steps.gate_for``)."""
     import onnx
 
     from edgekit.compress.onnx_prep import prepare_model
@@ -202,6 +210,7 @@ def _quantize_and_time(
             quantize_static_int8(prepared.path, out, calib, StaticQuantConfig(), Path(tmp))
         quantized[label] = out
         fn = ort_open(out)(0)
+        tol = tols[0] if label == "original" else tols[1]
         comparisons[label] = compare(reference, run_all(fn, data.eval, batch=16), kind, tol, data.eval_labels)
         fns[label] = call_with(fn, one)
     stats = stats_side_by_side(fns, repeats=30, warmup=3, budget_s=budget_s, block=5)

@@ -4,7 +4,9 @@
 
 The steps run in the order given on the command line; every one is measured against the
 ORIGINAL model (size, ONNX Runtime latency on this host side by side, the gate on --eval) and
-printed as one row; the exit code is 3 when the final model fails the gate.
+printed as one row; the exit code is 3 when the final model fails the gate. With --eval-labels a
+classifier is judged by its top-1 accuracy against the original's (--max-drop), its agreement
+with the original reported; without labels, by agreement with the original.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from edgekit.errors import CalibrationDataError
+from edgekit.bundle.manifest import Tolerance
+from edgekit.errors import CalibrationDataError, ConfigError
 
 FAILED_GATE_EXIT = 3
 
@@ -68,7 +71,18 @@ def register(sub: Any) -> None:
         "--labels", type=Path, metavar="LABELS.npy", help="training labels (optional: the teacher's outputs teach)"
     )
     p.add_argument("--eval", type=Path, required=True, metavar="EVAL.npz", help="held-out inputs the gate compares on")
-    p.add_argument("--eval-labels", type=Path, metavar="LABELS.npy", help="held-out labels (accuracy drop)")
+    p.add_argument(
+        "--eval-labels",
+        type=Path,
+        metavar="LABELS.npy",
+        help="held-out labels: a classifier is then judged by its top-1 accuracy against the original's",
+    )
+    p.add_argument(
+        "--max-drop",
+        type=float,
+        metavar="D",
+        help="with --eval-labels, the allowed top-1 accuracy drop from the original's (default 0.01 = one point)",
+    )
     p.add_argument(
         "--epochs", type=int, default=30, help="fine-tuning / distillation epochs, at most (early stopping; default 30)"
     )
@@ -89,6 +103,13 @@ def _compress(args: argparse.Namespace) -> int:
     from edgekit.validate.calib import load_arrays, load_labels, sample_count
 
     steps = [parse_step(s) for s in args.steps]
+    tolerance = None
+    if args.max_drop is not None:
+        if not 0 <= args.max_drop <= 1:
+            raise ConfigError(f"--max-drop must be a number in [0, 1] (0.01 = one point of top-1), got {args.max_drop}")
+        if args.eval_labels is None:
+            raise ConfigError("--max-drop is the allowed top-1 accuracy drop: give --eval-labels with it")
+        tolerance = Tolerance(max_top1_drop=args.max_drop)
     evaluation = load_arrays(args.eval, "--eval data")
     train = None if args.train is None else load_arrays(args.train, "--train data")
     if args.labels is not None and train is None:
@@ -109,8 +130,11 @@ def _compress(args: argparse.Namespace) -> int:
         args.output,
         data,
         settings=TrainSettings(epochs=args.epochs, lr=args.lr, augment=args.augment),
+        tolerance=tolerance,
         progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
     )
+    if result.gate:
+        print(result.gate)
     print(f"{'step':28s} {'size':>12s} {'latency':>16s}  gate vs original")
     original_ms = result.outcomes[0].original_latency_ms
     print(f"{'original':28s} {result.original_size_bytes:>12,d} {original_ms:>10.3f} ms 1.00x")

@@ -10,8 +10,11 @@
 Every step writes an ONNX model with the source model's input/output names, dtypes and dynamic
 axes, and is measured side by side with the original: file size, ONNX Runtime latency on this
 host (interleaved, medians), and the gate's comparison with the original on the evaluation data
-(never with the previous step). Each step becomes one ``CompressionStep`` of the manifest's
-provenance, with its parameters, input/output hashes and measured effect.
+(never with the previous step). A classifier with evaluation labels is judged by its top-1
+accuracy against the original's, its agreement with the original reported but not gated unless
+asked for (``edgekit.validate.metrics.compressed_gate``). Each step becomes one
+``CompressionStep`` of the manifest's provenance, with its parameters, input/output hashes and
+measured effect (with labels, both accuracies and the drop's paired 95 % interval).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 
 from edgekit.bundle.manifest import CompressionStep, Tolerance
 from edgekit.errors import CalibrationDataError, ConfigError
-from edgekit.validate.metrics import Comparison, compare, output_kind, run_all
+from edgekit.validate.metrics import Comparison, Kind, compare, compressed_gate, output_kind, run_all
 
 StepKind = Literal["prune-channels", "sparsity", "distill", "low-rank", "share-weights"]
 STEP_KINDS: tuple[StepKind, ...] = get_args(StepKind)
@@ -102,6 +105,7 @@ class Result:
     original: Path
     original_size_bytes: int
     outcomes: tuple[Outcome, ...]
+    gate: str = ""  # which gate judged the steps (``compressed_gate``), in one line
 
     @property
     def final(self) -> Outcome:
@@ -362,24 +366,40 @@ def _gradient_batches(chain: _Chain) -> list[tuple[tuple[Any, ...], Any]]:
     ]
 
 
+def gate_for(
+    original: Path, labelled: bool, tolerance: Tolerance | None = None, agreement_given: bool = False
+) -> tuple[Tolerance, str]:
+    """The tolerance a model compressed from ``original`` is judged by, and the line that says so
+    (``compressed_gate``; the kind from ``original``'s first output)."""
+    return compressed_gate(tolerance or Tolerance(), _kind(original), labelled, agreement_given)
+
+
+def _kind(original: Path) -> Kind:
+    import onnx
+
+    from edgekit.compress.signature import served_signature
+
+    return output_kind(served_signature(onnx.load(str(original), load_external_data=False)))
+
+
 def measure(
     original: Path,
     candidate: Path,
     data: Mapping[str, np.ndarray],
     labels: np.ndarray | None,
     tolerance: Tolerance | None = None,
+    agreement_given: bool = False,
 ) -> tuple[Comparison, float, float]:
-    """(comparison with the original on ``data``, candidate ms, original ms): ONNX Runtime, side by side."""
-    import onnx
-
-    from edgekit.compress.signature import served_signature
+    """(comparison with the original on ``data``, candidate ms, original ms): ONNX Runtime, side by side.
+    The gate is ``gate_for``'s: with ``labels``, a classifier's top-1 accuracy against the original's
+    (its agreement gates only where ``agreement_given``)."""
     from edgekit.validate.latency import call_with, stats_side_by_side
     from edgekit.validate.ort_runner import ort_open
 
-    kind = output_kind(served_signature(onnx.load(str(original), load_external_data=False)))
+    tol, _ = gate_for(original, labels is not None, tolerance, agreement_given)
     ref_fn, cand_fn = ort_open(original)(0), ort_open(candidate)(0)
     reference, outputs = run_all(ref_fn, data, batch=16), run_all(cand_fn, data, batch=16)
-    comparison = compare(reference, outputs, kind, tolerance or Tolerance(), labels)
+    comparison = compare(reference, outputs, _kind(original), tol, labels)
     one = {n: np.ascontiguousarray(v[:1]) for n, v in data.items()}
     stats = stats_side_by_side({"original": call_with(ref_fn, one), "candidate": call_with(cand_fn, one)})
     return comparison, stats["candidate"].p50_ms, stats["original"].p50_ms
@@ -393,14 +413,20 @@ def compress(
     *,
     settings: Any = None,
     tolerance: Tolerance | None = None,
+    agreement_given: bool = False,
     progress: Progress | None = None,
 ) -> Result:
-    """Apply ``steps`` in order to ``model``; write the last step's model to ``out``."""
+    """Apply ``steps`` in order to ``model``; write the last step's model to ``out``. Each step is
+    gated against ``model`` (``measure``); ``agreement_given``: the user set ``min_top1_agreement``,
+    which then gates a classifier with labels too."""
     from edgekit.compress.training import TrainSettings
 
     if not steps:
         raise ConfigError("no compression step given: e.g. --prune-channels 0.5, --low-rank 0.5, --distill width=0.5")
     chain = _Chain(model, data, settings or TrainSettings(), progress)
+    _, gate = gate_for(model, data.eval_labels is not None, tolerance, agreement_given)
+    if progress is not None and gate:
+        progress(gate)
     outcomes: list[Outcome] = []
     current = model
     with tempfile.TemporaryDirectory(prefix="edgekit-compress-") as tmp:
@@ -410,7 +436,12 @@ def compress(
             target = out if i == len(steps) - 1 else Path(tmp) / f"step{i}.onnx"
             details, recorded = _run_step(step, current, target, chain)
             comparison, ms, original_ms = measure(
-                model, target, dict(zip(chain.names, chain.eval, strict=True)), data.eval_labels, tolerance
+                model,
+                target,
+                dict(zip(chain.names, chain.eval, strict=True)),
+                data.eval_labels,
+                tolerance,
+                agreement_given,
             )
             metric = "top1_agreement" if comparison.kind == "classifier" else "cosine"
             provenance = CompressionStep(
@@ -423,6 +454,7 @@ def compress(
                     "size_bytes": str(target.stat().st_size),
                     "latency_ms": f"{ms:.4f}",
                     "original_latency_ms": f"{original_ms:.4f}",
+                    **_accuracy_settings(comparison),
                     **recorded,
                 },
                 metric=metric,
@@ -437,7 +469,24 @@ def compress(
         # the intermediate files go with the temporary folder: only the final path stays valid
         final = outcomes[-1]
         outcomes = [*(o if o.path == out else _detached(o) for o in outcomes[:-1]), final]
-    return Result(model, model.stat().st_size, tuple(outcomes))
+    return Result(model, model.stat().st_size, tuple(outcomes), gate)
+
+
+def _accuracy_settings(comparison: Comparison) -> dict[str, str]:
+    """What the provenance records of a classifier's accuracy with labels: both accuracies, the
+    drop's paired 95 % interval, and whether agreement gated (``compressed_gate``)."""
+    c = comparison
+    if c.top1_accuracy is None or c.fp32_top1_accuracy is None or c.top1_drop_interval is None:
+        return {}
+    low, high = c.top1_drop_interval
+    worse, better = c.discordant or (0, 0)
+    return {
+        "top1_accuracy": f"{c.top1_accuracy:.4f}",
+        "original_top1_accuracy": f"{c.fp32_top1_accuracy:.4f}",
+        "top1_drop_95": f"{low:+.4f} to {high:+.4f}",
+        "discordant": f"{worse} only the original right, {better} only this",
+        "gate": "top-1 agreement and accuracy" if c.tolerance.min_top1_agreement is not None else "top-1 accuracy",
+    }
 
 
 def _detached(outcome: Outcome) -> Outcome:

@@ -106,10 +106,13 @@ def compress_first(
     say: Callable[[str], None],
     objective: str = "latency",
     tolerance: Tolerance | None = None,
+    agreement_given: bool = False,
 ) -> tuple[Path, tuple[CompressionStep, ...]]:
     """Run the ``--compress`` steps on ``model``; (the compressed model, its provenance).
     ``--compress auto``: the variant that beats the quantized original, or the original
-    (``edgekit.compress.auto``)."""
+    (``edgekit.compress.auto``). Labels (``labels``, else a ``labels`` array in ``eval``) make a
+    classifier's steps judged by top-1 accuracy against the original's (``compressed_gate``;
+    ``agreement_given``: the user set ``min_top1_agreement``, which then gates too)."""
     from edgekit.compress.auto import is_auto
     from edgekit.compress.steps import Data, compress, parse_step
     from edgekit.validate.calib import load_arrays, load_labels, sample_count
@@ -122,10 +125,11 @@ def compress_first(
             "--compress measures every step against the original on data: give --eval (or --calib) as an .npz"
         )
     evaluation = load_arrays(source, "--eval data" if eval is not None else "--calib data")
-    evaluation.pop("labels", None)
+    inline = evaluation.pop("labels", None)
     eval_labels = None
-    if labels is not None and eval is not None:
-        eval_labels = load_labels(labels, sample_count(evaluation), "--labels")
+    if eval is not None and (labels is not None or inline is not None):
+        given, what = (labels, "--labels") if labels is not None else (inline, "--eval data's labels")
+        eval_labels = load_labels(given, sample_count(evaluation), what)
     training = None if train is None else load_arrays(train, "--train data")
     train_y = None
     if train_labels is not None and training is not None:
@@ -138,11 +142,15 @@ def compress_first(
         calib_arrays.pop("labels", None)
         data = Data(evaluation, eval_labels, training, train_y)
         chosen = choose(
-            model, work / "auto", data, calib_arrays, objective=objective, tolerance=tolerance, progress=say
-        )
+            model, work / "auto", data, calib_arrays, objective=objective, tolerance=tolerance,
+            agreement_given=agreement_given, progress=say,
+        )  # fmt: skip
         return chosen.model, chosen.provenance
     out = work / "compressed" / f"{model.stem}.onnx"
-    result = compress(model, parsed, out, Data(evaluation, eval_labels, training, train_y), progress=say)
+    result = compress(
+        model, parsed, out, Data(evaluation, eval_labels, training, train_y), tolerance=tolerance,
+        agreement_given=agreement_given, progress=say,
+    )  # fmt: skip
     for o in result.outcomes:
         say(f"{o.step}: {o.size_bytes:,} bytes, {o.speedup:.2f}x the original's speed here, {o.comparison.summary()}")
     return out, tuple(o.provenance for o in result.outcomes)

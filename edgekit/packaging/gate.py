@@ -108,6 +108,8 @@ def validate_and_describe(
         run.say(f"[{target}] validating on {sample_count(run.eval)} held-out samples ({measured_on})")
         outputs = run_all(fn, run.eval, batch, pad=pad)
         comparison = compare(run.reference, outputs, run.kind, run.tolerance, run.labels, run.tasks, run.post)
+        if comparison.drop_text():  # with labels: how far from the threshold, in samples and as an interval
+            run.say(f"[{target}] {comparison.drop_text()}")
         if result.static:  # the frozen artifact's outputs have one shape: serve that one
             served = _concrete_outputs(served, outputs)
         if searched is not None:
@@ -167,6 +169,7 @@ def validate_and_describe(
         notes=(
             *(f"prepared: {s}" for s in run.steps),
             *run.gate_notes,
+            *((comparison.drop_text(),) if comparison.drop_text() else ()),
             *((f"held-out {comparison.detections}",) if comparison.detections else ()),
             *(frozen_axes(run.served, static_shapes) if result.static else ()),
             *result.notes,

@@ -64,6 +64,7 @@ from edgekit.validate.eval_size import check_eval_size
 from edgekit.validate.heads import head_outputs
 from edgekit.validate.metrics import (
     Comparison,
+    compressed_gate,
     kind_of,
     output_kind,
     output_tasks,
@@ -145,6 +146,14 @@ def package(request: PackageRequest) -> PackageResult:
     original = Path(request.reference) if request.reference is not None else model
     if request.reference is not None:
         check_model_path(original)
+    drop = request.max_drop
+    if drop is not None and (isinstance(drop, bool) or not isinstance(drop, (int, float)) or not 0 <= drop <= 1):
+        raise ConfigError(
+            f"--max-drop must be a number in [0, 1] (0.01 = one point of top-1), got {request.max_drop!r}"
+        )
+    # a gate the user set whole (a Tolerance), or min_top1_agreement named: a compressed classifier's
+    # agreement with the original then gates as well (``compressed_gate``)
+    agreement_given = isinstance(request.tolerance, Tolerance) or "min_top1_agreement" in (request.tolerance or {})
     if (request.train is not None or request.train_labels is not None) and not request.compress:
         raise ConfigError("--train is the compression steps' training data: give --compress STEP with it")
     name = name or _name_from(model)
@@ -166,9 +175,10 @@ def package(request: PackageRequest) -> PackageResult:
         work = Path(tmp)
         compression: tuple[CompressionStep, ...] = ()
         if request.compress:
+            steps_tol = tol if drop is None else dataclasses.replace(tol, max_top1_drop=float(drop))
             model, compression = compress_first(
                 model, request.compress, work, calib, eval, request.labels, request.train, request.train_labels, say,
-                objective=request.objective, tolerance=tol,
+                objective=request.objective, tolerance=steps_tol, agreement_given=agreement_given,
             )  # fmt: skip
         say(f"preparing {model.name}")
         prepared = prepare_model(model, work / "prepared", say, request.input_shapes)
@@ -180,14 +190,6 @@ def package(request: PackageRequest) -> PackageResult:
         first_output = prepared.served.outputs[0].name
         kind = kind_of(given_tasks, prepared.served) if first_output in given_tasks else output_kind(prepared.served)
         if request.max_drop is not None:
-            if (
-                isinstance(request.max_drop, bool)
-                or not isinstance(request.max_drop, (int, float))
-                or not 0 <= request.max_drop <= 1
-            ):
-                raise ConfigError(
-                    f"--max-drop must be a number in [0, 1] (0.01 = one point of top-1), got {request.max_drop!r}"
-                )
             if kind == "classifier":
                 tol = dataclasses.replace(tol, max_top1_drop=float(request.max_drop))
                 engine = dataclasses.replace(engine, tolerance=tol)
@@ -234,6 +236,13 @@ def package(request: PackageRequest) -> PackageResult:
             run, kind=kind_of(tasks, prepared.served), tasks=tasks, gate_notes=(*drawn, *gate_notes)
         )
         engine = dataclasses.replace(engine, tasks=tuple(tasks.items()))
+        if original != model:
+            # compressed (here or before, --reference): judged against the original by accuracy where labels
+            # are given; the engine's candidates are compared with the compressed model itself, as quantization
+            judged, line = compressed_gate(tol, run.kind, run.labels is not None, agreement_given)
+            if line:
+                say(line)
+                run = dataclasses.replace(run, tolerance=judged, gate_notes=(*run.gate_notes, line))
         if request.cache is not None:
             from edgekit.validate.cache_calibration import cache_policy
 

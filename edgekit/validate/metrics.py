@@ -1,7 +1,9 @@
 """Numerical comparison of an artifact's outputs with the FP32 source model's, and the gate.
 
 Classifiers (first output is one 1-D score vector per sample, i.e. rank 2) are judged by top-1
-agreement with FP32 and, with labels, by the drop in top-1 accuracy. Dense outputs (maps, boxes,
+agreement with FP32 and, with labels, by the drop in top-1 accuracy (with its paired 95 % interval,
+``paired_drop_interval``). A model that compression steps changed is judged by its accuracy alone
+where labels are given (``compressed_gate``). Dense outputs (maps, boxes,
 embeddings) are judged by the mean per-sample cosine similarity and the relative error
 ``mean|a - b| / mean|b|``, and, for outputs of rank >= 3, by the worst live channel's cosine (one
 value scale per channel: a YOLO head concatenating boxes in pixels with scores in 0-1 under one
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -71,10 +74,26 @@ class Comparison:
     detections: str | None = None
     # the outputs judged by what they decode to: their worst channel does not gate (nor bound a margin)
     decoded: tuple[str, ...] = ()
+    # classifiers with labels: the top-1 accuracy drop's paired 95 % interval (``paired_drop_interval``),
+    # and the discordant samples it comes from: (fp32 right and this wrong, the reverse)
+    top1_drop_interval: tuple[float, float] | None = None
+    discordant: tuple[int, int] | None = None
 
     @property
     def passed(self) -> bool:
         return not self.failures
+
+    def drop_text(self) -> str:
+        """The accuracy drop with its paired interval in one line, or "" without labels."""
+        if self.top1_accuracy is None or self.fp32_top1_accuracy is None or self.top1_drop_interval is None:
+            return ""
+        low, high = self.top1_drop_interval
+        worse, better = self.discordant or (0, 0)
+        return (
+            f"top-1 accuracy {self.top1_accuracy:.3f} vs the original's {self.fp32_top1_accuracy:.3f} on "
+            f"{self.samples} labelled samples: drop {self.fp32_top1_accuracy - self.top1_accuracy:+.3f}, paired 95 % "
+            f"interval {low:+.3f} to {high:+.3f} ({worse} samples only the original got right, {better} only this)"
+        )
 
     def summary(self) -> str:
         """One line, e.g. ``top-1 agreement 0.990`` or ``cosine 0.9981``."""
@@ -83,7 +102,12 @@ class Comparison:
             if self.predicted_top1_agreement is not None and self.predicted_top1_agreement < self.top1_agreement:
                 text += f", predicted on held-out-like inputs {self.predicted_top1_agreement:.3f}"
             if self.top1_accuracy is not None and self.fp32_top1_accuracy is not None:
-                text += f", accuracy {self.top1_accuracy:.3f} (fp32 {self.fp32_top1_accuracy:.3f})"
+                text += f", accuracy {self.top1_accuracy:.3f} (fp32 {self.fp32_top1_accuracy:.3f}"
+                if self.top1_drop_interval is not None:
+                    low, high = self.top1_drop_interval
+                    drop = self.fp32_top1_accuracy - self.top1_accuracy
+                    text += f"; drop {drop:+.3f}, 95 % {low:+.3f} to {high:+.3f}"
+                text += ")"
             return text
         text = f"cosine {self.cosine:.4f}, relative error {self.relative_error:.4f}"
         if self.channel_cosine is not None:
@@ -283,8 +307,12 @@ def compare(
         if t.min_top1_agreement is not None and agreement < t.min_top1_agreement:
             failures.append(_short("top-1 agreement with fp32", agreement, t.min_top1_agreement, ">="))
         if labels is not None:
-            acc, fp32_acc = float(np.mean(cand_top == labels)), float(np.mean(ref_top == labels))
+            ref_right, cand_right = ref_top == labels, cand_top == labels
+            acc, fp32_acc = float(np.mean(cand_right)), float(np.mean(ref_right))
             values.update(top1_accuracy=acc, fp32_top1_accuracy=fp32_acc)
+            if samples:
+                values["top1_drop_interval"] = paired_drop_interval(ref_right, cand_right)
+                values["discordant"] = (int(np.sum(ref_right & ~cand_right)), int(np.sum(~ref_right & cand_right)))
             drop = fp32_acc - acc
             if t.max_top1_drop is not None and drop > t.max_top1_drop:
                 failures.append(
@@ -319,6 +347,79 @@ def compare(
                 "differ from fp32's"
             )
     return Comparison(kind=kind, samples=samples, tolerance=tolerance, failures=tuple(failures), **values)
+
+
+Z_95 = 1.959964  # two-sided 95 %
+
+
+def paired_difference_interval(both: int, only_first: int, only_second: int, neither: int) -> tuple[float, float]:
+    """95 % interval for ``p1 - p2``, two proportions measured on the same samples (``p1 = (both +
+    only_first) / n``): Newcombe's hybrid score interval (method 10, Stat. Med. 1998;17:2635), each
+    proportion's Wilson interval combined with the pairs' (continuity-corrected) correlation. It
+    stays inside [-1, 1] and does not collapse to a point when the discordant counts are small, as
+    the Wald interval does. Only the discordant samples (``only_first``, ``only_second``) move the
+    estimate."""
+    n = both + only_first + only_second + neither
+    if min(both, only_first, only_second, neither) < 0 or n == 0:
+        raise ValueError(f"paired counts must be >= 0 and not all 0, got {(both, only_first, only_second, neither)}")
+    p1, p2 = (both + only_first) / n, (both + only_second) / n
+    l1, u1 = _wilson(both + only_first, n)
+    l2, u2 = _wilson(both + only_second, n)
+    rows = (both + only_first) * (only_second + neither) * (both + only_second) * (only_first + neither)
+    # the pairs' correlation, continuity-corrected where positive (Newcombe's convention)
+    cross = float(both * neither - only_first * only_second)
+    cross = cross - n / 2 if cross > n / 2 else min(cross, 0.0)
+    phi = cross / math.sqrt(rows) if rows else 0.0
+    below = math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    above = math.sqrt(max(0.0, (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2))
+    return max(-1.0, p1 - p2 - below), min(1.0, p1 - p2 + above)
+
+
+def paired_drop_interval(reference_right: np.ndarray, candidate_right: np.ndarray) -> tuple[float, float]:
+    """95 % interval for the top-1 accuracy drop (the reference's accuracy minus the candidate's) on
+    the same labelled samples (``paired_difference_interval``); per sample, whether each got it right."""
+    r, c = np.asarray(reference_right, dtype=bool), np.asarray(candidate_right, dtype=bool)
+    counts = (r & c, r & ~c, ~r & c, ~r & ~c)
+    both, only_reference, only_candidate, neither = (int(np.sum(x)) for x in counts)
+    return paired_difference_interval(both, only_reference, only_candidate, neither)
+
+
+def _wilson(successes: int, n: int) -> tuple[float, float]:
+    p, z = successes / n, Z_95
+    centre = p + z * z / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, (centre - spread) / (1 + z * z / n)), min(1.0, (centre + spread) / (1 + z * z / n))
+
+
+def compressed_gate(tolerance: Tolerance, kind: Kind, labelled: bool, agreement_given: bool) -> tuple[Tolerance, str]:
+    """The gate of a model that compression steps changed (pruned, factorised, distilled, sparsified,
+    its weights shared), compared with the original, and one line saying which gate that is.
+
+    Such a model was retrained or altered, not approximated: it may disagree with the original
+    exactly where the original is unsure, and be right there more often. So a classifier with
+    held-out labels is judged by its top-1 accuracy against the original's on the same samples
+    (``max_top1_drop``); its agreement with the original is still measured and reported, but gates
+    only where the user set ``min_top1_agreement`` (``agreement_given``). Without labels, or with
+    ``max_top1_drop`` turned off, agreement gates as for any artifact. Dense outputs keep their gate."""
+    if kind != "classifier":
+        return tolerance, ""
+    t = tolerance
+    agreement = "agreement not gated (min_top1_agreement none)"
+    if t.min_top1_agreement is not None:
+        agreement = f"top-1 agreement with the original (>= {t.min_top1_agreement:.3f})"
+    if not labelled:
+        return t, (
+            f"compressed classifier without labels: judged by {agreement}; give held-out labels to judge it by "
+            "top-1 accuracy against the original's instead"
+        )
+    if t.max_top1_drop is None:
+        return t, f"compressed classifier with labels, max_top1_drop none: judged by {agreement}"
+    accuracy = f"top-1 accuracy against the original's (drop <= {t.max_top1_drop:.3f})"
+    if agreement_given and t.min_top1_agreement is not None:
+        return t, f"compressed classifier with labels: judged by {accuracy} and by {agreement}, as set"
+    return dataclasses.replace(t, min_top1_agreement=None), (
+        f"compressed classifier with labels: judged by {accuracy}; agreement with the original reported, not gated"
+    )
 
 
 def channel_axis(shape: tuple[int, ...]) -> int | None:
