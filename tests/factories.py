@@ -240,13 +240,16 @@ def tiny_yolo(path: Path, *, size: int = 64, classes: int = 3, seed: int = 0) ->
     return path
 
 
-def tiny_unet(path: Path, *, size: int = 32, channels: int = 4, seed: int = 0) -> Path:
+def tiny_unet(
+    path: Path, *, size: int = 32, channels: int = 4, seed: int = 0, batch: str | int = "batch", opset: int = 17
+) -> Path:
     """A U-Net-like segmenter exported by torch (TorchScript exporter) with a dynamic batch whose
     sizes are computed at run time: two encoder strides, upsampling with
     ``F.interpolate(x, size=skip.shape[-2:])`` (bilinear, then nearest; ``Shape -> Gather ->
     Concat -> Resize(sizes)``), skip Concats, and a ``reshape(y.shape[0], y.shape[1], -1)`` head
     (``Shape -> Gather -> Concat -> Reshape``). ``image`` [batch, 3, size, size] -> ``mask``
-    [batch, 2, size*size]."""
+    [batch, 2, size*size]. ``batch=1``: a fixed batch of one; ``opset=11``: Resize with the empty
+    ``roi``/``scales`` constants that opset requires next to ``sizes`` (as U^2-Net exports have)."""
     import torch
     from torch import nn
     from torch.nn import functional as F
@@ -282,8 +285,8 @@ def tiny_unet(path: Path, *, size: int = 32, channels: int = 4, seed: int = 0) -
             str(path),
             input_names=["image"],
             output_names=["mask"],
-            dynamic_axes={"image": {0: "batch"}, "mask": {0: "batch"}},
-            opset_version=17,
+            dynamic_axes={"image": {0: batch}, "mask": {0: batch}} if isinstance(batch, str) else None,
+            opset_version=opset,
             dynamo=False,  # the TorchScript exporter: sizes computed from Shape at run time
         )
     return path

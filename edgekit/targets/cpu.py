@@ -302,7 +302,11 @@ def _fp16(src: Path, dst: Path, space: BuildSpace) -> Precision:
     import onnx
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    onnx.save(convert_float_to_float16(onnx.load(str(src)), keep_io_types=True), str(dst))
+    from edgekit.compress.shape_fold import empty_resize_inputs_as_float32
+
+    model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=True)
+    empty_resize_inputs_as_float32(model)  # an empty ``scales`` cast from float16 makes ORT refuse the Resize
+    onnx.save(model, str(dst))
     return Precision("fp16", "fp16", "onnxruntime float16 converter, float32 inputs/outputs kept")
 
 

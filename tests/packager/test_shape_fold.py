@@ -176,3 +176,33 @@ def test_intel_ir_is_converted_from_the_folded_graph(tmp_path: Path, keypair: tu
     notes = [s.notes for s in verified.manifest.provenance if s.kind == "prepare"]
     assert any(n.startswith("shape sub-graphs folded (onnxslim") for n in notes)
     assert verified.manifest.signature.inputs[0].shape == ("batch", 3, 32, 32)
+
+
+def test_a_fixed_batch_of_one_is_folded_and_checked_one_sample_at_a_time(tmp_path: Path) -> None:
+    src = tiny_unet(tmp_path / "unet.onnx", batch=1, opset=11)
+    prepared = prepare_model(src, tmp_path / "prep")
+    note = next(s for s in prepared.steps if s.startswith("shape sub-graphs"))
+    assert note.startswith("shape sub-graphs folded"), note  # was: ONNX Runtime could not run it on drawn inputs
+    model = onnx.load(str(prepared.path))
+    assert served_signature(model).inputs[0].shape == (1, 3, 32, 32)
+    assert not [n for n in model.graph.node if n.op_type == "Shape"]
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_ort_fp16_of_a_resize_with_empty_scales_loads_and_matches(tmp_path: Path, fold: bool) -> None:
+    """Opset-11 exports give Resize an empty ``scales`` next to ``sizes``; after the opset upgrade
+    the float16 converter casts it and ONNX Runtime refused the node ("Either `sizes` or `scales`
+    must be provided, but not both")."""
+    from edgekit.targets.cpu import _fp16
+
+    src = tiny_unet(tmp_path / "unet.onnx", batch=1, opset=11)
+    source = onnx.load(str(src))
+    assert any(n.op_type == "Resize" and len(n.input) == 4 and n.input[2] for n in source.graph.node)
+    prepared = prepare_model(src, tmp_path / "prep")
+    graph = prepared.path if fold else tmp_path / "prep" / "staged.onnx"  # folded, and upgraded only
+    out = tmp_path / "fp16.onnx"
+    _fp16(graph, out, None)  # type: ignore[arg-type]  # the build space is not read
+    x = np.random.default_rng(1).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    (expected,) = _run(src, {"image": x})
+    (got,) = _run(out, {"image": x})
+    np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)
