@@ -3,7 +3,8 @@
 Each technique runs through ``edgekit.compress.steps.compress`` (the ``edgekit compress`` path)
 on the example, fine-tuned by distillation from the original on the training split that
 ``examples/digits/train.py`` uses (scikit-learn's digits; the held-out split is never trained
-on). Each result, and the original, is then packaged for the cpu target at INT8 by
+on); pruning and low-rank also without fine-tuning (no training data: the cut alone), for the
+drop that fine-tuning recovers. Each result, and the original, is then packaged for the cpu target at INT8 by
 ``edgekit.package`` (the engine's own search) and opened through the device runtime. Measured:
 file size, held-out top-1, and p50 latency at batch 1 with every model interleaved in one loop
 (ONNX Runtime on this host).
@@ -26,6 +27,11 @@ TECHNIQUES = (
     ("pruned 50%", "prune-channels=0.5"),
     ("student (width 0.35)", "distill=width=0.35"),
     ("low-rank 50%", "low-rank=0.5"),
+)
+# the same cuts with no training data: the drop fine-tuning recovers (no INT8 side)
+UNTUNED = (
+    ("pruned 50%, before fine-tuning", "prune-channels=0.5"),
+    ("low-rank 50%, before fine-tuning", "low-rank=0.5"),
 )
 
 
@@ -116,6 +122,12 @@ def run(ctx: BenchContext, *, name: str) -> list[Measurement]:
                 notes.append(quantized)
             else:
                 sides[quantized.label] = quantized
+        untuned = Data(eval={INPUT_NAME: images}, eval_labels=labels)
+        for label, step in UNTUNED:
+            ctx.progress(f"{name}: {label}")
+            path = ctx.workdir / "compress" / f"{step.replace('=', '_')}-untuned.onnx"
+            compress(example.model, [parse_step(step)], path, untuned)
+            sides[label] = _onnx_side(label, path, images, labels)
         one = images[:1]
         stats = stats_side_by_side(
             {k: (lambda s=s: s.infer(one)) for k, s in sides.items()}, repeats=ctx.repeats, budget_s=ctx.budget_s
