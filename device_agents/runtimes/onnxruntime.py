@@ -85,6 +85,13 @@ class OnnxRuntimeRunner:
         self._run = _closed
 
 
+# ONNX Runtime's WeightBiasQuantization quantizes, at load, the float weights of a Conv/Gemm that
+# reads a DequantizeLinear and feeds a QuantizeLinear (per tensor): exactly the layers mixed
+# precision keeps in float, which then run as INT8 after all (a layer of small-weight channels
+# rounds to zero). Off, they run in float as built. Names ONNX Runtime does not know are ignored.
+DISABLED_OPTIMIZERS = ("WeightBiasQuantization",)
+
+
 def open_session(model_path: Path, options: OnnxRuntimeOptions) -> ort.InferenceSession:
     """An ONNX Runtime session of ``model_path`` set up as the agent serves it (graph optimisation,
     threads, spinning, providers); the host times and validates ONNX models through it too."""
@@ -108,7 +115,7 @@ def open_session(model_path: Path, options: OnnxRuntimeOptions) -> ort.Inference
         so.add_session_config_entry("session.force_spinning_stop", "1")
     available = ort.get_available_providers()
     wanted = [p for p in options.providers if p in available] or ["CPUExecutionProvider"]
-    return ort.InferenceSession(str(model_path), so, providers=wanted)
+    return ort.InferenceSession(str(model_path), so, providers=wanted, disabled_optimizers=list(DISABLED_OPTIMIZERS))
 
 
 def _closed(*args: Any) -> Any:

@@ -221,7 +221,12 @@ def optimize_offline(model_path: Path, out_path: Path) -> Path:
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     so.optimized_model_filepath = str(out_path)
-    ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+    from device_agents.runtimes.onnxruntime import DISABLED_OPTIMIZERS
+
+    # the same optimisers as the device's sessions: none that would quantize a float layer
+    ort.InferenceSession(
+        str(model_path), so, providers=["CPUExecutionProvider"], disabled_optimizers=list(DISABLED_OPTIMIZERS)
+    )
     return Path(out_path)
 
 
