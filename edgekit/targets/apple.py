@@ -2,7 +2,9 @@
 
 Path: ONNX -> frozen graph (input shapes fixed, constants folded, onnxslim; ``edgekit.compress.freeze``)
 -> PyTorch (onnx2torch) ->
-``torch.jit.trace`` -> ``coremltools.convert(convert_to="mlprogram")``, then weight compression:
+``torch.jit.trace`` (or, where tracing raises or coremltools refuses the traced graph, ``torch.export``
+lowered to core ATen; ``apple_graph.convert_module``) -> ``coremltools.convert(convert_to="mlprogram")``,
+then weight compression:
 
 - ``fp32`` / ``fp16``: compute precision of the ML Program (I/O stay float32);
 - ``int8-weights``: ``linear_quantize_weights`` (symmetric int8, per output channel);
@@ -35,7 +37,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
@@ -54,6 +56,9 @@ from edgekit.errors import ConfigError, MissingSDKError, ValidationFailedError
 from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidatePlan
 from edgekit.targets.base import BuildContext, BuildResult
 from edgekit.targets.op_support import raise_unsupported
+
+if TYPE_CHECKING:
+    from edgekit.targets.apple_graph import Conversion
 
 PACKAGE = "model.mlpackage"
 _PALETTE_BITS = {"palettize6": 6, "palettize4": 4}
@@ -231,10 +236,13 @@ def _candidate_name(precision: str) -> str:
 
 
 def build_one(ctx: BuildContext) -> BuildResult:
-    """One ``.mlpackage`` of ``ctx.precision`` in ``ctx.out_dir``: one candidate the engine builds."""
+    """One ``.mlpackage`` of ``ctx.precision`` in ``ctx.out_dir``: one candidate the engine builds.
+    The torch graph is converted by ``torch.jit.trace``, or by ``torch.export`` where that fails
+    (``apple_graph.convert_module``); the provenance and a note name the path that built it."""
     ct = _sdk("coremltools", "the apple target")
     torch = _sdk("torch", "the apple target")
     from edgekit.compress.mlpackage_weights import load_into_torch, load_program, package_weights
+    from edgekit.targets.apple_graph import TRACE, convert_module
 
     opts: AppleOptions = ctx.options or AppleOptions()
     if ctx.precision == "int8":
@@ -243,10 +251,19 @@ def build_one(ctx: BuildContext) -> BuildResult:
     if ctx.precision in _PALETTE_BITS and opts.palettize_mode == "kmeans":
         _sdk("sklearn", "k-means palettization")  # coremltools imports it lazily: fail before converting
     inputs, frozen, module, example = _torch_graph(ctx)
-    with torch.no_grad():
-        traced = torch.jit.trace(module, example, check_trace=False)
     ctx.progress(f"[apple] coremltools {ct.__version__}: mlprogram, {ctx.precision}")
-    mlmodel = _mlprogram(ct, traced, inputs, ctx.served, deployment, fp32=ctx.precision == "fp32", source=frozen.path)
+    fp32 = ctx.precision == "fp32"
+    conversion = convert_module(
+        torch,
+        module,
+        example,
+        lambda graph: _convert(ct, graph, inputs, ctx.served, deployment, fp32),
+        ct.__version__,
+        frozen.path,
+    )
+    if conversion.path != TRACE:
+        ctx.progress(f"[apple] {TRACE}: {conversion.trace_failure}; converted from {conversion.path}")
+    mlmodel = conversion.model
     compressed, precision = _compress(ct, mlmodel, ctx.precision, opts)
     package = ctx.out_dir / PACKAGE
     compressed.save(str(package))
@@ -266,6 +283,7 @@ def build_one(ctx: BuildContext) -> BuildResult:
     worst = report.min_compressed_cosine
     notes = [
         *(f"frozen: {step}" for step in frozen.steps),
+        _conversion_note(conversion),
         summary,
         f"intermediate: {len(report.compressed_loaded)} compressed and {len(report.plain_loaded)} plain weights "
         "read back from the saved package" + (f" (worst cosine to the fp32 weight {worst:.4f})" if worst else ""),
@@ -297,7 +315,7 @@ def build_one(ctx: BuildContext) -> BuildResult:
             *frozen.provenance(),
             CompressionStep(
                 kind="convert",
-                tool=f"{_onnx2torch_version()} -> torch.jit.trace -> coremltools {ct.__version__}",
+                tool=f"{_onnx2torch_version()} -> {conversion.path} -> coremltools {ct.__version__}",
                 settings={
                     "convert_to": "mlprogram",
                     "compute_precision": "fp32" if ctx.precision == "fp32" else "fp16",
@@ -319,6 +337,12 @@ def build_one(ctx: BuildContext) -> BuildResult:
             ),
         ),
     )
+
+
+def _conversion_note(conversion: Conversion) -> str:
+    if not conversion.trace_failure:
+        return f"converted from {conversion.path}"
+    return f"converted from {conversion.path}: the torch.jit.trace path failed, {conversion.trace_failure}"
 
 
 _W8A8_TARGETS = ("iOS17", "iOS18", "macOS14", "macOS15")
@@ -348,7 +372,7 @@ def _torch_graph(ctx: BuildContext) -> tuple[list[TensorSpec], Any, Any, tuple[A
     from edgekit.targets.apple_graph import prelu_as_relu
 
     inputs = [_static(spec, ctx.static_shapes) for spec in ctx.served.inputs]
-    ctx.progress("[apple] freeze (onnxslim) -> onnx2torch -> torch.jit.trace")
+    ctx.progress("[apple] freeze (onnxslim) -> onnx2torch")
     shapes = {s.name: tuple(int(d) for d in s.shape) for s in inputs}
     # onnx2torch has no auto_pad SAME_* (Keras/TF exporters write it): explicit pads, the shapes being static
     frozen = freeze_graph(
@@ -425,6 +449,10 @@ def build_w8a8(ctx: BuildContext) -> BuildResult:
     ]
     ctx.progress(f"[apple] coremltools.optimize.torch W8A8: calibrating on {count} samples")
     quantized = calibrate(module, example, batches)
+    # Traced only: torch.export of the quantized module fails in torch 2.13 (its FX-quantized convs run
+    # quantized tensors, which export's fake tensors refuse: "quantized nyi in meta tensors"), so W8A8
+    # has no second path: a graph coremltools refuses traced is refused here, where the other precisions
+    # can still build from torch.export
     with torch.no_grad():
         traced = torch.jit.trace(quantized, example, check_trace=False)
     ctx.progress(f"[apple] coremltools {ct.__version__}: mlprogram, W8A8 ({deployment})")

@@ -16,17 +16,143 @@ Relu(x)`` is ``min(x, 0)``); a per-channel PRelu stays (it converts to Core ML's
 A torch op coremltools has no converter for ends the conversion with a ``NotImplementedError``
 whose message names the torch op only; ``converter_refusal`` turns it into one line that also
 names the ONNX node the op came from (onnx2torch names each module after its ONNX node).
+
+``convert_module`` converts the onnx2torch module by ``torch.jit.trace`` first (what every build
+used before, unchanged where it works) and, where tracing raises or coremltools refuses the traced
+graph, by ``torch.export`` lowered to the core ATen op set (``run_decompositions()`` with PyTorch's
+default table), which coremltools 8+ converts as an ``ExportedProgram``. The two graphs differ:
+onnx2torch writes ONNX ``Greater`` / ``Less`` / ``GreaterOrEqual`` / ``LessOrEqual`` as
+``torch.greater`` etc., which TorchScript records as ``aten::greater`` (coremltools 9 has converters for
+``gt`` / ``lt`` / ``ge`` / ``le`` only) and which export's decompositions write as ``aten.gt`` and its
+kin; ``Celu`` likewise becomes ``expm1`` / ``where``. Where both fail the refusal is one line with
+both paths' reasons.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from edgekit.errors import UnsupportedOpError
 
 _MISSING_OP = re.compile(r"convert function for op '([^']+)' not implemented")
+_MISSING_FX_NODE = re.compile(r"Unsupported fx node (\S+), kind (\S+)")  # coremltools' ExportedProgram frontend
+TRACE, EXPORT = "torch.jit.trace", "torch.export"
+_REFUSAL_TAIL = "the other targets are not affected: drop apple from --target"
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """An ML program and the path that built it (``TRACE`` or ``EXPORT``); ``trace_failure``: why the
+    traced path did not (one line, ``EXPORT`` only)."""
+
+    model: Any
+    path: str
+    trace_failure: str = ""
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Why one path did not build the program: one line, and the torch op coremltools has no converter
+    for with the ONNX nodes it came from, where that was the reason."""
+
+    reason: str
+    op: str | None = None
+    nodes: tuple[str, ...] = ()
+
+
+def convert_module(
+    torch: Any, module: Any, example: tuple[Any, ...], convert: Callable[[Any], Any], version: str, source: Path | None
+) -> Conversion:
+    """``module`` converted by ``convert`` (``ct.convert`` with the build's inputs and outputs): traced
+    first, exported where tracing raises or coremltools refuses the traced graph; where both fail,
+    an ``UnsupportedOpError`` of one line naming the op (if one was missing) and both paths' reasons."""
+    register_torch_ops()
+    try:
+        with torch.no_grad():
+            traced = torch.jit.trace(module, example, check_trace=False)
+    # onnx2torch modules run Python on the example (``.item()``, ``.tolist()``); any error means no graph
+    except Exception as exc:
+        traced_failure = _Failure(f"tracing failed ({_first_line(exc)})")
+    else:
+        try:
+            return Conversion(convert(traced), TRACE)
+        # coremltools raises NotImplementedError for a missing converter and ValueError / RuntimeError /
+        # AssertionError / TypeError from converters that do not take a graph: all are tried on export
+        except Exception as exc:
+            traced_failure = _traced_failure(exc, traced, source)
+    try:
+        exported = torch.export.export(module, example).run_decompositions()
+    except Exception as exc:
+        exported_failure = _Failure(f"export failed ({_first_line(exc)})")
+    else:
+        try:
+            return Conversion(convert(exported), EXPORT, traced_failure.reason)
+        except Exception as exc:
+            exported_failure = _exported_failure(exc, exported, source)
+    raise _both_failed(traced_failure, exported_failure, version) from None
+
+
+def _traced_failure(exc: BaseException, traced: Any, source: Path | None) -> _Failure:
+    found = _MISSING_OP.search(str(exc))
+    if found is None:
+        return _Failure(f"coremltools failed ({_first_line(exc)})")
+    op = found.group(1)
+    modules = {  # the top-level module the op ran in: onnx2torch's module for one ONNX node
+        node.scopeName().removeprefix("__module.").split("/__module.")[0]
+        for node in traced.inlined_graph.nodes()
+        if node.kind().split("::")[-1] == op and node.scopeName()
+    }
+    return _Failure(f"no converter for '{op}'", op, _onnx_nodes(modules, source))
+
+
+def _exported_failure(exc: BaseException, exported: Any, source: Path | None) -> _Failure:
+    found = _MISSING_FX_NODE.search(str(exc))
+    if found is None:
+        found = _MISSING_OP.search(str(exc))
+        if found is None:
+            return _Failure(f"coremltools failed ({_first_line(exc)})")
+        return _Failure(f"no converter for '{found.group(1)}'", found.group(1))
+    name, kind = found.groups()
+    nodes = [n for n in exported.graph.nodes if n.name == name]
+    target = nodes[0].target if nodes else None
+    op = str(getattr(target, "_opname", kind.split(".")[0]))
+    stack = nodes[0].meta.get("nn_module_stack", {}) if nodes else {}
+    # the first named entry is the root's child: onnx2torch's module for one ONNX node
+    modules = {next((path for path, _ in stack.values() if path), "")} - {""}
+    return _Failure(f"no converter for '{target or kind}'", op, _onnx_nodes(modules, source))
+
+
+def _onnx_nodes(modules: set[str], source: Path | None) -> tuple[str, ...]:
+    onnx_nodes = _nodes_by_module(source) if source is not None else {}
+    return tuple(sorted(onnx_nodes.get(m, m) for m in modules))
+
+
+def _both_failed(traced: _Failure, exported: _Failure, version: str) -> UnsupportedOpError:
+    why = f"{TRACE}: {traced.reason}; {EXPORT}: {exported.reason}"
+    named = traced if traced.op is not None else exported
+    if named.op is None:
+        return UnsupportedOpError(
+            f"apple: coremltools {version} could not convert the torch graph onnx2torch wrote for this model "
+            f"({why}); {_REFUSAL_TAIL}"
+        )
+    return UnsupportedOpError(
+        f"apple: coremltools {version} has no converter for the torch op '{named.op}'{_where(named.nodes)} that "
+        f"onnx2torch wrote for this model ({why}); {_REFUSAL_TAIL}, or replace that op in the model"
+    )
+
+
+def _where(nodes: tuple[str, ...]) -> str:
+    return f" (from ONNX node {', '.join(nodes[:5])}{', ...' if len(nodes) > 5 else ''})" if nodes else ""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split("\n")[0].split())
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def register_torch_ops() -> None:
@@ -93,23 +219,15 @@ def _masked_prelu(shape: list[int] | None, slope: Any) -> bool:
 def converter_refusal(
     exc: BaseException, traced: Any, version: str, source: Path | None = None
 ) -> UnsupportedOpError | None:
-    """The one-line error for a torch op coremltools cannot convert, or ``None`` for any other failure;
-    ``source``: the ONNX graph onnx2torch converted, to name the nodes the op came from."""
-    found = _MISSING_OP.search(str(exc))
-    if found is None:
+    """The one-line error for a torch op coremltools cannot convert in the traced graph ``traced``, or
+    ``None`` for any other failure; ``source``: the ONNX graph onnx2torch converted, to name the nodes
+    the op came from."""
+    failure = _traced_failure(exc, traced, source)
+    if failure.op is None:
         return None
-    op = found.group(1)
-    onnx_nodes = _nodes_by_module(source) if source is not None else {}
-    modules = {  # the top-level module the op ran in: onnx2torch's module for one ONNX node
-        node.scopeName().removeprefix("__module.").split("/__module.")[0]
-        for node in traced.inlined_graph.nodes()
-        if node.kind().split("::")[-1] == op and node.scopeName()
-    }
-    nodes = sorted(onnx_nodes.get(m, m) for m in modules)
-    where = f" (from ONNX node {', '.join(nodes[:5])}{', ...' if len(nodes) > 5 else ''})" if nodes else ""
     return UnsupportedOpError(
-        f"apple: coremltools {version} has no converter for the torch op '{op}'{where} that onnx2torch wrote for "
-        "this model; the other targets are not affected: drop apple from --target, or replace that op in the model"
+        f"apple: coremltools {version} has no converter for the torch op '{failure.op}'{_where(failure.nodes)} "
+        f"that onnx2torch wrote for this model; {_REFUSAL_TAIL}, or replace that op in the model"
     )
 
 
@@ -125,4 +243,12 @@ def _nodes_by_module(source: Path) -> dict[str, str]:
     return found
 
 
-__all__ = ["converter_refusal", "prelu_as_relu", "register_torch_ops"]
+__all__ = [
+    "EXPORT",
+    "TRACE",
+    "Conversion",
+    "convert_module",
+    "converter_refusal",
+    "prelu_as_relu",
+    "register_torch_ops",
+]

@@ -1,8 +1,10 @@
 """Graphs the ``apple`` path met on Keras/TF and PyTorch exports: tensor names Core ML sanitises
 (``input.1``), elementwise ``Max``/``Min`` against constants (onnx2torch writes ``broadcast_to``),
-PRelu on NHWC tensors, and a torch op coremltools has no converter for (one line naming the op and
-its ONNX node; the other targets still ship). Each builds one ``.mlpackage`` candidate here; Core ML
-prediction needs macOS, so the package is checked by its spec and the torch intermediate."""
+PRelu on NHWC tensors, a comparison coremltools converts from ``torch.export`` but not from the
+traced graph, and a torch op coremltools has no converter for on either path (one line naming the
+op, its ONNX node and both paths' reasons; the other targets still ship). Each builds one
+``.mlpackage`` candidate here; Core ML prediction needs macOS, so the package is checked by its spec
+and the torch intermediate."""
 
 from __future__ import annotations
 
@@ -83,6 +85,48 @@ def test_apple_maps_the_names_coreml_sanitised_back_to_the_model_names(tmp_path:
     assert [s.name for s in result.artifact_signature.outputs] == package_out
     # the bundle serves the ONNX model's names; the agent feeds Core ML the package's through the mapping
     assert {(m.served, m.artifact) for m in result.mapping} == {("input.1", "input_1"), ("out.0", package_out[0])}
+    # a graph the traced path converts is built from it, as before torch.export was a second path
+    assert _convert_tool(result).endswith(" -> torch.jit.trace -> coremltools " + ct.__version__)
+    assert "converted from torch.jit.trace" in result.notes
+    _agrees_with_onnx(prepared, result)
+
+
+def _convert_tool(result: Any) -> str:
+    (step,) = [s for s in result.provenance if s.kind == "convert"]
+    return str(step.tool)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8-weights"])
+def test_apple_converts_by_torch_export_when_coremltools_refuses_the_traced_graph(
+    tmp_path: Path, precision: str
+) -> None:
+    """ONNX ``Greater`` is ``torch.greater`` in onnx2torch: traced it is ``aten::greater``, which
+    coremltools 9 has no converter for; torch.export's core ATen decompositions write ``aten.gt``."""
+    import coremltools as ct
+    from onnx import TensorProto, helper
+
+    from edgekit.compress.mlpackage_weights import compute_ops, load_program
+
+    nodes = [
+        helper.make_node("Greater", ["input.1", "t"], ["m"], name="/gate/cmp"),
+        helper.make_node("Cast", ["m"], ["mf"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["input.1", "mf"], ["h"]),
+    ]
+    t = np.random.default_rng(7).standard_normal((4, 1, 1)).astype(np.float32)
+    model = _graph(tmp_path / "gate.onnx", nodes, {"t": t}, "input.1", "out.0")
+    prepared, ctx, result = _build(model, tmp_path, precision)
+    assert _convert_tool(result).endswith(" -> torch.export -> coremltools " + ct.__version__)
+    assert "converted from torch.export: the torch.jit.trace path failed, no converter for 'greater'" in result.notes
+    spec, program = load_program(ctx.out_dir / "model.mlpackage")
+    assert "greater" in {t for t, _ in compute_ops(program)}
+    # the same name mapping as the traced path: Core ML's sanitised names back to the model's
+    assert [i.name for i in spec.description.input] == ["input_1"]
+    assert [s.name for s in result.artifact_signature.inputs] == ["input_1"]
+    package_out = [o.name for o in spec.description.output]
+    assert {(m.served, m.artifact) for m in result.mapping} == {("input.1", "input_1"), ("out.0", package_out[0])}
+    assert result.artifact_signature.inputs[0].shape == SHAPE
+    if precision == "int8-weights":
+        assert any(n.startswith("package weights:") and "int8" in n for n in result.notes), result.notes
     _agrees_with_onnx(prepared, result)
 
 
@@ -142,7 +186,24 @@ def test_apple_names_the_op_coremltools_cannot_convert_in_one_line(tmp_path: Pat
         _build(model, tmp_path)
     message = str(exc.value)
     assert "no converter for the torch op 'fmod' (from ONNX node /blocks.0/wrap (Mod))" in message
+    # both paths were tried, and the line says why each failed
+    assert "torch.jit.trace: no converter for 'fmod'; torch.export: no converter for 'aten.fmod.Tensor'" in message
     assert "\n" not in message and exc.value.__cause__ is None and exc.value.__suppress_context__
+
+
+def test_apple_refuses_in_one_line_a_graph_neither_path_converts(tmp_path: Path) -> None:
+    """onnx2torch's reverse exclusive CumSum reads its axis with ``.item()``: coremltools fails on the
+    traced graph and torch.export cannot specialise the data-dependent axis."""
+    from onnx import helper
+
+    node = helper.make_node("CumSum", ["x", "axis"], ["h"], reverse=1, exclusive=1, name="/scan")
+    model = _graph(tmp_path / "cumsum.onnx", [node], {"axis": np.array(2, np.int64)})
+    with pytest.raises(UnsupportedOpError) as exc:
+        _build(model, tmp_path)
+    message = str(exc.value)
+    assert message.startswith("apple: coremltools ") and "could not convert the torch graph" in message
+    assert "torch.jit.trace: coremltools failed (" in message and "; torch.export: export failed (" in message
+    assert "\n" not in message
 
 
 @pytest.mark.slow
