@@ -41,7 +41,7 @@ COMPRESSION_OPS = {
     "constexpr_lut_to_dense": "palettized",
 }
 _SUFFIXES = re.compile(r"(_to_fp16|_to_fp32|_palettized|_quantized|_sparsified)$")
-_PREFIXES = ("op_", "var_", "_")
+_PREFIXES = ("op_", "var_", "_", "p_", "b_")  # p_/b_: torch.export's parameters and buffers
 _MIN_MATCH_COSINE = 0.9  # a compressed weight far from its torch tensor means a wrong match
 # An uncompressed constant is a (scaled) torch tensor when, after the least-squares scale, only
 # FP16 rounding separates them: relative error <= 2**-11 per value gives a cosine above 1 - 1e-7.
