@@ -203,10 +203,7 @@ def _parse_profile_shape(item: str, what: str) -> tuple[str, ShapeRange]:
     except ValueError:
         shapes = []
     if not sep or not name or len(shapes) != 3 or len({len(s) for s in shapes}) != 1:
-        raise ConfigError(
-            f"{what}: expected NAME=MIN:OPT:MAX such as "
-            "images=1x3x320x320:4x3x480x480:8x3x640x640"
-        )
+        raise ConfigError(f"{what}: expected NAME=MIN:OPT:MAX such as images=1x3x320x320:4x3x480x480:8x3x640x640")
     return name.strip(), ShapeRange(shapes[0], shapes[1], shapes[2])
 
 
