@@ -468,10 +468,11 @@ def prune_channels(
 @dataclass(frozen=True)
 class SparsityReport:
     pattern: str  # "unstructured 0.80" or "2:4"
-    tensors: int
-    sparsity: float  # zeros / weights over the pruned tensors
+    tensors: int  # weight tensors sparsified
+    sparsity: float  # zeros / weights over the sparsified tensors
     compressed_bytes_before: int
     compressed_bytes_after: int
+    dense: int = 0  # weight tensors left dense (``sparse_eligible``)
 
 
 def constants_to_initializers(model: Any) -> int:
@@ -551,8 +552,43 @@ def sparsity_mask(w: np.ndarray, pattern: Pattern, axis: int) -> np.ndarray:
     return result
 
 
+# a weight tensor smaller than this stays dense: few bytes to save, and the first convolution and
+# small projections hold a share of the accuracy out of proportion with their size
+SPARSE_MIN_WEIGHTS = 1024
+
+
+def sparse_eligible(w: np.ndarray, pattern: Pattern, axis: int) -> bool:
+    """Whether a weight tensor is sparsified: not a depthwise (one input channel per group)
+    convolution, whose few weights per output channel each matter, nor under ``SPARSE_MIN_WEIGHTS``;
+    for 2:4, a reduction axis divisible by 4. The same rule on the ONNX and the torch side."""
+    if w.size < SPARSE_MIN_WEIGHTS or (w.ndim >= 3 and w.shape[1] == 1):
+        return False
+    return pattern != "2:4" or w.shape[axis] % 4 == 0
+
+
+def sparsity_masks(weights: list[tuple[np.ndarray, int]], pattern: Pattern) -> list[np.ndarray | None]:
+    """Per (weight, reduction axis): the keep-mask, or None for a tensor left dense. Unstructured:
+    one magnitude threshold over every eligible tensor together (global magnitude pruning: a layer
+    of many small weights gives up more of them than a layer of few large ones) so that ``pattern``
+    of the eligible weights are zero; 2:4: the pattern in each eligible tensor."""
+    eligible = [sparse_eligible(w, pattern, axis) for w, axis in weights]
+    if pattern == "2:4":
+        pairs = zip(weights, eligible, strict=True)
+        return [sparsity_mask(w, pattern, axis) if ok else None for (w, axis), ok in pairs]
+    magnitudes = [np.abs(w).ravel() for (w, _), ok in zip(weights, eligible, strict=True) if ok]
+    if not magnitudes:
+        return [None] * len(weights)
+    pooled = np.concatenate(magnitudes)
+    k = int(pooled.size * pattern)
+    if not k:
+        return [None] * len(weights)
+    threshold = np.partition(pooled, k - 1)[k - 1]
+    return [np.abs(w) > threshold if ok else None for (w, _), ok in zip(weights, eligible, strict=True)]
+
+
 def sparsify(source: Path, out: Path, pattern: Pattern) -> SparsityReport:
-    """Zero the smallest-magnitude weights of every Conv/Gemm/MatMul weight tensor; write ``out``."""
+    """Zero the smallest-magnitude weights of the Conv/Gemm/MatMul weight tensors
+    (``sparsity_masks``); write ``out``."""
     import onnx
     from onnx import numpy_helper
 
@@ -561,23 +597,32 @@ def sparsify(source: Path, out: Path, pattern: Pattern) -> SparsityReport:
     targets = weight_initializers(model)
     if not targets:
         raise UnsupportedOpError("the model has no Conv/Gemm/MatMul weight initializers to sparsify")
+    inits = [init for init in model.graph.initializer if init.name in targets]
+    weights = [(numpy_helper.to_array(init), targets[init.name]) for init in inits]
+    masks = sparsity_masks(weights, pattern)
+    if all(m is None for m in masks):
+        raise UnsupportedOpError(
+            f"no weight tensor can take {describe_pattern(pattern)} sparsity: every one is depthwise, under "
+            f"{SPARSE_MIN_WEIGHTS} weights" + (" or has input channels not divisible by 4" if pattern == "2:4" else "")
+        )
     zeros = total = 0
-    for init in model.graph.initializer:
-        if init.name not in targets:
+    for init, (w, _), mask in zip(inits, weights, masks, strict=True):
+        if mask is None:
             continue
-        w = numpy_helper.to_array(init)
-        pruned = np.where(sparsity_mask(w, pattern, targets[init.name]), w, 0).astype(w.dtype)
+        pruned = np.where(mask, w, 0).astype(w.dtype)
         zeros += int(np.count_nonzero(pruned == 0))
         total += int(pruned.size)
         init.CopyFrom(numpy_helper.from_array(pruned, init.name))
     out.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(out))
+    sparse = sum(m is not None for m in masks)
     return SparsityReport(
         pattern=describe_pattern(pattern),
-        tensors=len(targets),
+        tensors=sparse,
         sparsity=zeros / max(total, 1),
         compressed_bytes_before=compressed_size(source),
         compressed_bytes_after=compressed_size(out),
+        dense=len(masks) - sparse,
     )
 
 
@@ -590,14 +635,22 @@ def sparsify_module(module: Any, pattern: Pattern) -> Any:
     re-applies the masks (after every fine-tuning step, so pruned weights stay zero)."""
     import torch
 
-    masks = []
-    for layer in module.modules():
-        if isinstance(layer, torch.nn.Conv1d | torch.nn.Conv2d | torch.nn.Conv3d | torch.nn.Linear):
-            w = layer.weight.detach().cpu().numpy()
-            mask = torch.from_numpy(sparsity_mask(w, pattern, 1)).to(layer.weight.dtype)
-            masks.append((layer, mask))
-    if not masks:
+    layers = [
+        layer
+        for layer in module.modules()
+        if isinstance(layer, torch.nn.Conv1d | torch.nn.Conv2d | torch.nn.Conv3d | torch.nn.Linear)
+    ]
+    if not layers:
         raise UnsupportedOpError("the model has no Conv/Linear layers to sparsify")
+    # the reduction axis is 1 for torch's Conv [out, in/groups, ...] and Linear [out, in] alike
+    found = sparsity_masks([(layer.weight.detach().cpu().numpy(), 1) for layer in layers], pattern)
+    masks = [
+        (layer, torch.from_numpy(mask).to(layer.weight.dtype))
+        for layer, mask in zip(layers, found, strict=True)
+        if mask is not None
+    ]
+    if not masks:
+        raise UnsupportedOpError(f"no Conv/Linear weight can take {describe_pattern(pattern)} sparsity")
 
     def apply() -> None:
         with torch.no_grad():

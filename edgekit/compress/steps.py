@@ -247,7 +247,9 @@ def _run_step(step: Step, current: Path, out: Path, chain: _Chain) -> tuple[str,
                 dense = torch_bridge.export_like(module, chain.interface, Path(tmp) / "exported.onnx", chain.example())
                 rep = prune.sparsify(dense, out, pattern)  # exact zeros again after export's rounding
         return (
-            f"{rep.pattern}: {rep.sparsity:.1%} zeros in {rep.tensors} weight tensors; zlib-compressed "
+            f"{rep.pattern}: {rep.sparsity:.1%} zeros in {rep.tensors} weight tensors"
+            + (f" ({rep.dense} depthwise or small ones left dense)" if rep.dense else "")
+            + "; zlib-compressed "
             f"{prune.compressed_size(chain.original):,} -> {rep.compressed_bytes_after:,} bytes; dense runtimes run "
             "it at the same speed"
             + ("; TensorRT 2:4 sparse kernels: not measured here (no GPU)" if pattern == "2:4" else "")
