@@ -65,9 +65,11 @@ from edgekit.optimize.memory import REFUSAL, MemoryModel, gb, peak_rss_bytes
 from edgekit.optimize.profile import DeviceLatency
 from edgekit.optimize.search_state import CandidateState, Outcome, SearchResult, SearchState
 from edgekit.optimize.timing import (
+    HEAD_TO_HEAD,
     REFERENCE,
     beyond_noise,
     device_times,
+    head_to_head,
     prescreen_ms,
     time_round,
 )
@@ -301,6 +303,16 @@ def _final_rounds(state: SearchState) -> None:
         names = ", ".join(s.candidate.name for s in state.finalists)
         state.notes.append(f"finalists timed again side by side with {REFERENCE}: {names}")
     device_latency = state.device_latency
+    if state.auto and state.objective == "latency" and device_latency is None and baseline is not None:
+        finalists = state.finalists
+        settled = head_to_head(
+            states, baseline, state.rounds, state.one,
+            eligible=lambda o: not finalists or o.timed_in == "finalists",
+            budget_s=2 * state.latency_budget_s, say=state.say, target=state.target, clock=state.clock,
+        )  # fmt: skip
+        if settled is not None:
+            state.rounds[HEAD_TO_HEAD] = settled[1]
+            state.head_to_head = settled[0]
     if device_latency is not None:
         device_times(states, device_latency)
         timed = [s.candidate.name for s in states if s.outcome is not None and s.outcome.latency is not None]
@@ -332,7 +344,10 @@ def _choice(state: SearchState) -> SearchResult:
     chain = _chain(chosen, everything, objective, auto, base_out)
     noise: dict[str, str] = {}  # name -> its speed-up over the baseline with the interval, where measured
     if auto and objective == "latency" and state.device_latency is None and base_out is not None:
-        chain, noise, dropped = beyond_noise(chain, base_out, state.rounds)
+        decided = {state.head_to_head: HEAD_TO_HEAD} if state.head_to_head else None
+        chain, noise, dropped = beyond_noise(chain, base_out, state.rounds, decided)
+        if state.head_to_head and state.head_to_head in noise:
+            notes.append(f"{state.head_to_head} timed again alone with {base_out.name}: {noise[state.head_to_head]}")
         if dropped:
             notes.append(f"not faster than {base_out.name} beyond the measured noise, left out: " + "; ".join(dropped))
     if chain and chain[0] is not chosen:  # within the sampling error of selection, or of the timing

@@ -139,6 +139,7 @@ class SearchState:
     rounds: dict[str, Mapping[str, LatencyStats]] = field(default_factory=dict)  # round -> its stats by name
     reference_latency: LatencyStats | None = None
     finalists: list[CandidateState] = field(default_factory=list)
+    head_to_head: str | None = None  # the leader timed again alone with the baseline (``timing.head_to_head``)
     memory: Any = None  # optimize.memory.MemoryModel: the run's memory bound, None for none
     excluded_by: dict[str, str] = field(default_factory=dict)  # SearchResult.excluded_by
 

@@ -37,6 +37,16 @@ class Clock:
 
         return run
 
+    def loaded(self, ms: float, sigma: float, seed: int) -> RunFn:
+        """``_exact`` costing ``ms`` times a log-normal factor per call: a busy host's heavy tail."""
+        rng = np.random.default_rng(seed)
+
+        def run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            self.now += ms / 1e3 * float(np.exp(sigma * rng.standard_normal()))
+            return _exact(feed)
+
+        return run
+
 
 def _candidate(name: str, precision: str, fn: RunFn, baseline: bool = False) -> Candidate:
     def build(space: BuildSpace) -> Built:
@@ -109,3 +119,35 @@ def test_side_by_side_rounds_are_each_rounds_median_read_on_the_given_clock() ->
         {"a": lambda: clock.costing(2.0, 0.0, 0)({"x": np.zeros((1, 8))})}, repeats=4, warmup=0, block=3, clock=clock
     )
     assert stats["a"].rounds_ms == pytest.approx((2.0, 2.0, 2.0, 2.0)) and stats["a"].p50_ms == pytest.approx(2.0)
+
+
+def test_an_undecided_leader_is_timed_again_alone_with_fp32_and_ships(tmp_path: Path) -> None:
+    """Among many candidates a round holds few paired rounds, so a leader clearly faster by its
+    median can have an interval reaching below 1; timed again with FP32 alone (many more rounds in
+    the same time) it is faster beyond the noise and ships, where before the plain FP32 shipped."""
+    clock = Clock()
+    slow = tuple(
+        _candidate(f"slow{i}", "fp16", clock.costing(20.0, 0.0, seed=10 + i)) for i in range(8)
+    )  # passing, slower than fp32: only make each side-by-side round long
+    plan = CandidatePlan(
+        first=(
+            _candidate("fp32", "fp32", clock.loaded(1.0, 1.2, seed=1), baseline=True),
+            _candidate("int8", "int8", clock.loaded(0.6, 1.2, seed=2)),
+            *slow,
+        )
+    )
+    data = search_data({"x": np.random.default_rng(1).standard_normal((40, 8)).astype(np.float32)}, 16)
+    reference = clock.loaded(1.0, 1.2, seed=3)
+    said: list[str] = []
+    result = search(
+        plan, target="test", work_dir=tmp_path / "c", data=data, served=SERVED, reference=reference,
+        reference_open=lambda threads: reference, kind="dense", tolerance=Tolerance(), precision="auto",
+        latency_budget_s=1.0, progress=said.append, clock=clock,
+    )  # fmt: skip
+    final = {o.name: o for o in result.outcomes}["int8"]
+    assert final.timed_in == "final"  # the premise: decided on the long round's few paired rounds
+    assert any("int8 leads fp32 within the timing noise: timing the two alone" in m for m in said)
+    (note,) = [n for n in result.notes if n.startswith("int8 timed again alone with fp32: speed ")]
+    rounds = int(note.split(", ")[-1].split(" paired")[0])
+    assert rounds > 10
+    assert result.chosen.name == "int8"
