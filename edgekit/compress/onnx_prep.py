@@ -127,6 +127,11 @@ def prepare_model(
         steps.append("onnx shape inference")
     except onnx.shape_inference.InferenceError as exc:
         say(f"ONNX shape inference failed ({exc}); continuing with declared shapes")
+    clamped = clamp_mask_sentinels(model)
+    if clamped:
+        note = f"{clamped} mask constant(s) of +-3.4e38 written as +-{MASK_SENTINEL:g} (float16 range)"
+        say(note)
+        steps.append(note)
     staged = work_dir / "staged.onnx"
     onnx.save(model, str(staged))
     folded = fold_shapes(staged, work_dir / "folded.onnx", served, input_shapes)
@@ -145,6 +150,54 @@ def prepare_model(
         steps=tuple(steps),
         graph_path=folded.path if folded.folded else source_path,
     )
+
+
+# what an additive attention mask's "minus infinity" becomes: BERT's own -10000, which float16
+# holds (65504 is its largest value) and which still gives a softmax weight of exactly 0
+MASK_SENTINEL = 1e4
+_SENTINEL_ABOVE = 1e30  # constants this large are "infinity" stand-ins (torch.finfo(float32).min)
+_MASK_CONSUMERS = ("Mul", "Add", "Sub", "Where")
+
+
+def clamp_mask_sentinels(model: Any) -> int:
+    """Write float constants of magnitude >= 1e30 (exporters' ``finfo(float32).min`` for masked
+    attention) that only masking arithmetic reads (Mul, Add, Sub, Where) as +-``MASK_SENTINEL``;
+    returns how many tensors changed. In float16 (TensorRT FP16, Core ML, LiteRT float16) -3.4e38
+    is -inf, ``0 * -inf`` is NaN and every output of a BERT-class encoder was NaN; in float32 the
+    outputs are the same (``exp(-1e4)`` is 0). In place."""
+    from onnx import TensorProto, numpy_helper
+
+    graph = model.graph
+    consumers: dict[str, set[str]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, set()).add(node.op_type)
+
+    def clamp(array: np.ndarray) -> np.ndarray | None:
+        if array.dtype != np.float32 or array.size > 64 or not np.any(np.abs(array) >= _SENTINEL_ABOVE):
+            return None
+        return np.where(np.abs(array) >= _SENTINEL_ABOVE, np.sign(array) * MASK_SENTINEL, array).astype(np.float32)
+
+    changed = 0
+    for init in graph.initializer:
+        uses = consumers.get(init.name, set())
+        if init.data_type != TensorProto.FLOAT or not uses or not uses <= set(_MASK_CONSUMERS):
+            continue
+        new = clamp(numpy_helper.to_array(init))
+        if new is not None:
+            init.CopyFrom(numpy_helper.from_array(new, init.name))
+            changed += 1
+    for node in graph.node:
+        if node.op_type != "Constant" or len(node.attribute) != 1 or node.attribute[0].name != "value":
+            continue
+        uses = consumers.get(node.output[0], set())
+        if not uses or not uses <= set(_MASK_CONSUMERS):
+            continue
+        new = clamp(numpy_helper.to_array(node.attribute[0].t))
+        if new is not None:
+            node.attribute[0].t.CopyFrom(numpy_helper.from_array(new, node.attribute[0].t.name))
+            changed += 1
+    return changed
 
 
 def model_size_bytes(path: Path) -> int:

@@ -206,3 +206,50 @@ def test_ort_fp16_of_a_resize_with_empty_scales_loads_and_matches(tmp_path: Path
     (expected,) = _run(src, {"image": x})
     (got,) = _run(out, {"image": x})
     np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)
+
+
+def _masked_softmax(path: Path) -> Path:
+    """``scores`` [1, 4] + (1 - ``mask``) * finfo(float32).min, softmax: BERT's additive mask as
+    transformers exports it (int64 mask cast to float)."""
+    nodes = [
+        helper.make_node("Cast", ["mask"], ["maskf"], to=TensorProto.FLOAT),
+        helper.make_node("Sub", ["one", "maskf"], ["inv"]),
+        helper.make_node("Mul", ["inv", "minf"], ["bias"]),
+        helper.make_node("Add", ["scores", "bias"], ["biased"]),
+        helper.make_node("Softmax", ["biased"], ["probs"], axis=-1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "masked",
+        [
+            helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", 4]),
+            helper.make_tensor_value_info("mask", TensorProto.INT64, ["batch", 4]),
+        ],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 4])],
+        [
+            numpy_helper.from_array(np.float32(1.0), "one"),
+            numpy_helper.from_array(np.float32(np.finfo(np.float32).min), "minf"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_an_attention_masks_float32_min_is_written_in_the_float16_range(tmp_path: Path) -> None:
+    from edgekit.targets.jetson import fp16_weights_model
+
+    src = _masked_softmax(tmp_path / "masked.onnx")
+    prepared = prepare_model(src, tmp_path / "prep")
+    assert any("mask constant(s) of +-3.4e38 written as +-10000" in s for s in prepared.steps)
+    feed = {
+        "scores": np.array([[1.0, 2.0, 3.0, 4.0]], np.float32),
+        "mask": np.array([[1, 1, 0, 0]], np.int64),
+    }
+    (expected,) = _run(src, feed)
+    (same,) = _run(prepared.path, feed)
+    np.testing.assert_array_equal(same, expected)  # float32: masked positions still weigh exactly 0
+    for path in (src, prepared.path):
+        rounded = fp16_weights_model(path, tmp_path / f"fp16-{path.stem}.onnx")  # jetson's FP16 emulation
+        (got,) = _run(rounded, feed)
+        assert np.isfinite(got).all() == (path == prepared.path)  # the source's -inf gives 0 * -inf = NaN
+    np.testing.assert_allclose(got, expected, atol=1e-6)
