@@ -593,7 +593,8 @@ def sparsity_masks(weights: list[tuple[np.ndarray, int]], pattern: Pattern) -> l
 def _relative_magnitude(w: np.ndarray) -> np.ndarray:
     magnitude = np.abs(w).astype(np.float64)
     rms = float(np.sqrt(np.mean(magnitude**2)))
-    return magnitude / rms if rms > 0 else magnitude
+    relative: np.ndarray = magnitude / rms if rms > 0 else magnitude
+    return relative
 
 
 def sparsify(source: Path, out: Path, pattern: Pattern) -> SparsityReport:
