@@ -478,15 +478,13 @@ class SparsityReport:
 def constants_to_initializers(model: Any) -> int:
     """Move the graph's tensor ``Constant`` nodes into initializers, in place (paddle2onnx writes
     every weight as a Constant node: the weight steps look for initializers); how many moved."""
-    from onnx import helper
+    from edgekit.compress.onnx_prep import constant_nodes
 
     moved = []
-    for node in model.graph.node:
-        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
-            tensor = helper.get_attribute_value(node.attribute[0])
-            tensor.name = node.output[0]
-            model.graph.initializer.append(tensor)
-            moved.append(node)
+    for node, tensor in list(constant_nodes(model.graph)):
+        tensor.name = node.output[0]
+        model.graph.initializer.append(tensor)
+        moved.append(node)
     for node in moved:
         model.graph.node.remove(node)
     return len(moved)

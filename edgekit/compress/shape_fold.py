@@ -200,11 +200,11 @@ def resize_sizes_as_scales(model: Any) -> int:
     docstring); returns how many were rewritten. The model is changed in place."""
     from onnx import numpy_helper
 
+    from edgekit.compress.onnx_prep import constant_nodes
+
     graph = model.graph
     consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
-            consts[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    consts.update((node.output[0], numpy_helper.to_array(t)) for node, t in constant_nodes(graph))
     producer = {out: node for node in graph.node for out in node.output}
     dims = {
         vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
@@ -241,12 +241,11 @@ def empty_resize_inputs_as_float32(model: Any) -> int:
     the node ("Either `sizes` or `scales` must be provided, but not both"). In place."""
     from onnx import numpy_helper
 
+    from edgekit.compress.onnx_prep import constant_nodes
+
     graph = model.graph
     empty = {t.name for t in graph.initializer if 0 in t.dims}
-    for node in graph.node:
-        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
-            if numpy_helper.to_array(node.attribute[0].t).size == 0:
-                empty.add(node.output[0])
+    empty.update(node.output[0] for node, t in constant_nodes(graph) if 0 in t.dims)
     producer = {out: node for node in graph.node for out in node.output}
     name = ""
     pointed = 0
