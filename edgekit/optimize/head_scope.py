@@ -173,3 +173,88 @@ def head_offer(
     if not scope.nodes:
         return (), ((f"{cand.name}, {what} head in float", scope.why),)
     return (head_in_float(cand, scope),), ()
+
+
+# -- the same walk on a float TFLite graph (the coral target quantizes onnx2tf's conversion) -------
+# ONNX node names do not survive onnx2tf, and the MLIR quantizer keeps ops in float by their first
+# output tensor's name (``tflite_quant.QuantVariant.denylisted``): the walk is done again on the
+# TFLite graph, with TFLite's builtin op names. Followed along every input that an op computes
+# (constant operands, the anchors and strides, are not ops):
+TFLITE_ELEMENTWISE = frozenset({"LOGISTIC", "SOFTMAX", "MUL", "ADD", "SUB", "DIV", "CONCATENATION", "EXP", "POW"})
+# followed along their data input only (the index of that input); the others are shapes, axes, indices
+TFLITE_DATA_ONLY: Mapping[str, int] = {
+    "RESHAPE": 0,
+    "TRANSPOSE": 0,
+    "SPLIT": 1,  # SPLIT(axis, input)
+    "SPLIT_V": 0,
+    "SLICE": 0,
+    "STRIDED_SLICE": 0,
+    "SQUEEZE": 0,
+    "EXPAND_DIMS": 0,
+    "GATHER": 0,
+}
+
+
+def tflite_head_scope(model: bytes, outputs: Sequence[str], heads: Mapping[str, str]) -> HeadScope:
+    """The decode ops of a float TFLite ``model`` between its signature outputs ``outputs`` (the
+    head outputs, e.g. onnx2tf's names for the served ``heads``) and their last compute layers:
+    ``HeadScope.nodes`` are the ops' first output tensor names in execution order (what the MLIR
+    quantizer's ``denylisted_nodes`` takes), bounded by ``MAX_SHARE`` of the graph's ops. Stops at
+    CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, pooling, resizing and every op not listed above;
+    takes in the DFL projection (a CONV_2D to one channel whose weights are 0, 1, ..., R-1)."""
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+    what = _what(heads)
+    it = Interpreter(
+        model_content=model, experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
+    )
+    it.allocate_tensors()  # constants (the DFL's weights) are readable once allocated
+    details = it.get_signature_runner().get_output_details()
+    missing = [o for o in outputs if o not in details]
+    if missing:
+        raise ValueError(f"no output {missing[0]!r} in the TFLite signature (outputs: {', '.join(details)})")
+    ops = it._get_ops_details()  # the interpreter's only op listing (private API), in execution order
+    producer = {int(t): op for op in ops for t in op["outputs"]}
+    found: set[int] = set()
+    todo = [producer[int(details[o]["index"])] for o in outputs if int(details[o]["index"]) in producer]
+    while todo:
+        op = todo.pop()
+        if op["index"] in found:
+            continue
+        kind, ins = str(op["op_name"]), [int(i) for i in op["inputs"]]
+        if kind in TFLITE_ELEMENTWISE:
+            follow = ins
+        elif kind in TFLITE_DATA_ONLY:
+            follow = ins[TFLITE_DATA_ONLY[kind] : TFLITE_DATA_ONLY[kind] + 1]
+        elif _is_tflite_dfl(it, kind, ins):
+            follow = ins[:1]
+        else:
+            continue  # a compute layer or another op: the head's decode stops here
+        found.add(op["index"])
+        todo.extend(producer[i] for i in follow if i in producer)
+    if not found:
+        return HeadScope((), what, f"no decode ops between the {what} outputs and their last compute layers")
+    bound = int(MAX_SHARE * len(ops))
+    if len(found) > bound:
+        return HeadScope(
+            (),
+            what,
+            f"{len(found)} ops between the {what} outputs and their last compute layers, more than "
+            f"{MAX_SHARE:.0%} of the graph's {len(ops)}: not a head's decode",
+        )
+    names = tuple(str(it._get_tensor_details(int(op["outputs"][0]), 0)["name"]) for op in ops if op["index"] in found)
+    return HeadScope(names, what, f"{len(names)} decode ops of the {what} head kept in float")
+
+
+def _is_tflite_dfl(it: Any, kind: str, ins: Sequence[int]) -> bool:
+    """A CONV_2D to one channel (filter [1, 1, 1, R]) whose weights are 0, 1, ..., R-1, no bias."""
+    if kind != "CONV_2D" or len(ins) < 2 or ins[1] < 0:
+        return False
+    try:
+        w = np.asarray(it.get_tensor(ins[1]))
+        bias = np.asarray(it.get_tensor(ins[2])) if len(ins) > 2 and ins[2] >= 0 else None
+    except ValueError:  # not a constant with data
+        return False
+    if w.ndim != 4 or w.shape[:3] != (1, 1, 1) or w.shape[3] < 2 or (bias is not None and np.any(bias != 0)):
+        return False
+    return bool(np.array_equal(w.reshape(-1), np.arange(w.shape[3], dtype=w.dtype)))

@@ -12,6 +12,10 @@ calibration method (``edgekit.compress.tflite_quant``). Candidates:
   default) and per-tensor weights, MinMax ranges; percentile ranges as the refinement of a layout
   that missed the budget; mixed precision keeps the most sensitive ops in float (the MLIR
   quantizer's ``denylisted_nodes``), ranked by their measured error (``optimize.tflite_sensitivity``);
+- under ``auto`` for a detector's or segmenter's head outputs (``BuildContext.heads``): int8 per-channel
+  MinMax with the head's decode kept in float (the DFL softmax and projection, the anchor and stride
+  arithmetic, the class sigmoid: ``optimize.head_scope.tflite_head_scope`` on the float TFLite), the
+  recipe the cpu, intel and jetson targets offer on their ONNX graphs;
 - 16x8 (int16 activations, int8 weights) under ``auto`` or with ``activations=int16``, only where
   the Edge TPU is not the target: the Edge TPU runs int8 only (the skip is recorded). LiteRT runs
   16x8 on reference kernels (YOLOv8n at 320: 663 ms, 0.03x ONNX Runtime FP32, int8 11 ms), so under
@@ -64,6 +68,7 @@ from edgekit.targets.op_support import UnsupportedNode, raise_unsupported
 
 if TYPE_CHECKING:
     from edgekit.compress.onnx2tflite import FloatConversion, TensorLink, TfliteModel
+    from edgekit.optimize.head_scope import HeadScope
 
 ARTIFACT = "model.tflite"
 COMPILED = "model_edgetpu.tflite"
@@ -136,6 +141,7 @@ class _Shared:
         self._failed: Exception | None = None
         self._calibrated: dict[tuple[str, float], bytes] = {}
         self._order: list[str] | None = None
+        self._head: HeadScope | None = None
 
     def conversion(self, space: BuildSpace) -> FloatConversion:
         from edgekit.compress import onnx2tflite
@@ -171,6 +177,20 @@ class _Shared:
         if key not in self._calibrated:
             self._calibrated[key] = with_percentile_ranges(self._calibrated[("minmax", 0.0)], conversion, percentile)
         return self._calibrated[key]
+
+    def head(self, conversion: FloatConversion) -> HeadScope:
+        """The head's decode ops on the float TFLite (walked once per search)."""
+        from edgekit.optimize.head_scope import tflite_head_scope
+
+        if self._head is None:
+            heads = self.ctx.heads
+            outputs = [link.artifact for link in conversion.outputs if link.served in heads]
+            self._head = tflite_head_scope(conversion.float32, outputs, heads)
+        return self._head
+
+    def head_nodes(self) -> tuple[str, ...] | None:
+        """The head's decode ops where the float TFLite was walked already, else None."""
+        return self._head.nodes if self._head is not None else None
 
     def cpu_ops_from(self, nodes: tuple[str, ...]) -> int:
         """How many ops run on the CPU once ``nodes`` stay float: the first of them and every op
@@ -233,6 +253,12 @@ class CoralTarget:
                 if opts.calibration == "auto":
                     better = QuantVariant("percentile", pc, opts.percentile)
                     refinements.append(Refinement(_int8_candidate(shared, better, compiler), of=variant.label))
+            if auto and ctx.heads:  # a detector's / segmenter's decode in float: the recipe INT8 detectors ship with
+                offered, refused = _head_offer(
+                    ctx, shared, QuantVariant(method, per_channel[0], opts.percentile), compiler
+                )
+                first.extend(offered)
+                skipped.extend(refused)
         pinned = [
             f"{k}={v}" for k, v in (("calibration", "percentile"), ("per_channel", "off")) if getattr(opts, k) == v
         ]
@@ -323,6 +349,80 @@ def _int8_candidate(shared: _Shared, variant: QuantVariant, compiler: str | None
         device_rank=(shared.cpu_ops_from(variant.denylisted) if variant.denylisted else 0) if compiler else None,
         exclude=lambda nodes: _int8_candidate(shared, replace(variant, denylisted=nodes), compiler),
         rank_layers=rank,
+    )
+
+
+def _head_offer(
+    ctx: BuildContext, shared: _Shared, variant: QuantVariant, compiler: str | None
+) -> tuple[tuple[Candidate, ...], tuple[tuple[str, str], ...]]:
+    """``variant`` with the head's decode kept in float, or why not. The decode ops are found on
+    the float TFLite when the candidate is built (the plan comes before the conversion); the ONNX
+    graph's decode (``head_scope``) decides here whether there is one to keep, and, with the
+    compiler, gives the device rank: the ops from its first decode node on (``cpu_ops_from``'s
+    rule, counted on the graph before conversion)."""
+    from edgekit.optimize.head_scope import head_scope
+
+    scope = head_scope(ctx.model_path, ctx.heads)
+    name = f"{variant.label}, {scope.what} head in float"
+    if not scope.nodes:
+        return (), ((name, scope.why),)
+    rank = None
+    if compiler is not None:
+        import onnx
+
+        names = [n.name for n in onnx.load(str(ctx.model_path), load_external_data=False).graph.node]
+        rank = len(names) - names.index(scope.nodes[0])
+    return (_head_candidate(shared, variant, compiler, scope.what, rank),), ()
+
+
+def _head_candidate(
+    shared: _Shared,
+    variant: QuantVariant,
+    compiler: str | None,
+    what: str,
+    rank: int | None,
+    also: tuple[str, ...] = (),
+) -> Candidate:
+    """``variant`` with the head's decode ops (``_Shared.head``) and ``also`` kept in float."""
+
+    def kept(space: BuildSpace) -> tuple[QuantVariant, HeadScope]:
+        scope = shared.head(shared.conversion(space))
+        if not scope.nodes:
+            raise EdgekitError(f"no {what} head to keep in float on the float TFLite: {scope.why}")
+        return replace(variant, denylisted=tuple(dict.fromkeys((*scope.nodes, *also)))), scope
+
+    def build(space: BuildSpace) -> Built:
+        full, scope = kept(space)
+        built = _int8_candidate(shared, full, compiler).build(space)
+        return replace(built, notes=(*built.notes, f"{scope.why} (on the float TFLite)"))
+
+    def rank_layers(space: BuildSpace, built: Built) -> list[tuple[tuple[str, ...], float]]:
+        full, _ = kept(space)
+        ranked = _int8_candidate(shared, full, compiler).rank_layers
+        return ranked(space, built) if ranked is not None else []
+
+    head = shared.head_nodes()
+    if compiler is not None and head is not None:  # converted already (mixed precision on top): exact
+        rank = shared.cpu_ops_from((*head, *also))
+    more = len(set(also) - set(head or ()))  # a ranked group may hold decode ops already kept
+    name = f"{variant.label}, {what} head in float" + (f" + {more} layer(s)" if more else "")
+    return Candidate(
+        name=name,
+        precision="int8",
+        runtime="litert",
+        build=build,
+        settings={
+            "activations": "int8",
+            "calibration": variant.calibration,
+            "per_channel": variant.per_channel,
+            "head_in_float": what,
+            "denylisted": list(also),
+        },
+        family=f"int8 {'per-channel' if variant.per_channel else 'per-tensor'}",
+        # on the Edge TPU the first op kept in float and everything after it run on the CPU
+        device_rank=rank if compiler else None,
+        exclude=lambda nodes: _head_candidate(shared, variant, compiler, what, rank, nodes),
+        rank_layers=rank_layers,
     )
 
 

@@ -14,6 +14,7 @@ import ctypes.util
 import json
 import shutil
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -746,3 +747,94 @@ def test_coral_candidates_for_the_edgetpu_skip_16x8_and_carry_a_device_rank(tmp_
     assert [c.device_rank for c in plan.first] == [0, 0]  # fully int8: nothing falls back to the CPU
     off = CoralTarget().candidates(_plan_ctx(tmp_path, "auto", edgetpu=False))
     assert all(c.device_rank is None for c in off.first)  # timed here instead
+
+
+# -- a detector's head decode kept in float -------------------------------------------------------------
+
+HEAD = "int8 minmax per-channel, detect head in float"
+
+
+def _yolo_ctx(yolo: Path, tmp_path: Path, **options: object) -> BuildContext:
+    from edgekit.bundle.manifest import Signature, TensorSpec
+
+    served = Signature(
+        inputs=(TensorSpec("images", "float32", ("batch", 3, "height", "width"), layout="NCHW"),),
+        outputs=(TensorSpec("output0", "float32", ("batch", 7, "anchors")),),
+    )
+    return BuildContext(
+        model_path=yolo, served=served, precision="auto", calib={}, static_shapes={"images": (1, 3, 64, 64)},
+        out_dir=tmp_path, work_dir=tmp_path, options=CoralOptions(**options),  # type: ignore[arg-type]  # typed fields
+        progress=lambda _m: None, heads={"output0": "detect:yolo"},
+    )  # fmt: skip
+
+
+def test_coral_auto_offers_int8_with_the_detect_head_in_float_for_a_yolo_head(yolo: Path, tmp_path: Path) -> None:
+    plan = CoralTarget().candidates(_yolo_ctx(yolo, tmp_path, edgetpu=False))
+    names = [c.name for c in plan.first]
+    assert names == ["int8 minmax per-channel", "int8 minmax per-tensor", HEAD, SIXTEEN_BY_EIGHT]
+    head = plan.first[2]
+    assert head.exclude is not None and head.rank_layers is not None and head.device_rank is None
+    assert head.exclude(("op",)).name == f"{HEAD} + 1 layer(s)"  # mixed precision on top keeps the head in float
+    # with the compiler, the decode and everything after it run on the CPU: ranked behind fully-int8
+    compiler = tmp_path / "edgetpu_compiler"
+    compiler.write_text("#!/bin/sh\nexit 1\n")  # never run: candidates are only described here
+    compiler.chmod(0o755)
+    tpu = CoralTarget().candidates(_yolo_ctx(yolo, tmp_path, edgetpu=True, edgetpu_compiler=str(compiler)))
+    ranks = {c.name: c.device_rank for c in tpu.first}
+    assert ranks["int8 minmax per-channel"] == 0 and (ranks[HEAD] or 0) > 0
+    # nothing offered without a head, nor where a precision other than auto was asked
+    assert HEAD not in [c.name for c in CoralTarget().candidates(replace(_yolo_ctx(yolo, tmp_path), heads={})).first]
+    int8 = CoralTarget().candidates(replace(_yolo_ctx(yolo, tmp_path, edgetpu=False), precision="int8"))
+    assert HEAD not in [c.name for c in int8.first]
+
+
+def test_coral_records_why_no_head_is_kept_in_float_where_the_outputs_have_no_decode(tmp_path: Path) -> None:
+    from edgekit.bundle.manifest import Signature, TensorSpec
+
+    w = np.ones((4, 3, 1, 1), dtype=np.float32)
+    graph = helper.make_graph(  # a Conv writes the output: no decode after the last compute layer
+        [helper.make_node("Conv", ["x", "w"], ["y"], name="conv")],
+        "conv_only",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [onnx.numpy_helper.from_array(w, "w")],
+    )
+    model = tmp_path / "conv.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(model))
+    served = Signature(
+        inputs=(TensorSpec("x", "float32", (1, 3, 8, 8), layout="NCHW"),),
+        outputs=(TensorSpec("y", "float32", (1, 4, 8, 8)),),
+    )
+    ctx = replace(_yolo_ctx(model, tmp_path, edgetpu=False), served=served, heads={"y": "detect"})
+    plan = CoralTarget().candidates(replace(ctx, static_shapes={"x": (1, 3, 8, 8)}))
+    assert HEAD not in [c.name for c in plan.first]
+    assert (HEAD, "no decode ops between the detect outputs and their last compute layers") in plan.skipped
+
+
+@pytest.mark.slow
+def test_coral_head_candidate_keeps_the_tflite_decode_in_float_dfl_included(yolo: Path, tmp_path: Path) -> None:
+    from edgekit.compress.tflite_quant import op_outputs
+    from edgekit.optimize.candidates import BuildSpace
+    from edgekit.optimize.head_scope import tflite_head_scope
+
+    ctx = _yolo_ctx(yolo, tmp_path, edgetpu=False, activations="int8")
+    head = next(c for c in CoralTarget().candidates(ctx).first if c.name == HEAD)
+    space = BuildSpace(tmp_path, {"images": sample_inputs(24, size=64, seed=8)}, ctx.served, 1, lambda _m: None)
+    built = head.build(space)
+    float_model = built.detail.converted.float32
+    ops = op_outputs(float_model)
+    kinds = {out: kind for kind, out, _ in ops}
+    kept = built.excluded_nodes
+    # the walk on the float TFLite: the class LOGISTIC, the DFL's SOFTMAX and its 0..R-1 projection
+    # (the one CONV_2D taken in), the anchor/stride arithmetic and the joins up to the output
+    assert {"LOGISTIC", "SOFTMAX", "CONV_2D", "CONCATENATION", "SUB", "ADD", "MUL"} <= {kinds[n] for n in kept}
+    assert sum(kinds[n] == "CONV_2D" for n in kept) == 1 and ops[-1][1] in kept
+    assert len(kept) < len(ops) / 4  # the head's decode, not the network
+    outputs = [link.artifact for link in built.detail.converted.outputs]
+    assert tflite_head_scope(float_model, outputs, ctx.heads).nodes == kept
+    assert list(kept) == [out for _, out, _ in ops if out in set(kept)]  # in execution order
+    assert any(n.endswith("decode ops of the detect head kept in float (on the float TFLite)") for n in built.notes)
+    _, out_details = signature_details(built.detail.converted.quantized)
+    assert next(iter(out_details.values()))["dtype"] == np.float32  # the float tail writes a float output
+    rest = {kind for kind, out, _ in op_outputs(built.detail.converted.quantized) if out not in set(kept)}
+    assert {"CONV_2D", "DEQUANTIZE"} <= rest  # the convs before the head stay int8, dequantized into it
