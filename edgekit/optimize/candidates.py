@@ -82,6 +82,14 @@ class Candidate:
     exclude: Callable[[tuple[str, ...]], Candidate] | None = None
     # (layers to keep in float together, score), most sensitive first
     rank_layers: Callable[[BuildSpace, Built], list[tuple[tuple[str, ...], float]]] | None = None
+    # its calibration keeps a layer's inputs and outputs for every calibration sample at once
+    # (NNCF's full bias correction), not one call's worth: the memory bound counts them all
+    holds_every_sample: bool = False
+    # (seconds, how) its build is expected to take given the FP32 baseline's p50 in ms and the
+    # calibration samples, where that is far more than a conversion (NNCF's accuracy control
+    # evaluates the model once per layer): a refinement that would not finish within what is left
+    # of the search time budget is skipped
+    cost_s: Callable[[float, int], tuple[float, str]] | None = None
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ from edgekit.optimize.timing import (
     prescreen_ms,
     time_round,
 )
-from edgekit.validate.calib import fixed_batch, pad_samples, take
+from edgekit.validate.calib import fixed_batch, pad_samples, sample_count, take
 from edgekit.validate.metrics import Comparison, Kind, compare, run_all
 
 
@@ -218,6 +218,8 @@ def _refine(state: SearchState) -> None:
             why = f"over the bound on refinements ({plan.bound_name or plan.max_refinements})"
         if not why and state.over_time_budget():
             why = f"over the search time budget ({state.time_budget_s:.0f} s)"
+        if not why:
+            why = _too_long(state, ref.candidate)
         if why:
             state.skipped.append(_skipped(ref.candidate.name, why, ref.candidate))
             continue
@@ -456,7 +458,7 @@ def _attempt(state: SearchState, cand: Candidate, screen: bool = False) -> Candi
     st = CandidateState(cand, folder)
     states.append(st)
     say(f"[{target}] candidate {len(states)}: {cand.name}")
-    refused = state.memory.refusal(cand.precision) if state.memory is not None else ""
+    refused = state.memory.refusal(cand.precision, cand.holds_every_sample) if state.memory is not None else ""
     if refused:  # refused before it is built: the process would go over the bound, or be killed
         say(f"[{target}]   skipped: {refused}")
         st.outcome = _skipped(cand.name, refused, cand)
@@ -516,7 +518,7 @@ def _measure(state: SearchState, cand: Candidate) -> Comparison:
     ``compare`` on the selection samples), without a record: what keeping a layer group in float
     does, for the mixed-precision ranking. The folder is removed afterwards; it sits beside the
     candidates' folders, where the calibration ranges are cached."""
-    refused = state.memory.refusal(cand.precision) if state.memory is not None else ""
+    refused = state.memory.refusal(cand.precision, cand.holds_every_sample) if state.memory is not None else ""
     if refused:
         raise ValueError(refused)
     folder = state.work_dir / f"measure-{_slug(cand.name)}"
@@ -656,6 +658,21 @@ def _ranked_skip(of: CandidateState | None, states: list[CandidateState]) -> str
                 f"{of.candidate.name} ranks {rank}"
             )
     return ""
+
+
+def _too_long(state: SearchState, cand: Candidate) -> str:
+    """Why ``cand`` is not built: its expected build time (``Candidate.cost_s`` at the baseline's
+    p50) is over what is left of the search time budget; "" where it fits or cannot be told."""
+    if cand.cost_s is None or state.base_p50 is None or state.time_budget_s is None:
+        return ""
+    seconds, how = cand.cost_s(state.base_p50, sample_count(state.data.calib))
+    left = state.time_budget_s - (time.perf_counter() - state.t0)
+    if seconds <= left:
+        return ""
+    return (
+        f"would take ~{seconds:.0f} s ({how}), over the {max(left, 0):.0f} s left of the search time budget "
+        f"({state.time_budget_s:.0f} s); mixed precision keeps layers in float within its own bound instead"
+    )
 
 
 def _refine_skip(of: CandidateState | None, base_p50: float | None, baseline: CandidateState | None) -> str:

@@ -14,6 +14,10 @@ process's memory), so the same request refuses the same candidates on every host
   + calibrating (static int8 only) samples per calibration call x every tensor of one sample: the
                 calibrators keep each tensor's values for the call (ONNX Runtime's histograms
                 held 2.46 GB for YOLOv8n 320² entropy on 32 samples)
+  + every sample (a calibration that keeps a layer's inputs for all its samples at once,
+                ``Candidate.holds_every_sample``: NNCF's full bias correction) calibration samples
+                x half the largest node's inputs and outputs on one sample (its input, roughly):
+                U^2-Net-p 320², 96 samples, 5.0 GB; measured 5.1 GB over the run's other peaks
   + ``RUNTIME_BYTES``, the runtimes' libraries and the interpreter.
 
 The constants are set from a measured run (a 512x512 conv model, 16 to 3 channels, cpu auto with
@@ -62,11 +66,15 @@ class MemoryModel:
     node_peak_bytes: int  # the largest node's inputs + outputs on one sample
     all_tensors_bytes: int  # every tensor of one sample (what a calibrator keeps)
     run_samples: int  # samples per accuracy call
+    calib_samples: int = CALIB_CALL_SAMPLES  # the search's calibration subset
 
-    def needs(self, calibrates: bool) -> int:
-        """Bytes a candidate needs to be built and measured (``calibrates``: static int8)."""
+    def needs(self, calibrates: bool, every_sample: bool = False) -> int:
+        """Bytes a candidate needs to be built and measured (``calibrates``: static int8;
+        ``every_sample``: its calibration holds every sample's activations at once)."""
         running = int(self.run_samples * self.node_peak_bytes * ARENA_FACTOR)
         calibrating = CALIB_CALL_SAMPLES * self.all_tensors_bytes if calibrates else 0
+        if calibrates and every_sample:
+            calibrating += self.calib_samples * self.node_peak_bytes // 2
         return self.held_bytes + MODEL_COPIES * self.model_bytes + running + calibrating + RUNTIME_BYTES
 
     def reopen_after_accuracy(self) -> bool:
@@ -75,18 +83,23 @@ class MemoryModel:
         for the timing rounds (one sample per call) would keep it."""
         return self.run_samples > 1 and self.run_samples * self.node_peak_bytes * ARENA_FACTOR > REOPEN_ABOVE_BYTES
 
-    def refusal(self, precision: str) -> str:
-        """Why a candidate of CLI ``precision`` is not built under the bound, or "" when it fits."""
+    def refusal(self, precision: str, every_sample: bool = False) -> str:
+        """Why a candidate of CLI ``precision`` is not built under the bound, or "" when it fits
+        (``every_sample``: ``Candidate.holds_every_sample``)."""
         calibrates = precision == "int8"
-        need = self.needs(calibrates)
+        need = self.needs(calibrates, every_sample)
         if need <= self.bound_bytes:
             return ""
         what = "calibrate" if calibrates else "build and measure"
+        held = (
+            f"a layer's activations of all {self.calib_samples} calibration samples at once"
+            if calibrates and every_sample
+            else f"activations of {CALIB_CALL_SAMPLES if calibrates else self.run_samples} samples per call"
+        )
         return (
             f"{REFUSAL}{gb(need)} to {what} (model {gb(MODEL_COPIES * self.model_bytes)}, data held "
-            f"{gb(self.held_bytes)}, activations of {CALIB_CALL_SAMPLES if calibrates else self.run_samples} "
-            f"samples per call), over the bound of {gb(self.bound_bytes)}: raise --max-memory-gb, or give "
-            "fewer --calib samples (--calib-samples) or a smaller input shape"
+            f"{gb(self.held_bytes)}, {held}), over the bound of {gb(self.bound_bytes)}: raise --max-memory-gb, "
+            "or give fewer --calib samples (--calib-samples) or a smaller input shape"
         )
 
 
@@ -105,9 +118,10 @@ def memory_model(
     held: Iterable[Mapping[str, np.ndarray] | None],
     bound: int,
     run_samples: int,
+    calib_samples: int = CALIB_CALL_SAMPLES,
 ) -> MemoryModel:
     """The ``MemoryModel`` of ``model`` fed one sample of ``per_sample`` shapes (an input's shape
-    without its sample axis), holding the arrays of ``held``."""
+    without its sample axis), holding the arrays of ``held``, calibrating on ``calib_samples``."""
     import onnx
 
     proto = onnx.load(str(model), load_external_data=False)  # shapes only: no weights read
@@ -121,6 +135,7 @@ def memory_model(
         node_peak_bytes=node_peak,
         all_tensors_bytes=all_tensors,
         run_samples=run_samples,
+        calib_samples=calib_samples,
     )
 
 

@@ -118,7 +118,9 @@ def optimize(
     if math.isfinite(bound_gb):
         per_sample = {k: tuple(int(d) for d in np.asarray(v).shape[1:]) for k, v in ctx.calib.items()}
         arrays = (ctx.calib, data.calib, data.selection, holdout_reference, *also_held)
-        memory = memory_model(ctx.model_path, per_sample, arrays, bound_bytes(bound_gb), batch)
+        memory = memory_model(
+            ctx.model_path, per_sample, arrays, bound_bytes(bound_gb), batch, sample_count(data.calib)
+        )
     result = search(
         plan,
         target=target.name,

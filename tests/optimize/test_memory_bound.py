@@ -124,3 +124,21 @@ def test_default_bound_is_three_quarters_of_what_the_machine_or_its_cgroup_allow
     # unset (None) means that machine-sized bound, not a fixed one that would refuse int8 on a
     # large model with RAM to spare
     assert EngineSettings().max_memory_gb is None and PackageRequest(model=Path("m.onnx")).max_memory_gb is None
+
+
+def test_full_bias_correction_counts_every_calibration_sample(tmp_path: Path) -> None:
+    from edgekit.optimize.openvino_candidates import NncfRecipe, nncf_candidate
+
+    model = tiny_dense(tmp_path / "d.onnx", size=SIZE, features=FEATURES)
+    m = memory_model(model, {"image": (3, SIZE, SIZE)}, [], 4 * GB, 16, calib_samples=96)
+    assert m.needs(True, every_sample=True) - m.needs(True) == 96 * m.node_peak_bytes // 2
+    assert m.needs(False, every_sample=True) == m.needs(False)  # nothing is calibrated
+    # a bound the per-call calibration fits and the all-samples one does not
+    bound = m.needs(True) + 48 * m.node_peak_bytes // 2
+    tight = memory_model(model, {"image": (3, SIZE, SIZE)}, [], bound, 16, calib_samples=96)
+    assert tight.refusal("int8") == ""
+    why = tight.refusal("int8", every_sample=True)
+    assert why.startswith(REFUSAL) and "all 96 calibration samples at once" in why
+    full = nncf_candidate(model, NncfRecipe("mixed", fast_bias_correction=False), "CPU", model)
+    fast = nncf_candidate(model, NncfRecipe("performance", fast_bias_correction=True), "CPU", model)
+    assert full.holds_every_sample and not fast.holds_every_sample

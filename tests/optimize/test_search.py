@@ -375,3 +375,38 @@ def test_search_prescreen_compares_with_the_targets_own_fp32_where_it_has_one(tm
     rows = {o.name: o for o in result.outcomes}
     # 1.5x its own fp32 (though thousands of times the source's): measured, not prescreened
     assert rows["int8"].comparison is not None and rows["int8"].status in ("passed", "chosen")
+
+
+def test_search_skips_a_refinement_that_would_outlast_the_time_budget(tmp_path: Path) -> None:
+    import dataclasses
+
+    def wrong(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"y": -feed["x"][..., None]}
+
+    seen: list[tuple[float, int]] = []
+
+    def cost(fp32_ms: float, calib_samples: int) -> tuple[float, str]:
+        seen.append((fp32_ms, calib_samples))
+        return 1e6, "the model evaluated once per layer"
+
+    costly = dataclasses.replace(_candidate("int8 accuracy control", "int8", _exact), cost_s=cost)
+    cheap = _candidate("int8 entropy", "int8", _exact)
+    data = search_data({"x": np.random.default_rng(1).standard_normal((40, 8)).astype(np.float32)}, 16)
+    for refinement, expect in ((costly, ("skipped",)), (cheap, ("passed", "chosen"))):
+        plan = CandidatePlan(
+            first=(_candidate("fp32", "fp32", _exact, baseline=True), _candidate("int8", "int8", wrong)),
+            refinements=(Refinement(refinement, of="int8"),),
+        )
+        result = search(
+            plan, target="test", work_dir=tmp_path / refinement.name.replace(" ", "-"), data=data, served=SERVED,
+            reference=_exact, reference_open=lambda threads: _exact, kind="dense", tolerance=Tolerance(),
+            precision="auto", latency_budget_s=0.5, progress=lambda _m: None, time_budget_s=3600.0,
+            dominated_factor=None,
+        )  # fmt: skip
+        got = next(o for o in result.outcomes if o.name == refinement.name)
+        assert got.status in expect
+        if refinement is costly:
+            assert got.reason.startswith("would take ~1000000 s (the model evaluated once per layer), over the")
+            assert "left of the search time budget (3600 s)" in got.reason
+    # the estimate was asked with the baseline's measured p50 and the search's calibration samples
+    assert len(seen) == 1 and seen[0][0] > 0 and seen[0][1] == 16

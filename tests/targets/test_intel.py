@@ -279,6 +279,18 @@ def test_intel_accuracy_control_is_bounded_by_the_target_options(tmp_path: Path,
     assert (bounds.max_num_iterations, bounds.ranking_subset_size) == (8, 20)  # the default; never more than we have
 
 
+def test_accuracy_control_cost_counts_one_evaluation_per_quantized_layer(classifier: Path) -> None:
+    from edgekit.optimize.openvino_candidates import QUANTIZED_LAYERS, NncfRecipe, accuracy_control_cost
+
+    layers = sum(1 for n in onnx.load(str(classifier)).graph.node if n.op_type in QUANTIZED_LAYERS)
+    assert layers >= 2
+    recipe = NncfRecipe("performance", True, accuracy_control=True, max_reverted_layers=3, ranking_samples=50)
+    seconds, how = accuracy_control_cost(classifier, recipe, 20.0, 96)
+    assert seconds == (layers + 3 + 2) * 50 * 20.0 / 1000  # ranking samples bounded by the recipe
+    assert f"{layers} quantized layers to rank" in how and "up to 50 samples at ~20.0 ms" in how
+    assert accuracy_control_cost(classifier, recipe, 20.0, 10)[0] == (layers + 5) * 10 * 20.0 / 1000
+
+
 def test_intel_options_reject_an_accuracy_control_bound_below_one() -> None:
     with pytest.raises(ConfigError, match=r"targets\.intel\.accuracy_control_max_layers: must be >= 1, got 0"):
         IntelOptions(accuracy_control_max_layers=0)
