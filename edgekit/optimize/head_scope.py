@@ -144,12 +144,10 @@ def _constants(graph: Any) -> dict[str, np.ndarray]:
     """Initializers and Constant-node values (small ones: the DFL's weights are a handful)."""
     from onnx import numpy_helper
 
+    from edgekit.compress.onnx_prep import constant_nodes
+
     out = {t.name: numpy_helper.to_array(t) for t in graph.initializer if _small(t.dims)}
-    for n in graph.node:
-        if n.op_type == "Constant":
-            for a in n.attribute:
-                if a.name == "value" and _small(a.t.dims):
-                    out[n.output[0]] = numpy_helper.to_array(a.t)
+    out.update((n.output[0], numpy_helper.to_array(t)) for n, t in constant_nodes(graph) if _small(t.dims))
     return out
 
 
