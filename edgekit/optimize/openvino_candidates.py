@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -47,6 +47,10 @@ _OV_DTYPES = {"f32": "float32", "f16": "float16", "i8": "int8", "u8": "uint8", "
 ACCURACY_CONTROL_MAX_LAYERS = 8
 ACCURACY_CONTROL_RANKING_SAMPLES = 300
 BF16_NAME = "openvino bf16 ir"
+FLOAT_OPS_BF16 = "float ops bf16"
+# NNCF INT8 IRs built in this process, by (source, its version, recipe, device, model type): the
+# recipe's bf16 form (``nncf_candidate(float_bf16=True)``) reuses the IR instead of quantizing again
+_QUANTIZED: dict[tuple[Any, ...], tuple[Path, str]] = {}
 # the layers NNCF quantizes that accuracy control ranks one by one (at least these: it counts
 # some elementwise ops too)
 QUANTIZED_LAYERS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
@@ -199,11 +203,32 @@ def bf16_unavailable(device: str) -> str:
     return ""
 
 
-def nncf_candidate(source: Path, recipe: NncfRecipe, device: str, prepared: Path, model_type: str = "") -> Candidate:
+def nncf_candidate(
+    source: Path, recipe: NncfRecipe, device: str, prepared: Path, model_type: str = "", float_bf16: bool = False
+) -> Candidate:
     """NNCF INT8 of the source graph (shape sub-graphs folded); ``prepared``: the ORT-prepared
-    graph layer sensitivity is ranked on (its node names are the source graph's)."""
+    graph layer sensitivity is ranked on (its node names are the source graph's). ``float_bf16``:
+    the same IR with the ops it keeps in float (those NNCF leaves unquantized, the layers mixed
+    precision or a head scope keeps in float) computed in bf16 by the CPU plugin; the IR is
+    quantized once per recipe in a process and reused by its bf16 form (``_QUANTIZED``)."""
 
     def build(space: BuildSpace) -> Built:
+        ov = import_openvino()
+        key = _quantized_key(source, recipe, device, model_type, space.calib)
+        cached = _QUANTIZED.get(key)
+        if cached is not None and cached[0].is_file():  # the same recipe's IR, already quantized
+            quantized, method = ov.Core().read_model(str(cached[0])), cached[1]
+        else:
+            quantized, method = _quantize(space)
+        acts: Literal["int8", "bf16"] = "int8"
+        if float_bf16:
+            acts, method = "bf16", f"{method}; {FLOAT_OPS_BF16} (INFERENCE_PRECISION_HINT bf16)"
+        built = ir_built(quantized, space, Precision("int8", acts, method), device, excluded_nodes=recipe.exclude)
+        if not float_bf16:
+            _QUANTIZED[key] = (space.work_dir / ARTIFACT_XML, method)
+        return built
+
+    def _quantize(space: BuildSpace) -> tuple[Any, str]:
         ov, nncf = import_openvino(), import_nncf()
         batch = fixed_batch(space.served) or 1
         samples = [feed for feed in iter_batches(space.calib, batch) if sample_count(feed) == batch]
@@ -228,8 +253,7 @@ def nncf_candidate(source: Path, recipe: NncfRecipe, device: str, prepared: Path
             quantized = nncf.quantize(model, nncf.Dataset(samples), **common)
         kind = f" model_type={model_type}" if model_type else ""
         recipe_text = recipe.label.removeprefix("nncf int8 ")
-        method = f"nncf {nncf.__version__} ptq {recipe_text}{kind} samples={len(samples) * batch}"
-        return ir_built(quantized, space, Precision("int8", "int8", method), device, excluded_nodes=recipe.exclude)
+        return quantized, f"nncf {nncf.__version__} ptq {recipe_text}{kind} samples={len(samples) * batch}"
 
     def rank(space: BuildSpace, built: Built) -> list[tuple[tuple[str, ...], float]]:
         from edgekit.compress.ort_quant import StaticQuantConfig, quantize_static_int8
@@ -241,14 +265,20 @@ def nncf_candidate(source: Path, recipe: NncfRecipe, device: str, prepared: Path
         quantize_static_int8(prepared, qdq, space.calib, StaticQuantConfig(), folder, space.calib_batch)
         return rank_qdq_layers(prepared, qdq, space.calib, folder, space.calib_batch)
 
+    settings: dict[str, Any] = {**asdict(recipe), "exclude": list(recipe.exclude), "device": device}
+    settings["model_type"] = model_type
+    if float_bf16:
+        settings["inference_precision"] = "bf16"
     return Candidate(
-        name=recipe.label,
+        name=f"{recipe.label}, {FLOAT_OPS_BF16}" if float_bf16 else recipe.label,
         precision="int8",
         runtime="openvino",
         build=build,
-        settings={**asdict(recipe), "exclude": list(recipe.exclude), "device": device, "model_type": model_type},
-        family=f"nncf int8 {device}",
-        exclude=lambda nodes: nncf_candidate(source, replace(recipe, exclude=nodes), device, prepared, model_type),
+        settings=settings,
+        family=f"nncf int8 {device}" + (f" {FLOAT_OPS_BF16}" if float_bf16 else ""),
+        exclude=lambda nodes: nncf_candidate(
+            source, replace(recipe, exclude=nodes), device, prepared, model_type, float_bf16
+        ),
         rank_layers=rank,
         holds_every_sample=not recipe.fast_bias_correction,
         cost_s=functools.partial(accuracy_control_cost, source, recipe) if recipe.accuracy_control else None,
@@ -270,6 +300,50 @@ def accuracy_control_cost(source: Path, recipe: NncfRecipe, fp32_ms: float, cali
         f"accuracy control evaluates the model {evaluations} times ({layers} quantized layers to rank, "
         f"up to {recipe.max_reverted_layers} reverted) on up to {samples} samples at ~{fp32_ms:.1f} ms each"
     )
+
+
+def _quantized_key(
+    source: Path, recipe: NncfRecipe, device: str, model_type: str, calib: Mapping[str, np.ndarray]
+) -> tuple[Any, ...]:
+    """What makes two NNCF INT8 builds the same IR: the source file as it is now, the recipe, the
+    device, and the calibration data (names, shapes, and a digest of their bytes)."""
+    import hashlib
+
+    try:
+        stat = source.stat()
+        version: tuple[int, int] = (stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        version = (0, 0)
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(calib):
+        array = np.ascontiguousarray(calib[name])
+        digest.update(f"{name}{array.shape}{array.dtype}".encode())
+        digest.update(array.tobytes())
+    return (str(source), version, recipe, device, model_type, digest.hexdigest())
+
+
+def nncf_bf16_offer(
+    source: Path,
+    recipe: NncfRecipe,
+    device: str,
+    prepared: Path,
+    heads: Mapping[str, str],
+    model_type: str = "",
+) -> tuple[tuple[Candidate, ...], tuple[tuple[str, str], ...]]:
+    """(candidates, skipped): ``recipe``'s NNCF INT8 with its float ops computed in bf16, and its
+    detect/segment head in float (``head_offer``) the same way, where this CPU's OpenVINO has BF16;
+    else the reason. What OpenVINO does by itself on such CPUs with an INT8 IR (the f32 hint that
+    edgekit's INT8 candidates carry is there to keep what an int8 manifest promises): the ops
+    left in float run at bf16 speed, and the gate judges the result like any other candidate."""
+    from edgekit.optimize.head_scope import head_offer
+
+    name = f"{recipe.label}, {FLOAT_OPS_BF16}"
+    why = bf16_unavailable(device)
+    if why:
+        return (), ((name, why),)
+    sibling = nncf_candidate(source, recipe, device, prepared, model_type, float_bf16=True)
+    offered, _ = head_offer(sibling, source, heads)
+    return (sibling, *offered), ()
 
 
 def restorer_parameters(nncf: Any, recipe: NncfRecipe, samples: int) -> Any:

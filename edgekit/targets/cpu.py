@@ -154,12 +154,14 @@ class CpuTarget:
 
                 source = ctx.source_path or prepared
                 first.append(ov.ir_candidate("openvino fp32 ir", "fp32", source, device="CPU"))
-                first.append(
-                    ov.nncf_candidate(source, ov.NncfRecipe("performance", True), device="CPU", prepared=prepared)
-                )
+                base = ov.NncfRecipe("performance", True)
+                first.append(ov.nncf_candidate(source, base, device="CPU", prepared=prepared))
                 # the NNCF INT8 with the head's decode in float (IgnoredScope), as the intel target
                 # offers it: the same candidate, so a run packaging both builds it once
                 offered, refused = head_offer(first[-1], source, ctx.heads)
+                first.extend(offered)
+                skipped.extend(refused)
+                offered, refused = ov.nncf_bf16_offer(source, base, "CPU", prepared, ctx.heads)
                 first.extend(offered)
                 skipped.extend(refused)
                 why = ov.bf16_unavailable("CPU")

@@ -51,6 +51,7 @@ from edgekit.optimize.openvino_candidates import (
     ir_build_result,
     ir_built,
     ir_candidate,
+    nncf_bf16_offer,
     nncf_candidate,
     ov_version,
 )
@@ -153,6 +154,10 @@ class IntelTarget:
             first.append(nncf_candidate(source, base, dev, ctx.model_path, kind))
             if auto:  # a detector's / segmenter's decode in float (NNCF IgnoredScope), as Ultralytics exports
                 offered, refused = head_offer(first[-1], source, ctx.heads)
+                first.extend(offered)
+                skipped.extend(refused)
+                # the same IRs with what they keep in float computed in bf16, where the CPU has it
+                offered, refused = nncf_bf16_offer(source, base, dev, ctx.model_path, ctx.heads, kind)
                 first.extend(offered)
                 skipped.extend(refused)
             control = NncfRecipe(

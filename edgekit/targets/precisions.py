@@ -115,6 +115,7 @@ LABELS = {
     "w16a16": "fp16",
     "w32abf16": "bf16",
     "w8a8": "int8",
+    "w8abf16": "int8",  # an INT8 IR whose float ops run in bf16
     "w8a16": "int8-weights",
     "w8a32": "int8-weights",
     "w4a16": "int4-weights",

@@ -279,6 +279,50 @@ def test_intel_accuracy_control_is_bounded_by_the_target_options(tmp_path: Path,
     assert (bounds.max_num_iterations, bounds.ranking_subset_size) == (8, 20)  # the default; never more than we have
 
 
+def test_int8_with_float_ops_in_bf16_reuses_the_quantized_ir_and_runs_with_the_bf16_hint(
+    tmp_path: Path, classifier: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import nncf
+
+    from edgekit.optimize.candidates import BuildSpace
+    from edgekit.optimize.openvino_candidates import FLOAT_OPS_BF16, NncfRecipe, bf16_unavailable, nncf_bf16_offer
+
+    prepared = prepare_model(classifier, tmp_path / "prepared")
+    recipe = NncfRecipe("performance", True)
+    offered, skipped = nncf_bf16_offer(prepared.path, recipe, "CPU", prepared.path, {})
+    why = bf16_unavailable("CPU")
+    if why:  # a CPU without AVX512-BF16 / AMX: the candidate is not offered, and the reason is kept
+        assert not offered and skipped == ((f"{recipe.label}, {FLOAT_OPS_BF16}", why),)
+        pytest.skip(f"bf16 not measurable on this CPU: {why}")
+    [sibling] = offered  # no head outputs: no head-in-float form
+    assert sibling.name.endswith(FLOAT_OPS_BF16) and sibling.settings["inference_precision"] == "bf16"
+    calls = []
+    real = nncf.quantize
+
+    def counted(*args, **kwargs):  # the real quantizer, counted
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(nncf, "quantize", counted)
+    from edgekit.optimize.openvino_candidates import nncf_candidate
+
+    built = {}
+    for name, cand in (("base", nncf_candidate(prepared.path, recipe, "CPU", prepared.path)), ("bf16", sibling)):
+        folder = tmp_path / name
+        folder.mkdir()
+        space = BuildSpace(folder, {"input": CALIB}, prepared.served, 4, progress=lambda _m: None)
+        built[name] = (cand.build(space), folder)
+    assert len(calls) == 1  # the bf16 form read the recipe's IR instead of quantizing again
+    base, bf16 = built["base"][0], built["bf16"][0]
+    assert (base.precision.label, bf16.precision.label) == ("w8a8", "w8abf16")
+    assert FLOAT_OPS_BF16 in bf16.precision.method
+    assert (built["bf16"][1] / "model.bin").read_bytes() == (built["base"][1] / "model.bin").read_bytes()
+    x = sample_inputs(8, seed=5) * 3.0
+    got, want = bf16.open(0)({"input": x})["probs"], base.open(0)({"input": x})["probs"]
+    assert np.argmax(got, -1).tolist() == np.argmax(want, -1).tolist()
+    assert np.abs(got - want).max() < 0.05  # bf16 float ops: close to, not equal to, the f32 ones
+
+
 def test_accuracy_control_cost_counts_one_evaluation_per_quantized_layer(classifier: Path) -> None:
     from edgekit.optimize.openvino_candidates import QUANTIZED_LAYERS, NncfRecipe, accuracy_control_cost
 
