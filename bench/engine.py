@@ -1,10 +1,13 @@
 """edgekit ``--precision auto`` (cpu and intel) side by side with what a user could do by hand with
-one peer call each, on one model: ONNX Runtime FP32, OpenVINO FP32 (``convert_model``),
-``nncf.quantize`` with defaults, with ``preset=MIXED`` (asymmetric activations), and with the
+one peer call each, on one model: ONNX Runtime FP32, OpenVINO FP32 (``convert_model``, compiled
+with the f32 hint), the same IR compiled with OpenVINO's defaults (bf16 on CPUs with AVX512-BF16 /
+AMX, f32 elsewhere), ``nncf.quantize`` with defaults, with ``preset=MIXED`` (asymmetric activations), and with the
 detector's or segmenter's head decode kept in float by an ``IgnoredScope`` (the way Ultralytics
 exports YOLOv8 for OpenVINO INT8; the nodes are those ``edgekit.optimize.head_scope`` finds walking
 back from the outputs judged as ``detect`` / ``segment``: YOLOv8's DFL, Sigmoid and box arithmetic
-after the last convolutions), and ORT ``quantize_static`` QDQ U8S8 per-channel.
+after the last convolutions), and ORT ``quantize_static`` QDQ U8S8 per-channel. The NNCF IRs are
+compiled with OpenVINO's defaults, as a user compiles them (what they keep in float then runs in
+bf16 where the CPU has it); each side's note names the hint it ran with.
 
 Every side runs on the same held-out inputs and is judged against ORT FP32 by the gate edgekit
 uses for the output's task (``validate.metrics.output_tasks``): classifier: top-1 agreement >= 98 %;
@@ -51,6 +54,7 @@ from edgekit.errors import EdgekitError
 PEERS = (
     "ort fp32",
     "ov fp32",
+    "ov default precision",
     "nncf int8 defaults",
     "nncf int8 preset mixed",
     "nncf int8 head in float",
@@ -244,7 +248,8 @@ def _peers(ctx: BenchContext, data: ModelData, gate: _Gate, work: Path) -> dict[
         core = ov.Core()
         ctx.progress(f"{path.name}: peers openvino fp32, nncf.quantize defaults, preset=MIXED, head in float")
         ov.save_model(ov.convert_model(str(path)), str(work / "ov.xml"))
-        sides["ov fp32"] = _ov_side("ov fp32", core, work / "ov.xml")
+        sides["ov fp32"] = _ov_side("ov fp32", core, work / "ov.xml", hint="f32")
+        sides["ov default precision"] = _ov_side("ov default precision", core, work / "ov.xml")
         dataset = nncf.Dataset(
             [{k: v[i : i + 1] for k, v in calib.items()} for i in range(len(next(iter(calib.values()))))]
         )
@@ -320,8 +325,12 @@ def _head_scope(path: Path, gate: _Gate, nncf: Any) -> Callable[[Any], tuple[dic
     return recipe
 
 
-def _ov_side(label: str, core: Any, xml: Path, how: str = "") -> _Side:
-    compiled = core.compile_model(core.read_model(str(xml)), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+def _ov_side(label: str, core: Any, xml: Path, how: str = "", hint: str = "") -> _Side:
+    """An IR compiled for the CPU as a user compiles it (``hint`` "": OpenVINO's defaults, which
+    compute what the IR keeps in float in bf16 on CPUs with AVX512-BF16 / AMX), or with ``hint``."""
+    compiled = core.compile_model(core.read_model(str(xml)), "CPU", {"INFERENCE_PRECISION_HINT": hint} if hint else {})
+    used = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
+    how = "; ".join(x for x in (how, f"INFERENCE_PRECISION_HINT {used}" + ("" if hint else " (the default)")) if x)
     request = compiled.create_infer_request()
     names = [p.get_any_name() for p in compiled.outputs]
 
