@@ -18,13 +18,13 @@ import dataclasses
 import difflib
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
-from edgekit.bundle.manifest import Signature, Tolerance
+from edgekit.bundle.manifest import Signature, TensorSpec, Tolerance
 from edgekit.errors import ConfigError
 from edgekit.validate.calib import iter_batches, pad_samples, sample_count
 
@@ -175,7 +175,9 @@ def output_tasks(
     - one value per sample (``[N]``, ``[N, 1]``): regress;
     - ``[N, C]`` rows that are probabilities (in [0, 1], summing to 1): classify; of unit L2 norm:
       embed; at most ``REGRESS_MAX_COLUMNS`` other values: regress; more: classify (scores);
-    - rank 3 (per anchor): detect; rank 4 and up (maps): segment;
+    - rank 3 whose axis 1 is an integer input's sequence axis (a transformer's hidden states,
+      ``[N, T, H]`` from token ids ``[N, T]``): embed, a vector per token; other rank 3 (per
+      anchor): detect; rank 4 and up (maps): segment;
     - a YOLO-style head or a DBNet-style map (``validate.heads``): ``detect:yolo`` /
       ``segment:dbnet``, judged by what it decodes to."""
     from edgekit.validate.heads import base_task, recognise
@@ -193,7 +195,7 @@ def output_tasks(
         elif head is not None:
             task, why = head
         else:
-            task, why = _infer_task(shape, values)
+            task, why = _per_token(spec, served.inputs) or _infer_task(shape, values)
         tasks[spec.name] = task
         how = head_gate_text(task) if head is not None else _gate_text(task, spec.name == served.outputs[0].name)
         notes.append(f"gate: output {spec.name!r} judged as {base_task(task)} ({how}); {why}")
@@ -203,6 +205,19 @@ def output_tasks(
 def kind_of(tasks: Mapping[str, str], served: Signature) -> Kind:
     """The gate's kind: a classifier when the first output is class scores."""
     return "classifier" if tasks.get(served.outputs[0].name) == "classify" else "dense"
+
+
+def _per_token(spec: TensorSpec, inputs: Sequence[TensorSpec]) -> tuple[str, str] | None:
+    """("embed", why) for a rank-3 output whose axis 1 is the sequence axis of a rank-2 integer
+    input (the same named dim, or the same fixed size), else None."""
+    if len(spec.shape) != 3:
+        return None
+    for inp in inputs:
+        if len(inp.shape) == 2 and inp.dtype.startswith(("int", "uint")) and inp.shape[1] == spec.shape[1]:
+            return "embed", (
+                f"a vector per token (shape {list(spec.shape)}: axis 1 is input {inp.name!r}'s sequence axis)"
+            )
+    return None
 
 
 def _infer_task(shape: tuple[Any, ...], values: np.ndarray | None) -> tuple[str, str]:

@@ -53,6 +53,26 @@ def test_output_tasks_from_shapes_and_values() -> None:
     assert kind_of(tasks, served) == "classifier" and kind_of({"o0": "regress"}, served) == "dense"
 
 
+def test_a_transformers_hidden_states_are_a_vector_per_token_not_anchors() -> None:
+    rng = np.random.default_rng(1)
+    hidden = rng.standard_normal((4, 64, 384))
+    token_ids = TensorSpec("input_ids", "int64", ("batch", "sequence"))
+    outputs = (TensorSpec("last_hidden_state", "float32", ("batch", "sequence", 384)),)
+    served = Signature(
+        inputs=(token_ids, TensorSpec("attention_mask", "int64", ("batch", "sequence"))), outputs=outputs
+    )
+    tasks, notes = output_tasks(served, {"last_hidden_state": hidden})
+    assert tasks == {"last_hidden_state": "embed"}
+    assert "a vector per token" in notes[0] and "input 'input_ids''s sequence axis" in notes[0]
+    fixed = Signature(inputs=(TensorSpec("ids", "int32", (1, 64)),), outputs=(TensorSpec("h", "float32", (1, 64, 8)),))
+    assert output_tasks(fixed, {"h": hidden[:1, :, :8]})[0] == {"h": "embed"}
+    # a float image in, anchors out: still a detector's output
+    image = Signature(
+        inputs=(TensorSpec("x", "float32", ("n", 3, 64, 64)),), outputs=(TensorSpec("y", "float32", ("n", 84, 64)),)
+    )
+    assert output_tasks(image, {"y": rng.standard_normal((2, 84, 64))})[0] == {"y": "detect"}
+
+
 def test_parse_tasks_one_for_every_output_or_per_output_and_refuses_unknowns() -> None:
     assert parse_tasks("regress", ["a", "b"]) == {"a": "regress", "b": "regress"}
     assert parse_tasks("a=detect,b=embed", ["a", "b"]) == {"a": "detect", "b": "embed"}
