@@ -85,6 +85,9 @@ class Candidate:
     # its calibration keeps a layer's inputs and outputs for every calibration sample at once
     # (NNCF's full bias correction), not one call's worth: the memory bound counts them all
     holds_every_sample: bool = False
+    # samples its calibrator runs per call, every tensor of each kept for the call (None: ONNX
+    # Runtime's chunk, ``optimize.memory.CALIB_CALL_SAMPLES``; NNCF collects one sample at a time)
+    calib_call_samples: int | None = None
     # (seconds, how) its build is expected to take given the FP32 baseline's p50 in ms and the
     # calibration samples, where that is far more than a conversion (NNCF's accuracy control
     # evaluates the model once per layer): a refinement that would not finish within what is left

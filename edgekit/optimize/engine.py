@@ -458,7 +458,7 @@ def _attempt(state: SearchState, cand: Candidate, screen: bool = False) -> Candi
     st = CandidateState(cand, folder)
     states.append(st)
     say(f"[{target}] candidate {len(states)}: {cand.name}")
-    refused = state.memory.refusal(cand.precision, cand.holds_every_sample) if state.memory is not None else ""
+    refused = _refusal(state, cand)
     if refused:  # refused before it is built: the process would go over the bound, or be killed
         say(f"[{target}]   skipped: {refused}")
         st.outcome = _skipped(cand.name, refused, cand)
@@ -513,12 +513,19 @@ def _attempt(state: SearchState, cand: Candidate, screen: bool = False) -> Candi
     return st
 
 
+def _refusal(state: SearchState, cand: Candidate) -> str:
+    """Why ``cand`` is not built under the memory bound (``MemoryModel.refusal``), or ""."""
+    if state.memory is None:
+        return ""
+    return state.memory.refusal(cand.precision, cand.holds_every_sample, cand.calib_call_samples)
+
+
 def _measure(state: SearchState, cand: Candidate) -> Comparison:
     """``cand`` built in a scratch folder and judged as ``_attempt`` judges it (the gate's
     ``compare`` on the selection samples), without a record: what keeping a layer group in float
     does, for the mixed-precision ranking. The folder is removed afterwards; it sits beside the
     candidates' folders, where the calibration ranges are cached."""
-    refused = state.memory.refusal(cand.precision, cand.holds_every_sample) if state.memory is not None else ""
+    refused = _refusal(state, cand)
     if refused:
         raise ValueError(refused)
     folder = state.work_dir / f"measure-{_slug(cand.name)}"

@@ -13,7 +13,8 @@ process's memory), so the same request refuses the same candidates on every host
                 than the one node)
   + calibrating (static int8 only) samples per calibration call x every tensor of one sample: the
                 calibrators keep each tensor's values for the call (ONNX Runtime's histograms
-                held 2.46 GB for YOLOv8n 320² entropy on 32 samples)
+                held 2.46 GB for YOLOv8n 320² entropy on 32 samples; ``CALIB_CALL_SAMPLES``,
+                or the candidate's own ``Candidate.calib_call_samples``: NNCF's one)
   + every sample (a calibration that keeps a layer's inputs for all its samples at once,
                 ``Candidate.holds_every_sample``: NNCF's full bias correction) calibration samples
                 x half the largest node's inputs and outputs on one sample (its input, roughly):
@@ -68,11 +69,13 @@ class MemoryModel:
     run_samples: int  # samples per accuracy call
     calib_samples: int = CALIB_CALL_SAMPLES  # the search's calibration subset
 
-    def needs(self, calibrates: bool, every_sample: bool = False) -> int:
+    def needs(self, calibrates: bool, every_sample: bool = False, call_samples: int | None = None) -> int:
         """Bytes a candidate needs to be built and measured (``calibrates``: static int8;
-        ``every_sample``: its calibration holds every sample's activations at once)."""
+        ``every_sample``: its calibration holds every sample's activations at once;
+        ``call_samples``: its calibrator's samples per call, default ``CALIB_CALL_SAMPLES``)."""
         running = int(self.run_samples * self.node_peak_bytes * ARENA_FACTOR)
-        calibrating = CALIB_CALL_SAMPLES * self.all_tensors_bytes if calibrates else 0
+        per_call = CALIB_CALL_SAMPLES if call_samples is None else call_samples
+        calibrating = per_call * self.all_tensors_bytes if calibrates else 0
         if calibrates and every_sample:
             calibrating += self.calib_samples * self.node_peak_bytes // 2
         return self.held_bytes + MODEL_COPIES * self.model_bytes + running + calibrating + RUNTIME_BYTES
@@ -83,18 +86,20 @@ class MemoryModel:
         for the timing rounds (one sample per call) would keep it."""
         return self.run_samples > 1 and self.run_samples * self.node_peak_bytes * ARENA_FACTOR > REOPEN_ABOVE_BYTES
 
-    def refusal(self, precision: str, every_sample: bool = False) -> str:
+    def refusal(self, precision: str, every_sample: bool = False, call_samples: int | None = None) -> str:
         """Why a candidate of CLI ``precision`` is not built under the bound, or "" when it fits
-        (``every_sample``: ``Candidate.holds_every_sample``)."""
+        (``every_sample``, ``call_samples``: the candidate's ``holds_every_sample``,
+        ``calib_call_samples``)."""
         calibrates = precision == "int8"
-        need = self.needs(calibrates, every_sample)
+        per_call = CALIB_CALL_SAMPLES if call_samples is None else call_samples
+        need = self.needs(calibrates, every_sample, per_call)
         if need <= self.bound_bytes:
             return ""
         what = "calibrate" if calibrates else "build and measure"
         held = (
             f"a layer's activations of all {self.calib_samples} calibration samples at once"
             if calibrates and every_sample
-            else f"activations of {CALIB_CALL_SAMPLES if calibrates else self.run_samples} samples per call"
+            else f"activations of {per_call if calibrates else self.run_samples} samples per call"
         )
         return (
             f"{REFUSAL}{gb(need)} to {what} (model {gb(MODEL_COPIES * self.model_bytes)}, data held "

@@ -281,6 +281,7 @@ def nncf_candidate(
         ),
         rank_layers=rank,
         holds_every_sample=not recipe.fast_bias_correction,
+        calib_call_samples=1,  # NNCF's statistics collection runs one sample at a time
         cost_s=functools.partial(accuracy_control_cost, source, recipe) if recipe.accuracy_control else None,
     )
 

@@ -142,3 +142,8 @@ def test_full_bias_correction_counts_every_calibration_sample(tmp_path: Path) ->
     full = nncf_candidate(model, NncfRecipe("mixed", fast_bias_correction=False), "CPU", model)
     fast = nncf_candidate(model, NncfRecipe("performance", fast_bias_correction=True), "CPU", model)
     assert full.holds_every_sample and not fast.holds_every_sample
+    # NNCF collects its statistics one sample at a time: one sample's tensors, not a chunk's
+    assert full.calib_call_samples == fast.calib_call_samples == 1
+    assert m.needs(True) - m.needs(True, call_samples=1) == (CALIB_CALL_SAMPLES - 1) * m.all_tensors_bytes
+    one = memory_model(model, {"image": (3, SIZE, SIZE)}, [], m.needs(True, call_samples=1), 16)
+    assert one.refusal("int8", call_samples=1) == "" and one.refusal("int8").startswith(REFUSAL)
