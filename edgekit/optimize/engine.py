@@ -517,7 +517,7 @@ def _refusal(state: SearchState, cand: Candidate) -> str:
     """Why ``cand`` is not built under the memory bound (``MemoryModel.refusal``), or ""."""
     if state.memory is None:
         return ""
-    return state.memory.refusal(cand.precision, cand.holds_every_sample, cand.calib_call_samples)
+    return str(state.memory.refusal(cand.precision, cand.holds_every_sample, cand.calib_call_samples))
 
 
 def _measure(state: SearchState, cand: Candidate) -> Comparison:
