@@ -13,7 +13,10 @@ measure the gate thresholds gets a 95 % bound on the side that fails:
 - relative error (a ratio of per-sample sums) and the worst live channel's cosine (per-channel sums
   over samples and positions): percentile bootstrap over samples (``BOOTSTRAP_RESAMPLES``
   resamples with a fixed seed), the 97.5th percentile of the error and the 2.5th of the worst
-  channel's cosine (the minimum over the channels live in the reference, per resample).
+  channel's cosine (the minimum over the channels live in the reference, per resample);
+- detections F1 (``2 matched / (fp32's + the candidate's)``, sums over samples): the same
+  bootstrap over samples, its 2.5th percentile (YOLOv8n on coral: F1 0.969 on the 32 detections of
+  the selection samples, 0.884 on the held-out gate's 23).
 
 A candidate whose bound lies on the failing side of its threshold is *marginal*: the engine ranks
 it behind the candidates that passed clear of their sampling error (``engine.search``).
@@ -26,6 +29,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from edgekit.validate.detections import DETECTION_MIN_F1
 from edgekit.validate.metrics import SAMPLE_CHUNK as CHUNK
 from edgekit.validate.metrics import Comparison, channel_axis, live_channels, per_sample
 
@@ -69,6 +73,14 @@ def selection_margin(
     why: list[str] = []
     rng = np.random.default_rng(0)
     draws = rng.integers(0, n, size=(BOOTSTRAP_RESAMPLES, n)) if n > 1 else np.zeros((0, n), dtype=np.int64)
+    for name, counts in comparison.detection_counts:
+        low_f1 = _f1_lower(counts, draws)
+        if low_f1 is not None and low_f1 < DETECTION_MIN_F1:
+            matched, ref_n = sum(m for m, _, _ in counts), sum(r for _, r, _ in counts)
+            why.append(
+                f"output {name!r} detections F1 on {ref_n} fp32 detections ({matched} matched): 95 % bootstrap "
+                f"lower bound {low_f1:.4g} < {DETECTION_MIN_F1:g}"
+            )
     for name in names:
         r, c = np.asarray(reference[name]), np.asarray(candidate[name])
         cos, err, ref_abs, _ = per_sample(r, c)
@@ -97,6 +109,17 @@ def selection_margin(
     if not why:
         return ""
     return f"within the sampling error of the gate on {n} selection samples: " + "; ".join(why)
+
+
+def _f1_lower(counts: tuple[tuple[int, int, int], ...], draws: np.ndarray) -> float | None:
+    """The 2.5th percentile over bootstrap resamples of samples of the detections F1 (None: no
+    resamples, or counts for other samples than the draws index)."""
+    if not len(draws) or len(counts) != draws.shape[1]:
+        return None
+    arr = np.asarray(counts, dtype=np.float64)  # [n, (matched, fp32's, candidate's)]
+    matched, total = arr[draws, 0].sum(axis=1), arr[draws, 1].sum(axis=1) + arr[draws, 2].sum(axis=1)
+    f1 = np.where(total > 0, 2 * matched / np.maximum(total, 1.0), 1.0)
+    return float(np.percentile(f1, 2.5))
 
 
 def _channel_lower(r: np.ndarray, c: np.ndarray, axis: int, draws: np.ndarray) -> float | None:

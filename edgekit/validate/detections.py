@@ -29,6 +29,8 @@ class DetectionAgreement:
     matched: int
     mean_iou: float | None  # of the matched pairs
     max_score_error: float | None  # |score difference|, worst matched pair
+    # per sample: (matched, fp32's detections, the candidate's), for the F1's sampling error
+    per_sample: tuple[tuple[int, int, int], ...] = ()
 
     def text(self) -> str:
         extra = ""
@@ -55,11 +57,13 @@ def detection_agreement(
     n_ref = n_cand = matched = 0
     ious: list[float] = []
     score_err: list[float] = []
+    counts: list[tuple[int, int, int]] = []
     for i in range(ref.shape[0]):
         r = post.run({name: ref[i : i + 1]}, None)
         c = post.run({name: cand[i : i + 1]}, None)
         n_ref += len(r["scores"])
         n_cand += len(c["scores"])
+        before = matched
         free = np.ones(len(c["scores"]), dtype=bool)
         for j in np.argsort(-r["scores"], kind="stable"):
             same = np.flatnonzero(free & (c["classes"] == r["classes"][j]))
@@ -72,6 +76,7 @@ def detection_agreement(
                 matched += 1
                 ious.append(float(overlap[best]))
                 score_err.append(abs(float(r["scores"][j]) - float(c["scores"][same[best]])))
+        counts.append((matched - before, len(r["scores"]), len(c["scores"])))
     f1 = 1.0 if n_ref + n_cand == 0 else 2 * matched / (n_ref + n_cand)
     return DetectionAgreement(
         f1=f1,
@@ -80,6 +85,7 @@ def detection_agreement(
         matched=matched,
         mean_iou=float(np.mean(ious)) if ious else None,
         max_score_error=max(score_err) if score_err else None,
+        per_sample=tuple(counts),
     )
 
 

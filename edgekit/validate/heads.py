@@ -49,6 +49,8 @@ class HeadCheck:
     output: str
     text: str
     failure: str | None
+    # a YOLO head's decoded detections per sample: (matched, fp32's, the candidate's)
+    detection_counts: tuple[tuple[int, int, int], ...] = ()
 
 
 def base_task(task: str) -> str:
@@ -172,7 +174,7 @@ def _yolo_check(name: str, ref: np.ndarray, cand: np.ndarray) -> HeadCheck:
     failure = None
     if got.f1 < DETECTION_MIN_F1:
         failure = f"{text}, needs F1 >= {DETECTION_MIN_F1:g}: the decoded detections differ from fp32's"
-    return HeadCheck(name, text, failure)
+    return HeadCheck(name, text, failure, got.per_sample)
 
 
 def mask_iou(reference: np.ndarray, candidate: np.ndarray, threshold: float = DBNET_THRESHOLD) -> float:

@@ -74,6 +74,9 @@ class Comparison:
     detections: str | None = None
     # the outputs judged by what they decode to: their worst channel does not gate (nor bound a margin)
     decoded: tuple[str, ...] = ()
+    # per output judged by its detections, per sample: (matched, fp32's, the candidate's) detections
+    # (``optimize.margin`` bounds the F1's sampling error with them)
+    detection_counts: tuple[tuple[str, tuple[tuple[int, int, int], ...]], ...] = ()
     # classifiers with labels: the top-1 accuracy drop's paired 95 % interval (``paired_drop_interval``),
     # and the discordant samples it comes from: (fp32 right and this wrong, the reverse)
     top1_drop_interval: tuple[float, float] | None = None
@@ -355,6 +358,10 @@ def compare(
     if judged_by or heads:
         values["detections"] = "; ".join(judged_by + [h.text for h in heads])
         values["decoded"] = (*([post.tensor] if detected is not None else []), *decoded)
+        values["detection_counts"] = (
+            *([(post.tensor, detected.per_sample)] if detected is not None else []),
+            *((h.output, h.detection_counts) for h in heads if h.detection_counts),
+        )
     if detected is not None:
         if detected.f1 < DETECTION_MIN_F1:
             failures.append(

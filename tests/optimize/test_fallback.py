@@ -123,3 +123,25 @@ def test_selection_margin_wilson_bound_for_top1_and_none_for_a_clear_pass() -> N
     assert selection_margin({"p": ref}, {"p": ref}, exact) == ""  # no disagreement: nothing to rank it behind
     dense = compare({"y": ref[..., None]}, {"y": ref[..., None]}, "dense", Tolerance())
     assert selection_margin({"y": ref[..., None]}, {"y": ref[..., None]}, dense) == ""
+
+
+def test_selection_margin_bounds_the_detections_f1_by_its_sampling_error() -> None:
+    import dataclasses
+
+    ref = np.zeros((32, 4, 8), np.float32)
+    base = compare({"y": ref}, {"y": ref}, "dense", Tolerance())
+    assert base.passed
+
+    def judged(counts: list[tuple[int, int, int]]) -> str:
+        n = len(counts)
+        cmp = dataclasses.replace(base, samples=n, detection_counts=(("y", tuple(counts)),))
+        return selection_margin({"y": np.zeros((n, 4, 8), np.float32)}, {"y": np.zeros((n, 4, 8), np.float32)}, cmp)
+
+    # two detections per sample, one of 32 moved off its match: F1 0.969 passes 0.95, by less than its
+    # sampling error on 16 samples
+    few = [(2, 2, 2)] * 15 + [(1, 2, 2)]
+    why = judged(few)
+    assert "detections F1 on 32 fp32 detections (31 matched): 95 % bootstrap lower bound" in why and "< 0.95" in why
+    # the same rate on 640 samples is clear of it; every detection kept is clear on 16
+    assert judged(few * 40) == ""
+    assert judged([(2, 2, 2)] * 16) == ""
