@@ -19,10 +19,12 @@ that error and nothing is rebuilt.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from edgekit.validate.heads import DETECTION_F1, MASK_IOU
 from edgekit.validate.metrics import Comparison
 
 MAX_MEASURED_GROUPS = 12  # each is one rebuild and one accuracy run on the selection samples
@@ -30,8 +32,6 @@ MEASURE_BUDGET_S = 120.0  # no further group is measured once this much time wen
 
 Ranked = list[tuple[tuple[str, ...], float]]
 
-_F1 = re.compile(r"detections F1 ([0-9.]+)")
-_MASK = re.compile(r"mask IoU ([0-9.]+)")
 _CHANNEL = re.compile(r"output .* channel \d+ cosine ")  # validate.metrics.compare's worst-channel failure
 
 
@@ -83,19 +83,17 @@ def aim_of(comparison: Comparison | None) -> Aim | None:
     the relative error: what the local ranking measures already)."""
     if comparison is None or comparison.passed:
         return None
-    failed = " ".join(comparison.failures)
-    if _F1.search(failed):
-        return Aim("detection F1", lambda c: _lowest(_F1, c))
-    if _MASK.search(failed):
-        return Aim("mask IoU", lambda c: _lowest(_MASK, c))
+    for measure in (DETECTION_F1, MASK_IOU):
+        if any(m == measure and not met for _, m, _, met in comparison.task_measures):
+            return Aim(measure, functools.partial(_lowest, measure))
     if all(_CHANNEL.match(f) for f in comparison.failures):  # with cosine and relative error within the budget
         return Aim("worst channel cosine", lambda c: c.channel_cosine)
     return None
 
 
-def _lowest(pattern: re.Pattern[str], c: Comparison) -> float | None:
-    """The lowest value ``pattern`` finds in what ``compare`` recorded of the decoded outputs."""
-    found = [float(v.rstrip(".")) for v in pattern.findall(c.detections or "")]
+def _lowest(measure: str, c: Comparison) -> float | None:
+    """The lowest ``measure`` ``compare`` recorded of the decoded outputs."""
+    found = [value for _, m, value, _ in c.task_measures if m == measure]
     return min(found) if found else None
 
 

@@ -41,6 +41,10 @@ MASK_MIN_IOU = 0.9
 _EPS = 1e-6
 
 
+DETECTION_F1 = "detection F1"  # HeadCheck.measure and Comparison.task_measures names
+MASK_IOU = "mask IoU"
+
+
 @dataclass(frozen=True)
 class HeadCheck:
     """What a recognised head's decoded outputs showed: ``text`` for the report, ``failure`` when
@@ -51,6 +55,8 @@ class HeadCheck:
     failure: str | None
     # a YOLO head's decoded detections per sample: (matched, fp32's, the candidate's)
     detection_counts: tuple[tuple[int, int, int], ...] = ()
+    measure: str = ""  # what gated it: DETECTION_F1 or MASK_IOU
+    value: float | None = None
 
 
 def base_task(task: str) -> str:
@@ -174,7 +180,7 @@ def _yolo_check(name: str, ref: np.ndarray, cand: np.ndarray) -> HeadCheck:
     failure = None
     if got.f1 < DETECTION_MIN_F1:
         failure = f"{text}, needs F1 >= {DETECTION_MIN_F1:g}: the decoded detections differ from fp32's"
-    return HeadCheck(name, text, failure, got.per_sample)
+    return HeadCheck(name, text, failure, got.per_sample, DETECTION_F1, got.f1)
 
 
 def mask_iou(reference: np.ndarray, candidate: np.ndarray, threshold: float = DBNET_THRESHOLD) -> float:
@@ -200,7 +206,7 @@ def _mask_check(name: str, ref: np.ndarray, cand: np.ndarray) -> HeadCheck:
     failure = None
     if iou < MASK_MIN_IOU:
         failure = f"{text}, needs >= {MASK_MIN_IOU:g}: the thresholded map differs from fp32's"
-    return HeadCheck(name, text, failure)
+    return HeadCheck(name, text, failure, measure=MASK_IOU, value=iou)
 
 
 def _image_sizes(inputs: Sequence[TensorSpec]) -> list[tuple[int, int]]:

@@ -77,6 +77,9 @@ class Comparison:
     # per output judged by its detections, per sample: (matched, fp32's, the candidate's) detections
     # (``optimize.margin`` bounds the F1's sampling error with them)
     detection_counts: tuple[tuple[str, tuple[tuple[int, int, int], ...]], ...] = ()
+    # the task measures of decoded outputs: (output, measure, value, met the gate), measure being
+    # ``validate.heads.DETECTION_F1`` or ``MASK_IOU``
+    task_measures: tuple[tuple[str, str, float, bool], ...] = ()
     # classifiers with labels: the top-1 accuracy drop's paired 95 % interval (``paired_drop_interval``),
     # and the discordant samples it comes from: (fp32 right and this wrong, the reverse)
     top1_drop_interval: tuple[float, float] | None = None
@@ -266,7 +269,7 @@ def compare(
     ``device_agents.processing.post.Postprocessor``); where it ends in ``boxes``, its output is
     judged by the detections (``validate.detections``), not by its worst channel."""
     from edgekit.validate.detections import DETECTION_MIN_F1, boxes_post, detection_agreement
-    from edgekit.validate.heads import check_heads
+    from edgekit.validate.heads import DETECTION_F1, check_heads
 
     detected = detection_agreement(reference, candidate, post) if boxes_post(post) else None
     heads = check_heads(reference, candidate, tasks, skip=post.tensor if detected is not None else None)
@@ -361,6 +364,10 @@ def compare(
         values["detection_counts"] = (
             *([(post.tensor, detected.per_sample)] if detected is not None else []),
             *((h.output, h.detection_counts) for h in heads if h.detection_counts),
+        )
+        values["task_measures"] = (
+            *([(post.tensor, DETECTION_F1, detected.f1, detected.f1 >= DETECTION_MIN_F1)] if detected else []),
+            *((h.output, h.measure, h.value, h.failure is None) for h in heads if h.value is not None),
         )
     if detected is not None:
         if detected.f1 < DETECTION_MIN_F1:

@@ -67,6 +67,14 @@ def test_aim_of_a_plain_cosine_or_relative_error_failure_keeps_the_local_ranking
     both = Comparison("dense", 8, t, cosine=0.9, channel_cosine=0.2, failures=(*cosine.failures, *channel.failures))
     assert aim_of(both) is None  # the cosine failed too: the local relative / worst-channel error ranks
     text = "output 'output0' decoded as a YOLO head: detections F1 0.412 vs fp32 (7 of 17 fp32 detections matched)"
-    detected = Comparison("dense", 8, t, detections=text, failures=(f"{text}, needs F1 >= 0.95",))
+    measures = (("output0", "detection F1", 0.412, False), ("mask", "mask IoU", 0.5, False))
+    failed = (f"{text}, needs F1 >= 0.95",)
+    detected = Comparison("dense", 8, t, detections=text, failures=failed, task_measures=measures)
     aim = aim_of(detected)
     assert aim is not None and aim.name == "detection F1" and aim.value(detected) == 0.412
+    masked = Comparison("dense", 8, t, failures=("mask",), task_measures=(("m", "mask IoU", 0.7, False),))
+    aim = aim_of(masked)
+    assert aim is not None and aim.name == "mask IoU" and aim.value(masked) == 0.7
+    # a measure that met its gate is not what failed
+    met = Comparison("dense", 8, t, failures=("x",), task_measures=(("output0", "detection F1", 0.99, True),))
+    assert aim_of(met) is None
