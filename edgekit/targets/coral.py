@@ -143,6 +143,15 @@ class _Shared:
         self._order: list[str] | None = None
         self._head: HeadScope | None = None
 
+    @property
+    def call_samples(self) -> int:
+        """Samples per calibration call: the converter's representative dataset yields one static
+        batch at a time (the calibrator records each tensor's min/max, and keeps no more than that
+        call's tensors: ``Candidate.calib_call_samples``)."""
+        first = self.ctx.served.inputs[0].name
+        shape = self.ctx.static_shapes.get(first, ())
+        return int(shape[0]) if shape and int(shape[0]) > 0 else 1
+
     def conversion(self, space: BuildSpace) -> FloatConversion:
         from edgekit.compress import onnx2tflite
 
@@ -349,6 +358,7 @@ def _int8_candidate(shared: _Shared, variant: QuantVariant, compiler: str | None
         device_rank=(shared.cpu_ops_from(variant.denylisted) if variant.denylisted else 0) if compiler else None,
         exclude=lambda nodes: _int8_candidate(shared, replace(variant, denylisted=nodes), compiler),
         rank_layers=rank,
+        calib_call_samples=shared.call_samples,
     )
 
 
@@ -423,6 +433,7 @@ def _head_candidate(
         device_rank=rank if compiler else None,
         exclude=lambda nodes: _head_candidate(shared, variant, compiler, what, rank, nodes),
         rank_layers=rank_layers,
+        calib_call_samples=shared.call_samples,
     )
 
 
@@ -440,6 +451,7 @@ def _int16_candidate(shared: _Shared) -> Candidate:
         build=build,
         settings={"activations": "int16", "calibration": "minmax", "per_channel": True},
         family="int16 16x8",
+        calib_call_samples=shared.call_samples,
     )
 
 

@@ -774,6 +774,9 @@ def test_coral_auto_offers_int8_with_the_detect_head_in_float_for_a_yolo_head(yo
     assert names == ["int8 minmax per-channel", "int8 minmax per-tensor", HEAD, SIXTEEN_BY_EIGHT]
     head = plan.first[2]
     assert head.exclude is not None and head.rank_layers is not None and head.device_rank is None
+    # the converter's calibrator runs one static batch (here one sample) per call: the memory
+    # bound counts that call's tensors, not ONNX Runtime's 16-sample chunk
+    assert all(c.calib_call_samples == 1 for c in plan.first)
     assert head.exclude(("op",)).name == f"{HEAD} + 1 layer(s)"  # mixed precision on top keeps the head in float
     # with the compiler, the decode and everything after it run on the CPU: ranked behind fully-int8
     compiler = tmp_path / "edgetpu_compiler"
