@@ -217,7 +217,8 @@ class Precision:
     """
 
     weights: Literal["fp32", "fp16", "int8", "int4", "palettized-4bit", "palettized-6bit"]
-    # bf16: OpenVINO's CPU plugin computing an FP32 IR in bf16 (label ``w32abf16``)
+    # bf16: OpenVINO's CPU plugin computing an IR in bf16 (label ``w16abf16``: weights stored in
+    # fp16; ``w8abf16``: an INT8 IR whose float ops run in bf16)
     activations: Literal["fp32", "fp16", "bf16", "int8", "uint8", "int16"]
     method: str = ""  # what produced it, e.g. "ort-static-qdq minmax u8s8 per-channel"
     excluded_nodes: tuple[str, ...] = ()

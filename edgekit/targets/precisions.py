@@ -114,6 +114,7 @@ LABELS = {
     "w32a32": "fp32",
     "w16a16": "fp16",
     "w32abf16": "bf16",
+    "w16abf16": "bf16",  # weights stored in fp16, computed in bf16
     "w8a8": "int8",
     "w8abf16": "int8",  # an INT8 IR whose float ops run in bf16
     "w8a16": "int8-weights",

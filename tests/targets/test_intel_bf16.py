@@ -122,7 +122,7 @@ def test_intel_bf16_bundle_is_served_with_the_bf16_hint_close_to_fp32_but_not_id
     bf16_bundle: Path, open_bundle: Callable[[Path], tuple[Path, Manifest]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model_dir, manifest = open_bundle(bf16_bundle)
-    assert manifest.precision.label == "w32abf16" and "INFERENCE_PRECISION_HINT bf16" in manifest.precision.method
+    assert manifest.precision.label == "w16abf16" and "INFERENCE_PRECISION_HINT bf16" in manifest.precision.method
     assert manifest.target_options["inference_precision"] == "bf16" and manifest.validation.passed
     x = sample_inputs(16, seed=5) * 3.0
     bf16 = OpenVinoRunner(model_dir, manifest, OpenVinoOptions(device="CPU"))
