@@ -329,7 +329,8 @@ def _ov_side(label: str, core: Any, xml: Path, how: str = "", hint: str = "") ->
     """An IR compiled for the CPU as a user compiles it (``hint`` "": OpenVINO's defaults, which
     compute what the IR keeps in float in bf16 on CPUs with AVX512-BF16 / AMX), or with ``hint``."""
     compiled = core.compile_model(core.read_model(str(xml)), "CPU", {"INFERENCE_PRECISION_HINT": hint} if hint else {})
-    used = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
+    hinted = compiled.get_property("INFERENCE_PRECISION_HINT")  # an ov.Type: "bf16", "f32"
+    used = hinted.get_type_name() if hasattr(hinted, "get_type_name") else str(hinted)
     how = "; ".join(x for x in (how, f"INFERENCE_PRECISION_HINT {used}" + ("" if hint else " (the default)")) if x)
     request = compiled.create_infer_request()
     names = [p.get_any_name() for p in compiled.outputs]
