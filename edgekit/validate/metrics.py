@@ -306,7 +306,9 @@ def compare(
         dense_err.append((abs_err[-1], ref_abs[-1]))
         if (detected is not None and n == post.tensor) or n in decoded:
             continue  # the detections judge it: a channel that never fires cannot veto them
-        found = worst_channel(reference[n], candidate[n])
+        # a vector per token: its channels are the hidden units (last axis), not the token positions
+        hidden = np.ndim(reference[n]) - 1 if tasks is not None and tasks.get(n) == "embed" else None
+        found = worst_channel(reference[n], candidate[n], hidden)
         if found is not None and (worst is None or found[0] < worst[0]):
             worst = (found[0], n, found[1])
     cosine = min(dense_cosines or cosines)
@@ -476,11 +478,11 @@ def live_channels(reference: np.ndarray, axis: int) -> np.ndarray:
     return np.asarray((peak > 0) & (peak >= LIVE_FLOOR * top))
 
 
-def channel_cosines(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray | None:
-    """Per channel (``channel_axis``), the cosine over all samples and positions; NaN for a
-    channel whose reference is not live (peak |value| 0 or below ``LIVE_FLOOR`` x the tensor's
-    peak). None when the output has no channel axis."""
-    axis = channel_axis(tuple(reference.shape))
+def channel_cosines(reference: np.ndarray, candidate: np.ndarray, axis: int | None = None) -> np.ndarray | None:
+    """Per channel (``axis``, default ``channel_axis``), the cosine over all samples and positions;
+    NaN for a channel whose reference is not live (peak |value| 0 or below ``LIVE_FLOOR`` x the
+    tensor's peak). None when the output has no channel axis."""
+    axis = channel_axis(tuple(reference.shape)) if axis is None else axis
     if axis is None or reference.shape != candidate.shape:
         return None
     stats = ChannelStats()
@@ -579,9 +581,10 @@ class ChannelStats:
         return max(self.relative_error(), self.channel_error() or 0.0)
 
 
-def worst_channel(reference: np.ndarray, candidate: np.ndarray) -> tuple[float, int] | None:
-    """(cosine, channel index) of the worst live channel, or None (no channel axis, all dead)."""
-    cos = channel_cosines(reference, candidate)
+def worst_channel(reference: np.ndarray, candidate: np.ndarray, axis: int | None = None) -> tuple[float, int] | None:
+    """(cosine, channel index) of the worst live channel, or None (no channel axis, all dead);
+    ``axis``: the channel axis where it is not ``channel_axis``'s."""
+    cos = channel_cosines(reference, candidate, axis)
     if cos is None or bool(np.all(np.isnan(cos))):
         return None
     k = int(np.nanargmin(cos))
