@@ -125,8 +125,8 @@ BENCHMARKS: tuple[Entry, ...] = (
         _ENGINE.format(
             "the pretrained all-MiniLM-L6-v2 sentence encoder (6-layer BERT exported as transformers exports it: "
             "int64 input_ids/attention_mask/token_type_ids, additive finfo.min mask; 64-token sentences of the "
-            "standard library's docstrings; last_hidden_state [N, 64, 384] judged by the dense gate, which edgekit "
-            "names detect for a rank-3 output; wheel downloaded once)"
+            "standard library's docstrings; last_hidden_state [N, 64, 384] judged as embed, a vector per token: "
+            "the dense gate over its hidden units; wheel downloaded once)"
         ),
         {"model": "minilm"},
     ),

@@ -112,8 +112,10 @@ def quantize_static_int8(
     config: StaticQuantConfig,
     cache_dir: Path,
     batch: int = 1,
+    chunk_samples: int = CALIB_CHUNK_SAMPLES,
 ) -> Path:
-    """Static INT8 quantization of ``model_path`` (prepared FP32, opset >= 13) to ``out_path``."""
+    """Static INT8 quantization of ``model_path`` (prepared FP32, opset >= 13) to ``out_path``;
+    the calibrator sees at most ``chunk_samples`` samples per call (at least one batch)."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     methods = {
@@ -133,10 +135,10 @@ def quantize_static_int8(
     reader = None if cache.is_file() else ArrayCalibrationReader(calib, batch)
     if reader is not None and config.calibration == "entropy":
         with contextlib.redirect_stdout(io.StringIO()):
-            calibrate_to_cache(Path(model_path), calib, batch, "entropy", cache, {}, Path(cache_dir))
+            calibrate_to_cache(Path(model_path), calib, batch, "entropy", cache, {}, Path(cache_dir), chunk_samples)
         reader = None  # quantize_static reads the entropy ranges back from the cache
     if reader is not None:
-        extra["CalibStridedMinMax"] = chunk_batches(len(reader), batch)  # ORT's name; every method takes it
+        extra["CalibStridedMinMax"] = chunk_batches(len(reader), batch, chunk_samples)  # ORT's name; every method
     # ORT's calibrators print progress to stdout, which belongs to the CLI's table; keep it out.
     with contextlib.redirect_stdout(io.StringIO()):
         quantize_static(
@@ -157,19 +159,21 @@ def quantize_static_int8(
     return Path(out_path)
 
 
-def chunk_batches(batches: int, batch: int) -> int:
+def chunk_batches(batches: int, batch: int, samples: int = CALIB_CHUNK_SAMPLES) -> int:
     """Batches per ``collect_data`` call: the largest divisor of ``batches`` (ORT's strided
-    calibration needs one) holding at most ``CALIB_CHUNK_SAMPLES`` samples, at least one batch."""
-    most = max(1, CALIB_CHUNK_SAMPLES // max(1, batch))
+    calibration needs one) holding at most ``samples`` samples, at least one batch."""
+    most = max(1, samples // max(1, batch))
     return max(d for d in range(1, min(most, batches) + 1) if batches % d == 0)
 
 
-def collect_in_chunks(calibrator: Any, calib: Mapping[str, np.ndarray], batch: int) -> None:
-    """``calibrator.collect_data`` over ``calib`` at most ``CALIB_CHUNK_SAMPLES`` samples per call
-    (each call reduces what it saw into the calibrator's ranges or histograms)."""
+def collect_in_chunks(
+    calibrator: Any, calib: Mapping[str, np.ndarray], batch: int, samples: int = CALIB_CHUNK_SAMPLES
+) -> None:
+    """``calibrator.collect_data`` over ``calib`` at most ``samples`` samples per call (each call
+    reduces what it saw into the calibrator's ranges or histograms)."""
     reader = ArrayCalibrationReader(calib, batch)
     total = len(reader)
-    step = chunk_batches(total, batch)
+    step = chunk_batches(total, batch, samples)
     for start in range(0, total, step):
         reader.set_range(start, start + step)
         calibrator.collect_data(reader)
@@ -183,6 +187,7 @@ def calibrate_to_cache(
     cache: Path,
     options: Mapping[str, Any],
     work_dir: Path,
+    chunk_samples: int = CALIB_CHUNK_SAMPLES,
 ) -> Any:
     """Run ORT's calibrator for ``method`` over ``calib`` (in chunks, ``collect_in_chunks``) and save its ranges where
     ``quantize_static(calibration_cache_path=cache)`` reads them; entropy with ``ENTROPY_HISTOGRAM``.
@@ -204,7 +209,7 @@ def calibrate_to_cache(
         providers=["CPUExecutionProvider"],
         extra_options=extra,
     )
-    collect_in_chunks(calibrator, calib, batch)  # a few samples per call: ORT keeps every tensor of a call
+    collect_in_chunks(calibrator, calib, batch, chunk_samples)  # ORT keeps every tensor of a call
     tensors = calibrator.compute_data()
     save_tensors_data(tensors, cache)
     return tensors

@@ -88,9 +88,9 @@ class Candidate:
     # samples its calibrator runs per call, every tensor of each kept for the call (None: ONNX
     # Runtime's chunk, ``optimize.memory.CALIB_CALL_SAMPLES``; NNCF collects one sample at a time)
     calib_call_samples: int | None = None
-    # (seconds, how) its build is expected to take given the FP32 baseline's p50 in ms and the
-    # calibration samples, where that is far more than a conversion (NNCF's accuracy control
-    # evaluates the model once per layer): a refinement that would not finish within what is left
+    # (seconds, how) its build may take given the FP32 baseline's p50 in ms (one call) and the
+    # calibration calls, where that is far more than a conversion (NNCF's accuracy control
+    # evaluates the model once per layer): a refinement that may not finish within what is left
     # of the search time budget is skipped
     cost_s: Callable[[float, int], tuple[float, str]] | None = None
 

@@ -168,8 +168,11 @@ def search(
         )
     _first_wave(state)
     _quick_round(state)
+    _release_failed(state)
     _refine(state)
+    _release_failed(state)
     _rescue(state)
+    _release_failed(state)
     _fallbacks(state)
     _final_rounds(state)
     if state.memory is not None:
@@ -200,6 +203,22 @@ def _quick_round(state: SearchState) -> None:
     if state.device_latency is not None:
         device_times(state.states, state.device_latency)
     state.base_p50 = _p50(state.baseline)
+
+
+def _release_failed(state: SearchState) -> None:
+    """Close the sessions of the candidates that failed the gate, once their speed is recorded (the
+    quick round) and a choosable candidate passed: they are never timed or chosen again, and each
+    open session holds its runtime's arena (ten of U^2-Net-p 320²'s held ~3 GB)."""
+    auto, precision = state.auto, state.precision
+    if not any(
+        s.outcome is not None and s.outcome.status == "passed" and (auto or s.candidate.precision == precision)
+        for s in state.states
+    ):
+        return
+    for s in state.states:
+        o = s.outcome
+        if s.run is not None and o is not None and o.status in ("failed", "error") and not s.candidate.baseline:
+            s.run = None
 
 
 def _refine(state: SearchState) -> None:
@@ -517,7 +536,10 @@ def _refusal(state: SearchState, cand: Candidate) -> str:
     """Why ``cand`` is not built under the memory bound (``MemoryModel.refusal``), or ""."""
     if state.memory is None:
         return ""
-    return str(state.memory.refusal(cand.precision, cand.holds_every_sample, cand.calib_call_samples))
+    per_call = cand.calib_call_samples
+    if per_call is not None:  # a calibrator sees one batch at least: a fixed batch of B is B samples
+        per_call = max(per_call, fixed_batch(state.served) or 1)
+    return str(state.memory.refusal(cand.precision, cand.holds_every_sample, per_call))
 
 
 def _measure(state: SearchState, cand: Candidate) -> Comparison:
@@ -672,12 +694,14 @@ def _too_long(state: SearchState, cand: Candidate) -> str:
     p50) is over what is left of the search time budget; "" where it fits or cannot be told."""
     if cand.cost_s is None or state.base_p50 is None or state.time_budget_s is None:
         return ""
-    seconds, how = cand.cost_s(state.base_p50, sample_count(state.data.calib))
+    # the baseline's p50 is one call (a fixed batch of B is B samples): what the estimate counts
+    calls = sample_count(state.data.calib) // (fixed_batch(state.served) or 1)
+    seconds, how = cand.cost_s(state.base_p50, max(1, calls))
     left = state.time_budget_s - (time.perf_counter() - state.t0)
     if seconds <= left:
         return ""
     return (
-        f"would take ~{seconds:.0f} s ({how}), over the {max(left, 0):.0f} s left of the search time budget "
+        f"would take up to ~{seconds:.0f} s ({how}), over the {max(left, 0):.0f} s left of the search time budget "
         f"({state.time_budget_s:.0f} s); mixed precision keeps layers in float within its own bound instead"
     )
 

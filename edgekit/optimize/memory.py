@@ -15,10 +15,11 @@ process's memory), so the same request refuses the same candidates on every host
                 calibrators keep each tensor's values for the call (ONNX Runtime's histograms
                 held 2.46 GB for YOLOv8n 320² entropy on 32 samples; ``CALIB_CALL_SAMPLES``,
                 or the candidate's own ``Candidate.calib_call_samples``: NNCF's one)
-  + every sample (a calibration that keeps a layer's inputs for all its samples at once,
-                ``Candidate.holds_every_sample``: NNCF's full bias correction) calibration samples
-                x half the largest node's inputs and outputs on one sample (its input, roughly):
-                U^2-Net-p 320², 96 samples, 5.0 GB; measured 5.1 GB over the run's other peaks
+  + every sample (a calibration that keeps a layer's tensors for many samples at once,
+                ``Candidate.holds_every_sample``: NNCF's full bias correction, on a fifth of the
+                subset, keeping more than one tensor per layer) calibration samples x half the
+                largest node's inputs and outputs on one sample: an empirical fit (U^2-Net-p 320²,
+                96 samples: 5.0 GB; measured 5.1 GB over the run's other peaks)
   + ``RUNTIME_BYTES``, the runtimes' libraries and the interpreter.
 
 The constants are set from a measured run (a 512x512 conv model, 16 to 3 channels, cpu auto with

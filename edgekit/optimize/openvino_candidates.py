@@ -8,8 +8,10 @@ OpenVINO's ``Core.query_model`` for the configured device.
 
 Every candidate is timed and gated compiled the way the ``openvino`` runtime compiles it, with the
 same ``INFERENCE_PRECISION_HINT``: f32 for FP32 / INT8 / FP16 IRs on the CPU (left to itself the
-CPU plugin computes in bf16 where the CPU has it), and bf16 for ``bf16_candidate``, the FP32 IR
-computed in bf16, offered only where this CPU's OpenVINO reports ``BF16`` (``bf16_unavailable``).
+CPU plugin computes in bf16 where the CPU has it), and bf16 for ``bf16_candidate`` (the IR, weights
+stored in fp16, computed in bf16) and for the NNCF INT8 IR's "float ops bf16" form (what it keeps
+in float computed in bf16), offered only where this CPU's OpenVINO reports ``BF16``
+(``bf16_unavailable``).
 """
 
 from __future__ import annotations
@@ -171,7 +173,8 @@ def bf16_candidate(source: Path, device: str) -> Candidate:
     OpenVINO does by itself on CPUs with AVX512-BF16 / AMX, here a lossy candidate of its own, timed
     and gated with that hint. Its weights are stored in fp16 (``compress_to_fp16``, OpenVINO's own
     default for ``save_model``; half the size): fp16 keeps more mantissa bits than bf16 computes
-    with (10 against 7), and the gate measures the artifact as stored. Offer it only where
+    with (10 against 7), though less range (beyond +-65504 and under 6e-8 it saturates or
+    flushes), and the gate measures the artifact as stored. Offer it only where
     ``bf16_unavailable(device)`` is empty."""
 
     def build(space: BuildSpace) -> Built:
@@ -265,7 +268,9 @@ def nncf_candidate(
         folder = space.work_dir / "sensitivity"
         folder.mkdir(exist_ok=True)
         qdq = folder / "qdq.onnx"
-        quantize_static_int8(prepared, qdq, space.calib, StaticQuantConfig(), folder, space.calib_batch)
+        # one sample per calibrator call, as NNCF's own statistics (``calib_call_samples``): the
+        # memory bound counted that much for this candidate
+        quantize_static_int8(prepared, qdq, space.calib, StaticQuantConfig(), folder, space.calib_batch, 1)
         return rank_qdq_layers(prepared, qdq, space.calib, folder, space.calib_batch)
 
     settings: dict[str, Any] = {**asdict(recipe), "exclude": list(recipe.exclude), "device": device}
@@ -284,16 +289,17 @@ def nncf_candidate(
         ),
         rank_layers=rank,
         holds_every_sample=not recipe.fast_bias_correction,
-        calib_call_samples=1,  # NNCF's statistics collection runs one sample at a time
+        calib_call_samples=1,  # NNCF's statistics collection runs one dataset item (batch) at a time
         cost_s=functools.partial(accuracy_control_cost, source, recipe) if recipe.accuracy_control else None,
     )
 
 
 def accuracy_control_cost(source: Path, recipe: NncfRecipe, fp32_ms: float, calib_samples: int) -> tuple[float, str]:
-    """(seconds, how) ``quantize_with_accuracy_control`` takes, at least: NNCF ranks every quantized
-    layer by evaluating the model with it reverted on the ranking samples (then up to
-    ``max_reverted_layers`` evaluations more), each sample at about ``fp32_ms``. U^2-Net-p 320²
-    (168 quantized operations, 96 samples): the ranking alone ran over 9 minutes on 2 cores."""
+    """(seconds, how) ``quantize_with_accuracy_control`` may take: where its first evaluation
+    already meets ``max_drop`` it stops there; else NNCF ranks every quantized layer by evaluating
+    the model with it reverted on the ranking items (``calib_samples``: the dataset's items, one
+    call of about ``fp32_ms`` each), then up to ``max_reverted_layers`` evaluations more. U^2-Net-p
+    320² (168 quantized operations, 96 items): the ranking alone ran over 9 minutes on 2 cores."""
     import onnx
 
     graph = onnx.load(str(source), load_external_data=False).graph
@@ -301,7 +307,7 @@ def accuracy_control_cost(source: Path, recipe: NncfRecipe, fp32_ms: float, cali
     samples = min(recipe.ranking_samples, calib_samples)  # restorer_parameters' ranking subset
     evaluations = layers + recipe.max_reverted_layers + 2
     return evaluations * samples * fp32_ms / 1000, (
-        f"accuracy control evaluates the model {evaluations} times ({layers} quantized layers to rank, "
+        f"accuracy control evaluates the model up to {evaluations} times ({layers} quantized layers to rank, "
         f"up to {recipe.max_reverted_layers} reverted) on up to {samples} samples at ~{fp32_ms:.1f} ms each"
     )
 

@@ -22,8 +22,9 @@ and per CPU, so it is measured, never assumed. Candidates:
 - under ``auto`` with OpenVINO installed: OpenVINO FP32 IR and NNCF INT8 IR built from the
   source graph, shape sub-graphs folded (``edgekit.optimize.openvino_candidates`` says why), the
   NNCF INT8 IR with a detector's or segmenter's decode in float where there is such a head (as the
-  ``intel`` target offers it, so both targets share the build), and the FP32 IR computed in bf16
-  where this CPU's OpenVINO reports ``BF16``, served by the ``openvino`` runtime when one wins.
+  ``intel`` target offers it, so both targets share the build), its float ops in bf16, and the IR
+  (weights stored in fp16) computed in bf16 where this CPU's OpenVINO reports ``BF16``, served by
+  the ``openvino`` runtime when one wins.
 
 Explicit precisions keep ONNX Runtime as the runtime (a ``.onnx`` artifact); ``auto`` chooses the
 runtime too, and the manifest's runtime names it.

@@ -17,7 +17,7 @@ prepared one. Precisions:
   is refused rather than labelled int4.
 - ``fp16``: weights stored as FP16 (GPU/NPU run FP16; the CPU plugin upconverts).
 - ``fp32``: the IR as converted.
-- ``bf16``: the FP32 IR computed in bf16 by the CPU plugin (``INFERENCE_PRECISION_HINT`` bf16,
+- ``bf16``: the IR, weights stored in fp16, computed in bf16 by the CPU plugin (``INFERENCE_PRECISION_HINT`` bf16,
   which the manifest records and the runtime sets): what OpenVINO does by itself on CPUs with
   AVX512-BF16 / AMX, measured and gated as a lossy candidate of its own. Only for the CPU device
   and only where this host's OpenVINO reports ``BF16`` (else ``auto`` records it as skipped and an

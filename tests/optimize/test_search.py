@@ -406,7 +406,53 @@ def test_search_skips_a_refinement_that_would_outlast_the_time_budget(tmp_path: 
         got = next(o for o in result.outcomes if o.name == refinement.name)
         assert got.status in expect
         if refinement is costly:
-            assert got.reason.startswith("would take ~1000000 s (the model evaluated once per layer), over the")
+            assert got.reason.startswith("would take up to ~1000000 s (the model evaluated once per layer), over the")
             assert "left of the search time budget (3600 s)" in got.reason
     # the estimate was asked with the baseline's measured p50 and the search's calibration samples
     assert len(seen) == 1 and seen[0][0] > 0 and seen[0][1] == 16
+
+
+def test_search_closes_the_sessions_of_failed_candidates_before_the_final_rounds(tmp_path: Path) -> None:
+    import weakref
+
+    class Runner:
+        def __init__(self, fn) -> None:
+            self.fn = fn
+
+        def __call__(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return self.fn(feed)
+
+    failed_alive: list[bool] = []
+    refs: list[weakref.ref] = []
+
+    def failing_open(threads: int) -> Runner:
+        runner = Runner(_fast_and_wrong)
+        refs.append(weakref.ref(runner))
+        return runner
+
+    def passing_open(threads: int):  # records, each call, whether the failed one's session is still open
+        def run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            failed_alive.append(any(r() is not None for r in refs))
+            return _exact(feed)
+
+        return run
+
+    def candidate(name: str, precision: str, opener, baseline: bool = False) -> Candidate:
+        def build(space: BuildSpace) -> Built:
+            (space.work_dir / "a.bin").write_bytes(b"x" * 100)
+            return Built({"a.bin": "artifact"}, "python", Precision("fp32", "fp32", name), open=opener)
+
+        return Candidate(name, precision, "python", build, {"recipe": name}, family=name, baseline=baseline)
+
+    plan = CandidatePlan(
+        first=(
+            candidate("fp32", "fp32", passing_open, baseline=True),
+            candidate("int8 wrong", "int8", failing_open),
+            candidate("int8 ok", "int8", passing_open),
+        )
+    )
+    result = _search(tmp_path, plan, "auto", dominated_factor=None)
+    assert {o.name: o.status for o in result.outcomes}["int8 wrong"] == "failed"
+    assert refs and failed_alive
+    assert True in failed_alive  # open while it was measured and timed in the quick round
+    assert failed_alive[-1] is False  # closed before the final rounds

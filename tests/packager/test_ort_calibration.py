@@ -15,6 +15,8 @@ from tests.factories import sample_inputs, tiny_classifier
 def test_chunk_batches_divides_the_batches_within_the_sample_bound() -> None:
     assert chunk_batches(128, 1) == 16 and chunk_batches(64, 4) == 4 and chunk_batches(120, 1) == 15
     assert chunk_batches(7, 1) == 7 and chunk_batches(17, 1) == 1 and chunk_batches(3, 32) == 1
+    # a calibrator bounded to one sample per call (NNCF's layer ranking): one batch per call
+    assert chunk_batches(128, 1, samples=1) == 1 and chunk_batches(64, 4, samples=1) == 1
 
 
 def test_calibration_in_chunks_gives_the_one_call_minmax_ranges_holding_a_chunk_at_a_time(tmp_path: Path) -> None:
