@@ -539,7 +539,8 @@ def _refusal(state: SearchState, cand: Candidate) -> str:
     per_call = cand.calib_call_samples
     if per_call is not None:  # a calibrator sees one batch at least: a fixed batch of B is B samples
         per_call = max(per_call, fixed_batch(state.served) or 1)
-    return str(state.memory.refusal(cand.precision, cand.holds_every_sample, per_call))
+    open_sessions = sum(1 for s in state.states if s.run is not None and s.built is not None and s.built.open)
+    return str(state.memory.refusal(cand.precision, cand.holds_every_sample, per_call, open_sessions))
 
 
 def _measure(state: SearchState, cand: Candidate) -> Comparison:

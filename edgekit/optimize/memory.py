@@ -27,11 +27,16 @@ The constants are set from a measured run (a 512x512 conv model, 16 to 3 channel
 first candidate, and an accuracy pass of 16 samples per call 2.0-2.2 GB over that, ~3.5x its
 largest node's tensors; the estimate came within 10-15 % under the measured peak RSS.
 
-What it leaves out: the sessions of candidates already built, which the search keeps open for
-its side-by-side timing rounds. Where one accuracy pass's working set is large
-(``REOPEN_ABOVE_BYTES``) such a session is opened again after that pass, so it holds one sample's
-arena, not the pass's (``SearchResult.notes`` records the run's measured peak RSS next to the
-bound, so what is left of the gap shows).
+  + sessions   the sessions of candidates already built, which the search keeps open for its
+                side-by-side timing rounds: each x every tensor of one sample (a runtime's arena
+                after one call: ONNX Runtime's held ~0.55 GB each for U^2-Net-p 320², whose
+                tensors sum to 0.6 GB). Where one accuracy pass's working set is large
+                (``REOPEN_ABOVE_BYTES``) such a session is opened again after that pass, so it
+                holds one sample's arena, not the pass's; the sessions of candidates that failed
+                the gate are closed once the quick round has timed them.
+
+``SearchResult.notes`` records the run's measured peak RSS next to the bound, so what is left of
+the gap shows.
 """
 
 from __future__ import annotations
@@ -70,11 +75,18 @@ class MemoryModel:
     run_samples: int  # samples per accuracy call
     calib_samples: int = CALIB_CALL_SAMPLES  # the search's calibration subset
 
-    def needs(self, calibrates: bool, every_sample: bool = False, call_samples: int | None = None) -> int:
+    def session_bytes(self) -> int:
+        """What one open session of a measured candidate holds between calls (its arena)."""
+        return self.all_tensors_bytes + self.model_bytes
+
+    def needs(
+        self, calibrates: bool, every_sample: bool = False, call_samples: int | None = None, open_sessions: int = 0
+    ) -> int:
         """Bytes a candidate needs to be built and measured (``calibrates``: static int8;
         ``every_sample``: its calibration holds every sample's activations at once;
-        ``call_samples``: its calibrator's samples per call, default ``CALIB_CALL_SAMPLES``)."""
-        running = int(self.run_samples * self.node_peak_bytes * ARENA_FACTOR)
+        ``call_samples``: its calibrator's samples per call, default ``CALIB_CALL_SAMPLES``;
+        ``open_sessions``: the sessions of candidates measured before it, still open)."""
+        running = int(self.run_samples * self.node_peak_bytes * ARENA_FACTOR) + open_sessions * self.session_bytes()
         per_call = CALIB_CALL_SAMPLES if call_samples is None else call_samples
         calibrating = per_call * self.all_tensors_bytes if calibrates else 0
         if calibrates and every_sample:
@@ -87,13 +99,15 @@ class MemoryModel:
         for the timing rounds (one sample per call) would keep it."""
         return self.run_samples > 1 and self.run_samples * self.node_peak_bytes * ARENA_FACTOR > REOPEN_ABOVE_BYTES
 
-    def refusal(self, precision: str, every_sample: bool = False, call_samples: int | None = None) -> str:
+    def refusal(
+        self, precision: str, every_sample: bool = False, call_samples: int | None = None, open_sessions: int = 0
+    ) -> str:
         """Why a candidate of CLI ``precision`` is not built under the bound, or "" when it fits
         (``every_sample``, ``call_samples``: the candidate's ``holds_every_sample``,
-        ``calib_call_samples``)."""
+        ``calib_call_samples``; ``open_sessions``: see ``needs``)."""
         calibrates = precision == "int8"
         per_call = CALIB_CALL_SAMPLES if call_samples is None else call_samples
-        need = self.needs(calibrates, every_sample, per_call)
+        need = self.needs(calibrates, every_sample, per_call, open_sessions)
         if need <= self.bound_bytes:
             return ""
         what = "calibrate" if calibrates else "build and measure"
@@ -102,10 +116,11 @@ class MemoryModel:
             if calibrates and every_sample
             else f"activations of {per_call if calibrates else self.run_samples} samples per call"
         )
+        sessions = f", {open_sessions} open sessions of candidates measured before it" if open_sessions else ""
         return (
             f"{REFUSAL}{gb(need)} to {what} (model {gb(MODEL_COPIES * self.model_bytes)}, data held "
-            f"{gb(self.held_bytes)}, {held}), over the bound of {gb(self.bound_bytes)}: raise --max-memory-gb, "
-            "or give fewer --calib samples (--calib-samples) or a smaller input shape"
+            f"{gb(self.held_bytes)}, {held}{sessions}), over the bound of {gb(self.bound_bytes)}: raise "
+            "--max-memory-gb, or give fewer --calib samples (--calib-samples) or a smaller input shape"
         )
 
 

@@ -147,3 +147,16 @@ def test_full_bias_correction_counts_every_calibration_sample(tmp_path: Path) ->
     assert m.needs(True) - m.needs(True, call_samples=1) == (CALIB_CALL_SAMPLES - 1) * m.all_tensors_bytes
     one = memory_model(model, {"image": (3, SIZE, SIZE)}, [], m.needs(True, call_samples=1), 16)
     assert one.refusal("int8", call_samples=1) == "" and one.refusal("int8").startswith(REFUSAL)
+
+
+def test_open_sessions_of_measured_candidates_count_under_the_bound(tmp_path: Path) -> None:
+    model = tiny_dense(tmp_path / "d.onnx", size=SIZE, features=FEATURES)
+    m = memory_model(model, {"image": (3, SIZE, SIZE)}, [], 4 * GB, 1)
+    per_session = m.session_bytes()
+    assert per_session == m.all_tensors_bytes + m.model_bytes  # one call's arena, and the weights
+    assert m.needs(False, open_sessions=3) - m.needs(False) == 3 * per_session
+    bound = m.needs(False, open_sessions=2)
+    tight = memory_model(model, {"image": (3, SIZE, SIZE)}, [], bound, 1)
+    assert tight.refusal("fp32", open_sessions=2) == ""
+    why = tight.refusal("fp32", open_sessions=3)
+    assert why.startswith(REFUSAL) and "3 open sessions of candidates measured before it" in why

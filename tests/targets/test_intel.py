@@ -331,7 +331,8 @@ def test_accuracy_control_cost_counts_one_evaluation_per_quantized_layer(classif
     recipe = NncfRecipe("performance", True, accuracy_control=True, max_reverted_layers=3, ranking_samples=50)
     seconds, how = accuracy_control_cost(classifier, recipe, 20.0, 96)
     assert seconds == (layers + 3 + 2) * 50 * 20.0 / 1000  # ranking samples bounded by the recipe
-    assert f"up to {layers + 5} times ({layers} quantized layers to rank" in how and "up to 50 samples at ~20.0 ms" in how
+    assert f"up to {layers + 5} times ({layers} quantized layers to rank" in how
+    assert "up to 50 samples at ~20.0 ms" in how
     assert accuracy_control_cost(classifier, recipe, 20.0, 10)[0] == (layers + 5) * 10 * 20.0 / 1000
 
 
