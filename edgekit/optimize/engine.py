@@ -256,8 +256,14 @@ def _rescue(state: SearchState) -> None:
         s.outcome is not None and s.outcome.status == "passed" and (auto or s.candidate.precision == precision)
         for s in state.states
     )
+    ranking_refused = ""
+    if state.memory is not None:
+        ranking_refused = state.memory.ranking_refusal(_open_sessions(state))
     if (auto or state.mixed_precision) and over and passing:
         notes.append(f"mixed precision not tried: over the search time budget ({state.time_budget_s:.0f} s)")
+    elif (auto or state.mixed_precision) and ranking_refused:
+        notes.append(f"mixed precision not tried: {ranking_refused}")
+        state.say(f"[{state.target}] mixed precision not tried: {ranking_refused}")
     elif auto or state.mixed_precision:
         # nothing within the budget yet: the rescue runs even over the time budget (else the target
         # ships nothing; YOLOv8n on coral: conversion and 16x8 took 526 s of the 420)
@@ -539,8 +545,12 @@ def _refusal(state: SearchState, cand: Candidate) -> str:
     per_call = cand.calib_call_samples
     if per_call is not None:  # a calibrator sees one batch at least: a fixed batch of B is B samples
         per_call = max(per_call, fixed_batch(state.served) or 1)
-    open_sessions = sum(1 for s in state.states if s.run is not None and s.built is not None and s.built.open)
-    return str(state.memory.refusal(cand.precision, cand.holds_every_sample, per_call, open_sessions))
+    return str(state.memory.refusal(cand.precision, cand.holds_every_sample, per_call, _open_sessions(state)))
+
+
+def _open_sessions(state: SearchState) -> int:
+    """The measured candidates whose sessions are still open (kept for the timing rounds)."""
+    return sum(1 for s in state.states if s.run is not None and s.built is not None and s.built.open is not None)
 
 
 def _measure(state: SearchState, cand: Candidate) -> Comparison:

@@ -35,6 +35,11 @@ largest node's tensors; the estimate came within 10-15 % under the measured peak
                 holds one sample's arena, not the pass's; the sessions of candidates that failed
                 the gate are closed once the quick round has timed them.
 
+Mixed precision's layer ranking runs the float and the quantized model side by side with every
+tensor kept and compares them in float64: ``RANKING_TENSOR_COPIES`` x every tensor of one sample
+over the search's base (LiteRT on U^2-Net-p 320²: +5 GB over 3.5 GB, 0.6 GB of tensors); over the
+bound it is not tried (``ranking_refusal``).
+
 ``SearchResult.notes`` records the run's measured peak RSS next to the bound, so what is left of
 the gap shows.
 """
@@ -58,6 +63,7 @@ RUNTIME_BYTES = 1280 * 1024**2
 # NNCF's statistics collection runs one subset sample at a time, so this bounds it too
 CALIB_CALL_SAMPLES = 16
 REFUSAL = "needs ~"  # how a refusal's reason starts
+RANKING_TENSOR_COPIES = 8  # mixed precision's ranking, in tensors of one sample (module docstring)
 # an accuracy pass whose working set is over this: the candidate's session is opened again for
 # the timing rounds (a second open costs ~0.3 s for ONNX Runtime; below this it is not worth it)
 REOPEN_ABOVE_BYTES = 256 * 1024**2
@@ -92,6 +98,22 @@ class MemoryModel:
         if calibrates and every_sample:
             calibrating += self.calib_samples * self.node_peak_bytes // 2
         return self.held_bytes + MODEL_COPIES * self.model_bytes + running + calibrating + RUNTIME_BYTES
+
+    def ranking_refusal(self, open_sessions: int = 0) -> str:
+        """Why mixed precision's layer ranking is not run under the bound, or "" when it fits."""
+        need = (
+            self.held_bytes
+            + MODEL_COPIES * self.model_bytes
+            + RUNTIME_BYTES
+            + open_sessions * self.session_bytes()
+            + RANKING_TENSOR_COPIES * self.all_tensors_bytes
+        )
+        if need <= self.bound_bytes:
+            return ""
+        return (
+            f"{REFUSAL}{gb(need)} to rank the layers (every tensor of both models on one sample, compared; "
+            f"{open_sessions} open sessions), over the bound of {gb(self.bound_bytes)}: raise --max-memory-gb"
+        )
 
     def reopen_after_accuracy(self) -> bool:
         """Whether a candidate's session is opened again after its accuracy pass: where that pass's

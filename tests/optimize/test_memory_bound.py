@@ -160,3 +160,17 @@ def test_open_sessions_of_measured_candidates_count_under_the_bound(tmp_path: Pa
     assert tight.refusal("fp32", open_sessions=2) == ""
     why = tight.refusal("fp32", open_sessions=3)
     assert why.startswith(REFUSAL) and "3 open sessions of candidates measured before it" in why
+
+
+def test_mixed_precision_ranking_is_refused_over_the_bound(tmp_path: Path) -> None:
+    from edgekit.optimize.memory import RANKING_TENSOR_COPIES
+
+    model = tiny_dense(tmp_path / "d.onnx", size=SIZE, features=FEATURES)
+    m = memory_model(model, {"image": (3, SIZE, SIZE)}, [], 4 * GB, 1)
+    assert m.ranking_refusal() == ""
+    base = m.held_bytes + 3 * m.model_bytes + RUNTIME_BYTES
+    just = base + RANKING_TENSOR_COPIES * m.all_tensors_bytes
+    fits = memory_model(model, {"image": (3, SIZE, SIZE)}, [], just, 1)
+    assert fits.ranking_refusal() == ""
+    why = fits.ranking_refusal(open_sessions=1)  # one open session more: over
+    assert why.startswith(REFUSAL) and "to rank the layers" in why and "1 open sessions" in why
