@@ -98,7 +98,7 @@ def selection_margin(
                     f"output {name!r} relative error: 95 % bootstrap upper bound {high:.4g} "
                     f"> {t.max_relative_error:.4g}"
                 )
-        axis = channel_axis(tuple(r.shape))
+        axis = dict(comparison.channel_axes).get(name, channel_axis(tuple(r.shape)))
         if t.min_channel_cosine is not None and axis is not None and len(draws) and name not in comparison.decoded:
             worst = _channel_lower(r, c, axis, draws)
             if worst is not None and worst < t.min_channel_cosine:

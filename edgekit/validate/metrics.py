@@ -80,6 +80,9 @@ class Comparison:
     # the task measures of decoded outputs: (output, measure, value, met the gate), measure being
     # ``validate.heads.DETECTION_F1`` or ``MASK_IOU``
     task_measures: tuple[tuple[str, str, float, bool], ...] = ()
+    # outputs whose worst channel was taken on another axis than ``channel_axis``'s (a vector per
+    # token: its hidden units), for the margin's bootstrap to take the same
+    channel_axes: tuple[tuple[str, int], ...] = ()
     # classifiers with labels: the top-1 accuracy drop's paired 95 % interval (``paired_drop_interval``),
     # and the discordant samples it comes from: (fp32 right and this wrong, the reverse)
     top1_drop_interval: tuple[float, float] | None = None
@@ -284,6 +287,7 @@ def compare(
     worst: tuple[float, str, int] | None = None  # (cosine, output, channel)
     regressed: list[str] = []  # regression outputs over the relative error
     dense_cosines: list[float] = []
+    axes: list[tuple[str, int]] = []  # outputs whose channel axis is not ``channel_axis``'s
     dense_err: list[tuple[float, float]] = []  # (mean |a - b|, mean |b|) of the outputs the dense gate judges
     for n in names:
         if reference[n].reshape(samples, -1).shape != candidate[n].reshape(samples, -1).shape:
@@ -308,6 +312,8 @@ def compare(
             continue  # the detections judge it: a channel that never fires cannot veto them
         # a vector per token: its channels are the hidden units (last axis), not the token positions
         hidden = np.ndim(reference[n]) - 1 if tasks is not None and tasks.get(n) == "embed" else None
+        if hidden is not None:
+            axes.append((n, hidden))
         found = worst_channel(reference[n], candidate[n], hidden)
         if found is not None and (worst is None or found[0] < worst[0]):
             worst = (found[0], n, found[1])
@@ -315,6 +321,7 @@ def compare(
     mean_abs = float(np.mean(abs_err))
     relative = float(np.mean(abs_err) / max(float(np.mean(ref_abs)), 1e-12))
     values: dict[str, Any] = {
+        "channel_axes": tuple(axes),
         "cosine": cosine,
         "relative_error": relative,
         "max_abs_error": max_abs,

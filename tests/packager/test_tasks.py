@@ -151,10 +151,14 @@ def test_package_judges_regression_scores_by_their_error_and_says_so(keypair, tm
 
 def test_a_vector_per_token_is_judged_per_hidden_unit_not_per_token_position() -> None:
     rng = np.random.default_rng(2)
-    ref = rng.standard_normal((8, 32, 64)).astype(np.float32)  # [N, T, H], H > T
+    ref = rng.standard_normal((64, 32, 64)).astype(np.float32)  # [N, T, H], H > T
     cand = ref.copy()
-    cand[:, -1, :] = rng.standard_normal((8, 64))  # the last (padding) position differs everywhere
+    cand[:, -1, :] = rng.standard_normal((64, 64))  # the last (padding) position differs everywhere
     per_token = compare({"h": ref}, {"h": cand}, "dense", Tolerance(), tasks={"h": "embed"})
     assert per_token.passed, per_token.failures  # every hidden unit keeps 31 of its 32 positions
+    assert per_token.channel_axes == (("h", 2),)  # what the selection margin's bootstrap takes too
+    from edgekit.optimize.margin import selection_margin
+
+    assert "worst live channel" not in selection_margin({"h": ref}, {"h": cand}, per_token)
     as_anchors = compare({"h": ref}, {"h": cand}, "dense", Tolerance(), tasks={"h": "detect"})
     assert any("channel 31 cosine" in f for f in as_anchors.failures)  # position 31 taken for a channel
