@@ -9,7 +9,7 @@ signature is always read from the *source* model (names, dtypes, output order, d
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,14 +159,6 @@ _SENTINEL_ABOVE = 1e30  # constants this large are "infinity" stand-ins (torch.f
 _MASK_CONSUMERS = ("Mul", "Add", "Sub", "Where")
 
 
-def constant_nodes(graph: Any) -> Iterator[tuple[Any, Any]]:
-    """``(node, tensor)`` for each ``Constant`` node of ``graph`` whose one attribute is a tensor
-    ``value`` (the ``TensorProto``, not a copy: changing it changes the node)."""
-    for node in graph.node:
-        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
-            yield node, node.attribute[0].t
-
-
 def clamp_mask_sentinels(model: Any) -> int:
     """Write float constants of magnitude >= 1e30 (exporters' ``finfo(float32).min`` for masked
     attention) that only masking arithmetic reads (Mul, Add, Sub, Where) as +-``MASK_SENTINEL``;
@@ -195,6 +187,8 @@ def clamp_mask_sentinels(model: Any) -> int:
         if new is not None:
             init.CopyFrom(numpy_helper.from_array(new, init.name))
             changed += 1
+    from edgekit.compress.onnx_nodes import constant_nodes
+
     for node, tensor in constant_nodes(graph):
         uses = consumers.get(node.output[0], set())
         if not uses or not uses <= set(_MASK_CONSUMERS):

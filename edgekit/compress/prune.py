@@ -478,7 +478,7 @@ class SparsityReport:
 def constants_to_initializers(model: Any) -> int:
     """Move the graph's tensor ``Constant`` nodes into initializers, in place (paddle2onnx writes
     every weight as a Constant node: the weight steps look for initializers); how many moved."""
-    from edgekit.compress.onnx_prep import constant_nodes
+    from edgekit.compress.onnx_nodes import constant_nodes
 
     moved = []
     for node, tensor in list(constant_nodes(model.graph)):

@@ -200,7 +200,7 @@ def resize_sizes_as_scales(model: Any) -> int:
     docstring); returns how many were rewritten. The model is changed in place."""
     from onnx import numpy_helper
 
-    from edgekit.compress.onnx_prep import constant_nodes
+    from edgekit.compress.onnx_nodes import constant_nodes
 
     graph = model.graph
     consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
@@ -241,7 +241,7 @@ def empty_resize_inputs_as_float32(model: Any) -> int:
     the node ("Either `sizes` or `scales` must be provided, but not both"). In place."""
     from onnx import numpy_helper
 
-    from edgekit.compress.onnx_prep import constant_nodes
+    from edgekit.compress.onnx_nodes import constant_nodes
 
     graph = model.graph
     empty = {t.name for t in graph.initializer if 0 in t.dims}

@@ -144,7 +144,7 @@ def _constants(graph: Any) -> dict[str, np.ndarray]:
     """Initializers and Constant-node values (small ones: the DFL's weights are a handful)."""
     from onnx import numpy_helper
 
-    from edgekit.compress.onnx_prep import constant_nodes
+    from edgekit.compress.onnx_nodes import constant_nodes
 
     out = {t.name: numpy_helper.to_array(t) for t in graph.initializer if _small(t.dims)}
     out.update((n.output[0], numpy_helper.to_array(t)) for n, t in constant_nodes(graph) if _small(t.dims))
