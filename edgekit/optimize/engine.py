@@ -61,7 +61,7 @@ from edgekit.optimize.candidates import BuildSpace, Built, Candidate, CandidateP
 from edgekit.optimize.choose import SPEED_TIE, choose
 from edgekit.optimize.data import SearchData
 from edgekit.optimize.margin import selection_margin
-from edgekit.optimize.memory import REFUSAL, MemoryModel, gb, peak_rss_bytes
+from edgekit.optimize.memory import REFUSAL, MemoryModel, gb, peak_rss_bytes, release_memory
 from edgekit.optimize.profile import DeviceLatency
 from edgekit.optimize.search_state import CandidateState, Outcome, SearchResult, SearchState
 from edgekit.optimize.timing import (
@@ -215,10 +215,14 @@ def _release_failed(state: SearchState) -> None:
         for s in state.states
     ):
         return
+    closed = 0
     for s in state.states:
         o = s.outcome
         if s.run is not None and o is not None and o.status in ("failed", "error") and not s.candidate.baseline:
             s.run = None
+            closed += 1
+    if closed:
+        release_memory()
 
 
 def _refine(state: SearchState) -> None:

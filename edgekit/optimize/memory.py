@@ -244,6 +244,21 @@ def _model_file_bytes(model: Path, proto: Any) -> int:
     return total
 
 
+def release_memory() -> None:
+    """Give what was freed back to the system: a garbage collection, then glibc's ``malloc_trim``
+    (freed heap pages otherwise stay with the process and count in its RSS, so a later target's
+    search starts from the earlier one's peak); only the collection elsewhere."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl): nothing to trim this way
+            pass
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set so far (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

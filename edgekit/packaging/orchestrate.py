@@ -367,6 +367,11 @@ def package(request: PackageRequest) -> PackageResult:
                 say(f"[{t}] wrote {dest}" + ("" if comparison.passed else " (marked: failed validation)"))
             rows.append(dataclasses.replace(row, bundle=bundles.get(t)))
             timings[t] = time.perf_counter() - target_started
+            # this target's search (its data, sessions and reference outputs) is not the next one's
+            del built, result, searched
+            from edgekit.optimize.memory import release_memory
+
+            release_memory()
         if keep_dir is not None:
             from edgekit.optimize.profile import write_index
 
